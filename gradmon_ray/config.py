@@ -1,0 +1,278 @@
+"""The run configuration: typed dataclasses, loaded from YAML and validated up front.
+
+Every field has a default that runs on a laptop and a docstring.  ``load_config`` rejects
+an unknown key, a wrong type or an impossible value with a ``ConfigError`` that names the
+field (``ppo.minibatch_size``) and says what is allowed; the CLI prints that one line and
+exits with status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value is not allowed; ``str()`` names the field and what is allowed."""
+
+    def __init__(self, field_path: str, message: str) -> None:
+        self.field_path = field_path
+        super().__init__(f"{field_path}: {message}")
+
+
+def _meta(doc: str, **checks: Any) -> dict[str, Any]:
+    return {"doc": doc, **checks}
+
+
+@dataclass
+class EnvSection:
+    """Which environment to train on."""
+
+    id: str = field(
+        default="gradmon/FactoredOps-v0",
+        metadata=_meta("A registered Gymnasium/Ray Tune env name, or 'package.module:ClassName'."),
+    )
+    config: dict[str, Any] = field(default_factory=dict, metadata=_meta("Keyword config passed to the env."))
+
+
+@dataclass
+class ModelSection:
+    """Shape of the FactoredActorCritic RLModule."""
+
+    trunk_hiddens: list[int] = field(default_factory=lambda: [128, 128], metadata=_meta("Shared trunk widths.", min=1))
+    head_hiddens: list[int] = field(default_factory=list, metadata=_meta("Hidden widths inside each action head.", min=1))
+    value_hiddens: list[int] = field(default_factory=list, metadata=_meta("Hidden widths inside the value head.", min=1))
+    activation: Literal["tanh", "relu", "silu"] = field(default="tanh", metadata=_meta("Hidden activation."))
+    head_names: Union[list[str], None] = field(
+        default=None, metadata=_meta("Head names for MultiDiscrete/Discrete spaces (Dict spaces use their keys).")
+    )
+
+
+@dataclass
+class PPOSection:
+    """PPO hyperparameters (RLlib's names)."""
+
+    lr: float = field(default=3e-4, metadata=_meta("Adam learning rate.", exclusive_min=0.0))
+    gamma: float = field(default=0.99, metadata=_meta("Discount factor.", min=0.0, max=1.0))
+    lambda_: float = field(default=0.95, metadata=_meta("GAE lambda.", min=0.0, max=1.0))
+    clip_param: float = field(default=0.2, metadata=_meta("PPO ratio clip.", exclusive_min=0.0))
+    vf_clip_param: float = field(default=10.0, metadata=_meta("Clip for the squared value error.", exclusive_min=0.0))
+    vf_loss_coeff: float = field(default=0.5, metadata=_meta("Weight of the value loss.", min=0.0))
+    entropy_coeff: float = field(default=0.01, metadata=_meta("Weight of the entropy bonus.", min=0.0))
+    use_kl_loss: bool = field(default=False, metadata=_meta("Add the adaptive KL penalty."))
+    kl_coeff: float = field(default=0.2, metadata=_meta("Initial KL coefficient.", min=0.0))
+    kl_target: float = field(default=0.01, metadata=_meta("KL target of the adaptive coefficient.", exclusive_min=0.0))
+    train_batch_size: int = field(default=1024, metadata=_meta("Env steps per training iteration.", min=1))
+    minibatch_size: int = field(default=128, metadata=_meta("SGD minibatch size.", min=1))
+    num_epochs: int = field(default=4, metadata=_meta("Passes over each train batch.", min=1))
+    grad_clip: Union[float, None] = field(default=0.5, metadata=_meta("Gradient clip (null: off).", exclusive_min=0.0))
+    grad_clip_by: Literal["global_norm", "norm", "value"] = field(default="global_norm", metadata=_meta("Clip mode."))
+
+
+@dataclass
+class ResourcesSection:
+    """Where things run."""
+
+    num_env_runners: int = field(default=1, metadata=_meta("Remote EnvRunner actors (0: sample on the driver).", min=0))
+    num_envs_per_env_runner: int = field(default=1, metadata=_meta("Vectorised envs per EnvRunner.", min=1))
+    num_learners: int = field(default=0, metadata=_meta("Remote learner actors (0: learn on the driver).", min=0))
+    num_gpus_per_learner: float = field(default=0.0, metadata=_meta("GPUs per learner (0: CPU).", min=0.0))
+    ray_address: Union[str, None] = field(default=None, metadata=_meta("Ray cluster address (null: start local Ray)."))
+    num_cpus: Union[int, None] = field(default=None, metadata=_meta("CPUs for a local Ray (null: Ray detects).", min=1))
+
+
+@dataclass
+class TelemetrySection:
+    """Gradient telemetry switches."""
+
+    enabled: bool = field(default=True, metadata=_meta("Per-head norms, latches and counts (off: plain PPO)."))
+    fused_optimizer: bool = field(
+        default=True, metadata=_meta("Fused Adam, which skips non-finite updates on the device (no host sync).")
+    )
+
+
+@dataclass
+class MlflowSection:
+    """Where metrics go."""
+
+    tracking_uri: str = field(default="sqlite:///mlflow.db", metadata=_meta("MLflow tracking URI."))
+    experiment: str = field(default="gradmon-ray", metadata=_meta("MLflow experiment name."))
+    run_name: Union[str, None] = field(default=None, metadata=_meta("MLflow run name (null: MLflow picks one)."))
+    queue_size: int = field(default=1000, metadata=_meta("Iterations buffered before the oldest are dropped.", min=1))
+
+
+@dataclass
+class GradmonConfig:
+    """A whole gradmon-ray training run."""
+
+    iterations: int = field(default=20, metadata=_meta("Training iterations.", min=1))
+    seed: Union[int, None] = field(default=0, metadata=_meta("Seed for RLlib and the envs (null: random).", min=0))
+    checkpoint_dir: Union[str, None] = field(default=None, metadata=_meta("Save a checkpoint here at the end."))
+    env: EnvSection = field(default_factory=EnvSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    ppo: PPOSection = field(default_factory=PPOSection)
+    resources: ResourcesSection = field(default_factory=ResourcesSection)
+    telemetry: TelemetrySection = field(default_factory=TelemetrySection)
+    mlflow: MlflowSection = field(default_factory=MlflowSection)
+
+    def to_flat_dict(self) -> dict[str, Any]:
+        """``{"ppo.lr": 0.0003, ...}``: what becomes MLflow params."""
+        return _flatten(dataclasses.asdict(self))
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v and all(isinstance(x, str) for x in v) and key != "env.config":
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " or null"
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "a mapping"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _coerce(value: Any, tp: Any, path: str, meta: dict[str, Any]) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        return _coerce(value, non_none[0], path, meta) if len(non_none) == 1 else value
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(path, f"must be {_type_name(tp)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(path, f"must be {_type_name(tp)}, got {value!r}")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(v, item_tp, f"{path}[{i}]", meta) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(path, f"must be a mapping, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        return _from_dict(tp, value, path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, f"must be an integer{_range_text(meta)}, got {value!r}")
+        _check_range(value, path, meta)
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(path, f"must be a number{_range_text(meta)}, got {value!r}")
+        _check_range(float(value), path, meta)
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str) or not value:
+            raise ConfigError(path, f"must be a non-empty string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {tp} at {path}")
+
+
+def _range_text(meta: dict[str, Any]) -> str:
+    parts = []
+    if "min" in meta:
+        parts.append(f">= {meta['min']}")
+    if "exclusive_min" in meta:
+        parts.append(f"> {meta['exclusive_min']}")
+    if "max" in meta:
+        parts.append(f"<= {meta['max']}")
+    return (" " + " and ".join(parts)) if parts else ""
+
+
+def _check_range(value: float, path: str, meta: dict[str, Any]) -> None:
+    ok = (
+        ("min" not in meta or value >= meta["min"])
+        and ("exclusive_min" not in meta or value > meta["exclusive_min"])
+        and ("max" not in meta or value <= meta["max"])
+    )
+    if not ok:
+        raise ConfigError(path, f"must be{_range_text(meta)}, got {value!r}")
+
+
+def _from_dict(cls: type, data: Any, path: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(path or "config", f"must be a mapping of {', '.join(f.name for f in dataclasses.fields(cls))}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        where = f"{path}.{unknown[0]}" if path else str(unknown[0])
+        raise ConfigError(where, f"unknown key; allowed keys here: {', '.join(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        sub = f"{path}.{name}" if path else name
+        kwargs[name] = _coerce(value, hints[name], sub, dict(fields[name].metadata))
+    return cls(**kwargs)
+
+
+def config_from_dict(data: dict[str, Any] | None) -> GradmonConfig:
+    """Build and validate a ``GradmonConfig`` from plain data (e.g. parsed YAML)."""
+    cfg = _from_dict(GradmonConfig, data or {}, "")
+    validate_config(cfg)
+    return cfg
+
+
+def validate_config(cfg: GradmonConfig) -> None:
+    """Checks that involve more than one field."""
+    if cfg.ppo.minibatch_size > cfg.ppo.train_batch_size:
+        raise ConfigError(
+            "ppo.minibatch_size",
+            f"must be <= ppo.train_batch_size ({cfg.ppo.train_batch_size}), got {cfg.ppo.minibatch_size}",
+        )
+    if cfg.resources.num_gpus_per_learner > 1 and cfg.resources.num_gpus_per_learner != int(cfg.resources.num_gpus_per_learner):
+        raise ConfigError("resources.num_gpus_per_learner", "must be a fraction <= 1 or a whole number")
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> GradmonConfig:
+    """Load YAML (or defaults when ``path`` is None), apply dotted ``overrides``, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError("--config", f"file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError("--config", f"{p} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError("--config", f"{p} must hold a mapping at the top level")
+        data = loaded or {}
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(dotted, "cannot set a key inside a non-mapping value")
+        node[leaf] = value
+    return config_from_dict(data)

@@ -1,0 +1,121 @@
+"""Every metric, tag and param name gradmon-ray writes, in one place.
+
+The README's metric table documents each of these; ``tests/test_readme.py`` fails if a
+name is added here without a row there.  Per-head names are built with the helpers
+below so that the spelling lives only in this module.
+"""
+
+from __future__ import annotations
+
+# --- TELE-320: per-head gradient L2 norms (after backward, before clipping) ----------
+HEAD_GRAD_NORM = "grad/head/{head}/norm"
+"""Mean over the iteration's minibatches of the head's gradient L2 norm (NaN: no grads)."""
+HEAD_GRAD_NORM_PREV = "grad/head/{head}/norm_prev"
+"""The previous iteration's value of ``HEAD_GRAD_NORM`` (trend detection)."""
+HEAD_GRAD_TREND = "grad/head/{head}/trend"
+"""+1 rising (delta > 0.01), -1 falling (delta < -0.01), 0 steady; see ``trend_arrow``."""
+HEAD_GRAD_HEALTH = "grad/head/{head}/health"
+"""Health band as a code, see ``HEALTH_CODES``."""
+HEAD_GRAD_NORM_CV = "grad/head_norm_cv"
+"""Coefficient of variation (population std / mean) of the finite action-head norms."""
+
+# --- TELE-310/300/301: global norm and non-finite gradient element counts -----------
+GLOBAL_GRAD_NORM = "grad/global_norm"
+"""Mean over minibatches of the L2 norm over all trainable parameters, before clipping."""
+NAN_GRAD_COUNT = "grad/nan_count"
+"""Number of NaN gradient elements summed over the iteration's minibatches."""
+INF_GRAD_COUNT = "grad/inf_count"
+"""Number of +-Inf gradient elements summed over the iteration's minibatches."""
+
+# --- TELE-302/303: per-head OR-latches on the heads' log-probs ---------------------
+HEAD_NAN_LATCH = "latch/nan/{head}"
+"""1 once any NaN was seen in this head's log-probs during the run, else 0. Never resets."""
+HEAD_INF_LATCH = "latch/inf/{head}"
+"""1 once any +-Inf was seen in this head's log-probs during the run, else 0."""
+HEAD_NAN_LATCH_FIRST_ITERATION = "latch/nan/{head}/first_iteration"
+"""Training iteration at which the head's NaN latch first fired (logged once latched)."""
+HEAD_INF_LATCH_FIRST_ITERATION = "latch/inf/{head}/first_iteration"
+"""Training iteration at which the head's Inf latch first fired (logged once latched)."""
+
+# --- update bookkeeping -----------------------------------------------------------
+MINIBATCH_UPDATES = "update/minibatches"
+"""Minibatch updates attempted this iteration (epochs x minibatches)."""
+SKIPPED_UPDATES = "update/skipped"
+"""Minibatch updates skipped this iteration because a gradient was NaN/Inf."""
+SKIPPED_UPDATES_TOTAL = "update/skipped_total"
+"""Skipped minibatch updates since the start of the run (restored from checkpoints)."""
+TELEMETRY_ITERATION = "update/telemetry_iteration"
+"""The learner's own 1-based count of training iterations (the latches' clock)."""
+
+# --- training progress (copied from RLlib's result dict) --------------------------
+EPISODE_RETURN_MEAN = "env/episode_return_mean"
+EPISODE_LEN_MEAN = "env/episode_len_mean"
+ENV_STEPS_SAMPLED_LIFETIME = "env/steps_sampled_lifetime"
+POLICY_LOSS = "loss/policy"
+VF_LOSS = "loss/value"
+ENTROPY = "loss/entropy"
+MEAN_KL = "loss/mean_kl"
+TOTAL_LOSS = "loss/total"
+ITERATION_TIME_S = "perf/iteration_time_s"
+
+# --- MLflow tags ------------------------------------------------------------------
+TAG_NAN_LATCHED_HEADS = "gradmon.nan_latched_heads"
+"""Comma-separated heads whose NaN latch fired (absent while none has)."""
+TAG_INF_LATCHED_HEADS = "gradmon.inf_latched_heads"
+TAG_HEAD_NAMES = "gradmon.head_names"
+"""Comma-separated head names in the order the learner reports them."""
+TAG_STATUS = "gradmon.status"
+"""``running``, ``finished`` or ``failed``."""
+
+# Health bands (``classify_grad_norm``) as numbers, because MLflow metrics are floats.
+HEALTH_CODES: dict[str, int] = {
+    "missing": -1,
+    "dead": 0,
+    "weak": 1,
+    "healthy": 2,
+    "elevated": 3,
+    "exploding": 4,
+}
+TREND_CODES: dict[str, int] = {"↘": -1, "→": 0, "↗": 1}
+
+# The per-head templates, for documentation checks and for readers.
+PER_HEAD_TEMPLATES: tuple[str, ...] = (
+    HEAD_GRAD_NORM,
+    HEAD_GRAD_NORM_PREV,
+    HEAD_GRAD_TREND,
+    HEAD_GRAD_HEALTH,
+    HEAD_NAN_LATCH,
+    HEAD_INF_LATCH,
+    HEAD_NAN_LATCH_FIRST_ITERATION,
+    HEAD_INF_LATCH_FIRST_ITERATION,
+)
+SCALAR_NAMES: tuple[str, ...] = (
+    HEAD_GRAD_NORM_CV,
+    GLOBAL_GRAD_NORM,
+    NAN_GRAD_COUNT,
+    INF_GRAD_COUNT,
+    MINIBATCH_UPDATES,
+    SKIPPED_UPDATES,
+    SKIPPED_UPDATES_TOTAL,
+    TELEMETRY_ITERATION,
+    EPISODE_RETURN_MEAN,
+    EPISODE_LEN_MEAN,
+    ENV_STEPS_SAMPLED_LIFETIME,
+    POLICY_LOSS,
+    VF_LOSS,
+    ENTROPY,
+    MEAN_KL,
+    TOTAL_LOSS,
+    ITERATION_TIME_S,
+)
+TAG_NAMES: tuple[str, ...] = (
+    TAG_NAN_LATCHED_HEADS,
+    TAG_INF_LATCHED_HEADS,
+    TAG_HEAD_NAMES,
+    TAG_STATUS,
+)
+
+
+def head_metric(template: str, head: str) -> str:
+    """Fill a per-head template, e.g. ``head_metric(HEAD_GRAD_NORM, "op")``."""
+    return template.format(head=head)

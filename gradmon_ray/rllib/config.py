@@ -1,0 +1,82 @@
+"""Turn a ``GradmonConfig`` into an RLlib ``PPOConfig`` on the new API stack."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ray.rllib.algorithms.ppo import PPOConfig
+from ray.rllib.core.rl_module.rl_module import RLModuleSpec
+
+from gradmon_ray.config import ConfigError, GradmonConfig
+from gradmon_ray.envs import BUILTIN_ENV_ID, register_builtin_env
+from gradmon_ray.rllib.learner import LEARNER_CONFIG_KEY, GradmonPPOTorchLearner
+from gradmon_ray.rllib.module import FactoredActorCritic
+
+
+def resolve_env(env_id: str) -> Any:
+    """What ``PPOConfig.environment(env=...)`` takes: a registered name or a class.
+
+    ``"package.module:ClassName"`` imports the class; anything else is passed through as a
+    registered Gymnasium / Ray Tune name (the built-in env is registered here).
+    """
+    if env_id == BUILTIN_ENV_ID:
+        register_builtin_env()
+        return env_id
+    if ":" in env_id:
+        module_name, _, attr = env_id.partition(":")
+        try:
+            return getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError("env.id", f"cannot import {env_id!r}: {exc}") from None
+    return env_id
+
+
+def build_ppo_config(cfg: GradmonConfig) -> PPOConfig:
+    """A ``PPOConfig`` that trains ``FactoredActorCritic`` with ``GradmonPPOTorchLearner``."""
+    ppo, res = cfg.ppo, cfg.resources
+    model_config: dict[str, Any] = {
+        "trunk_hiddens": list(cfg.model.trunk_hiddens),
+        "head_hiddens": list(cfg.model.head_hiddens),
+        "value_hiddens": list(cfg.model.value_hiddens),
+        "activation": cfg.model.activation,
+    }
+    if cfg.model.head_names is not None:
+        model_config["head_names"] = list(cfg.model.head_names)
+    config = (
+        PPOConfig()
+        .framework("torch")
+        .environment(env=resolve_env(cfg.env.id), env_config=dict(cfg.env.config))
+        .env_runners(num_env_runners=res.num_env_runners, num_envs_per_env_runner=res.num_envs_per_env_runner)
+        .learners(
+            num_learners=res.num_learners,
+            num_gpus_per_learner=res.num_gpus_per_learner,
+            learner_class=GradmonPPOTorchLearner,
+            learner_config_dict={
+                LEARNER_CONFIG_KEY: {
+                    "telemetry": cfg.telemetry.enabled,
+                    "fused_optimizer": cfg.telemetry.fused_optimizer,
+                }
+            },
+        )
+        .rl_module(rl_module_spec=RLModuleSpec(module_class=FactoredActorCritic, model_config=model_config))
+        .training(
+            lr=ppo.lr,
+            gamma=ppo.gamma,
+            lambda_=ppo.lambda_,
+            clip_param=ppo.clip_param,
+            vf_clip_param=ppo.vf_clip_param,
+            vf_loss_coeff=ppo.vf_loss_coeff,
+            entropy_coeff=ppo.entropy_coeff,
+            use_kl_loss=ppo.use_kl_loss,
+            kl_coeff=ppo.kl_coeff,
+            kl_target=ppo.kl_target,
+            train_batch_size_per_learner=max(1, ppo.train_batch_size // max(1, res.num_learners)),
+            minibatch_size=ppo.minibatch_size,
+            num_epochs=ppo.num_epochs,
+            grad_clip=ppo.grad_clip,
+            grad_clip_by=ppo.grad_clip_by,
+        )
+        .debugging(seed=cfg.seed)
+    )
+    return config

@@ -1,0 +1,247 @@
+"""``GradmonPPOTorchLearner``: RLlib's PPO torch learner with per-head gradient telemetry.
+
+Per minibatch, everything stays on the learner's device:
+
+1. the PPO loss (``ppo_loss_terms``) keeps the per-head log-probs -> NaN/Inf flags;
+2. after backward and before clipping, ``GradientNormPlan`` computes the per-head norms, the
+   global norm and exact NaN/Inf element counts;
+3. clipping reuses that global norm; the optimizer step is skipped on device when any
+   gradient is non-finite (fused Adam reads ``found_inf`` exactly as it does from
+   ``torch.amp.GradScaler``); optimizers without that support cost one host sync instead;
+4. all of it is added into one packed buffer (``IterationAccumulator``).
+
+Once per training iteration (``after_gradient_based_update``) that buffer crosses to the
+host in one copy and becomes RLlib metrics (names in ``gradmon_ray.metric_names``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ray.rllib.algorithms.ppo.ppo import (
+    LEARNER_RESULTS_KL_KEY,
+    LEARNER_RESULTS_VF_EXPLAINED_VAR_KEY,
+    LEARNER_RESULTS_VF_LOSS_UNCLIPPED_KEY,
+    PPOConfig,
+)
+from ray.rllib.algorithms.ppo.ppo_learner import PPOLearner
+from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
+from ray.rllib.core.columns import Columns
+from ray.rllib.core.learner.learner import ENTROPY_KEY, POLICY_LOSS_KEY, VF_LOSS_KEY, Learner
+from ray.rllib.core.learner.torch.torch_learner import TorchLearner
+from ray.rllib.evaluation.postprocessing import Postprocessing
+from ray.rllib.utils.annotations import override
+from ray.rllib.utils.torch_utils import explained_variance
+from ray.rllib.utils.typing import ModuleID, ParamDict, StateDict, TensorType
+
+from gradmon_ray.rllib.distribution import FactoredCategorical
+from gradmon_ray.rllib.ppo_loss import ppo_loss_terms
+from gradmon_ray.telemetry import (
+    GradientNormPlan,
+    GradientNorms,
+    IterationAccumulator,
+    IterationTelemetry,
+    TelemetryTracker,
+    logp_nonfinite_flags,
+)
+
+logger = logging.getLogger(__name__)
+
+TELEMETRY_STATE_KEY = "gradmon_telemetry"
+"""Key of the telemetry state inside ``Learner.get_state()``."""
+
+LEARNER_CONFIG_KEY = "gradmon"
+"""Key in ``AlgorithmConfig.learner_config_dict`` holding the gradmon learner settings."""
+
+
+class GradmonPPOTorchLearner(PPOTorchLearner):
+    """PPO torch learner that reports per-head gradient health every training iteration.
+
+    The RLModule must expose ``head_parameter_groups()`` (``FactoredActorCritic`` does).
+    Settings come from ``config.learner_config_dict["gradmon"]``: ``telemetry`` (bool,
+    default True) and ``fused_optimizer`` (bool, default True: fused Adam, which also makes
+    the skip-on-NaN decision on the device).
+    """
+
+    @override(PPOTorchLearner)
+    def build(self) -> None:
+        if self.config._torch_grad_scaler_class is not None or self.config._torch_lr_scheduler_classes:
+            raise ValueError(
+                "GradmonPPOTorchLearner does not support _torch_grad_scaler_class or _torch_lr_scheduler_classes; "
+                "use lr schedules via config.training(lr=[[t0, lr0], ...]) instead"
+            )
+        settings = dict(self.config.learner_config_dict.get(LEARNER_CONFIG_KEY, {}))
+        self._telemetry_enabled = bool(settings.get("telemetry", True))
+        self._fused_optimizer = bool(settings.get("fused_optimizer", True))
+        super().build()
+        module_ids = list(self.module.keys())
+        if len(module_ids) != 1:
+            raise ValueError(f"GradmonPPOTorchLearner trains exactly one RLModule, got {module_ids}")
+        self._module_id: ModuleID = module_ids[0]
+        rl_module = self.module[self._module_id].unwrapped()
+        if not hasattr(rl_module, "head_parameter_groups"):
+            raise TypeError(
+                f"{type(rl_module).__name__} has no head_parameter_groups(); use gradmon_ray.rllib.FactoredActorCritic "
+                "or add that method to your RLModule"
+            )
+        groups = rl_module.head_parameter_groups()
+        action_heads = [h for h in groups if h != "value"]
+        self._norm_plan = GradientNormPlan(groups, [p for p in rl_module.parameters() if p.requires_grad])
+        self._tracker = TelemetryTracker(list(groups), action_heads)
+        self._accumulator = IterationAccumulator(self._tracker.layout, device=self._device)
+        self._pending_norms: GradientNorms | None = None
+        self._pending_logp_flags: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._zero_flags = torch.zeros(len(action_heads), device=self._device)
+        self.last_telemetry: IterationTelemetry | None = None
+
+    @property
+    def head_names(self) -> tuple[str, ...]:
+        """Reported heads: the action heads in logits order, then ``"value"``."""
+        return self._tracker.reported_heads
+
+    @override(TorchLearner)
+    def configure_optimizers_for_module(self, module_id: ModuleID, config: PPOConfig = None) -> None:
+        params = self.get_parameters(self._module[module_id])
+        # Fused Adam accepts `found_inf` (torch.amp.GradScaler's protocol), so a non-finite
+        # minibatch is skipped inside the kernel without a host round trip.
+        fused = self._fused_optimizer and self._device is not None and torch.device(self._device).type in ("cpu", "cuda")
+        optimizer = torch.optim.Adam(params, fused=fused) if fused else torch.optim.Adam(params)
+        self.register_optimizer(module_id=module_id, optimizer=optimizer, params=params, lr_or_lr_schedule=config.lr)
+
+    @override(PPOTorchLearner)
+    def compute_loss_for_module(
+        self,
+        *,
+        module_id: ModuleID,
+        config: PPOConfig,
+        batch: dict[str, Any],
+        fwd_out: dict[str, TensorType],
+    ) -> TensorType:
+        module = self.module[module_id].unwrapped()
+        dist_cls = module.get_train_action_dist_cls()
+        if not issubclass(dist_cls, FactoredCategorical):
+            raise TypeError("GradmonPPOTorchLearner needs an RLModule whose action distribution is FactoredCategorical")
+        dist = dist_cls.from_logits(fwd_out[Columns.ACTION_DIST_INPUTS])
+        prev_dist = (
+            module.get_exploration_action_dist_cls().from_logits(batch[Columns.ACTION_DIST_INPUTS])
+            if config.use_kl_loss
+            else None
+        )
+        mask = batch.get(Columns.LOSS_MASK)
+        values = module.compute_values(batch, embeddings=fwd_out.get(Columns.EMBEDDINGS)) if config.use_critic else None
+        terms = ppo_loss_terms(
+            dist=dist,
+            prev_dist=prev_dist,
+            actions=batch[Columns.ACTIONS],
+            old_logp=batch[Columns.ACTION_LOGP],
+            advantages=batch[Postprocessing.ADVANTAGES],
+            values=values,
+            value_targets=batch.get(Postprocessing.VALUE_TARGETS),
+            mask=mask,
+            clip_param=config.clip_param,
+            vf_clip_param=config.vf_clip_param,
+            vf_loss_coeff=config.vf_loss_coeff,
+            entropy_coeff=self.entropy_coeff_schedulers_per_module[module_id].get_current_value(),
+            kl_coeff=self.curr_kl_coeffs_per_module[module_id],
+            use_kl_loss=config.use_kl_loss,
+        )
+        if self._telemetry_enabled:
+            logp = terms.per_head_logp
+            if mask is not None:
+                logp = torch.where(mask.unsqueeze(-1), logp, 0.0)  # padding rows never latch
+            self._pending_logp_flags = logp_nonfinite_flags(logp)
+        # Same keys and window as RLlib's PPO learner (its KL-coefficient update reads them).
+        self.metrics.log_dict(
+            {
+                POLICY_LOSS_KEY: terms.policy,
+                VF_LOSS_KEY: terms.value,
+                LEARNER_RESULTS_VF_LOSS_UNCLIPPED_KEY: terms.value_unclipped,
+                LEARNER_RESULTS_VF_EXPLAINED_VAR_KEY: explained_variance(
+                    batch[Postprocessing.VALUE_TARGETS], terms.values
+                )
+                if config.use_critic
+                else torch.zeros((), device=terms.total.device),
+                ENTROPY_KEY: terms.entropy,
+                LEARNER_RESULTS_KL_KEY: terms.kl,
+            },
+            key=module_id,
+            window=1,
+        )
+        return terms.total
+
+    @override(Learner)
+    def postprocess_gradients_for_module(
+        self,
+        *,
+        module_id: ModuleID,
+        config: PPOConfig | None = None,
+        module_gradients_dict: ParamDict,
+    ) -> ParamDict:
+        # TELE-320/310/300/301 are read here: after backward (and DDP's all-reduce), before clipping.
+        norms = self._norm_plan.compute()
+        self._pending_norms = norms
+        if config.grad_clip is None:
+            return dict(module_gradients_dict)
+        if config.grad_clip_by == "global_norm":
+            # RLlib's clip_gradients formula, reusing the norm computed above instead of a second pass.
+            grads = [g for g in module_gradients_dict.values() if g is not None]
+            coeff = config.grad_clip / torch.clamp(norms.global_norm + 1e-6, min=config.grad_clip)
+            torch._foreach_mul_(grads, coeff)
+            return dict(module_gradients_dict)
+        grads_dict = dict(module_gradients_dict)
+        self._get_clip_function()(grads_dict, grad_clip=config.grad_clip, grad_clip_by=config.grad_clip_by)
+        return grads_dict
+
+    @override(TorchLearner)
+    def apply_gradients(self, gradients_dict: ParamDict) -> None:
+        for pid, grad in gradients_dict.items():
+            self._params[pid].grad = grad
+        norms = self._pending_norms
+        if norms is None:  # e.g. a module with all parameters frozen
+            norms = self._norm_plan.compute()
+        found_nonfinite = norms.found_nonfinite
+        for optimizer in self._optimizer_parameters:
+            if optimizer.defaults.get("fused"):
+                optimizer.found_inf = found_nonfinite  # read by the fused kernel, as from GradScaler
+                try:
+                    optimizer.step()
+                finally:
+                    del optimizer.found_inf
+            elif not bool(found_nonfinite):  # the one tolerated host sync per minibatch
+                optimizer.step()
+        if self._telemetry_enabled:
+            nan_flags, inf_flags = self._pending_logp_flags or (self._zero_flags, self._zero_flags)
+            self._accumulator.add_minibatch(norms, nan_flags, inf_flags, found_nonfinite)
+        self._pending_norms = None
+        self._pending_logp_flags = None
+
+    @override(PPOLearner)
+    def after_gradient_based_update(self, *, timesteps: dict[str, Any]) -> None:
+        super().after_gradient_based_update(timesteps=timesteps)
+        if not self._telemetry_enabled:
+            return
+        lanes = self._accumulator.drain()  # the iteration's single device->host copy
+        summary = self._tracker.finish_iteration(lanes)
+        self.last_telemetry = summary
+        for name, value in summary.to_metrics().items():
+            self.metrics.log_value((self._module_id, name), value, window=1)
+
+    def telemetry_state(self) -> dict[str, Any]:
+        """The persistent telemetry state (latches, prev values, counters)."""
+        return self._tracker.state_dict()
+
+    @override(Learner)
+    def get_state(self, components: Any = None, *, not_components: Any = None, **kwargs: Any) -> StateDict:
+        state = super().get_state(components, not_components=not_components, **kwargs)
+        if self._check_component(TELEMETRY_STATE_KEY, components, not_components):
+            state[TELEMETRY_STATE_KEY] = self._tracker.state_dict()
+        return state
+
+    @override(Learner)
+    def set_state(self, state: StateDict) -> None:
+        super().set_state(state)
+        if TELEMETRY_STATE_KEY in state:
+            self._tracker.load_state_dict(state[TELEMETRY_STATE_KEY])

@@ -1,0 +1,108 @@
+"""PPO's loss, term by term, with the per-head log-probs kept.
+
+This is RLlib's ``PPOTorchLearner.compute_loss_for_module`` formula (clipped surrogate,
+clipped value loss, entropy bonus, optional KL penalty to the sampling policy), written as
+a pure function because the learner needs the per-head log-probs it computes on the way
+(for the NaN/Inf latches) and the probes need each term separately.  Two deliberate
+differences, neither of which changes a value: masking uses ``torch.where`` instead of
+boolean indexing (which synchronises with the host to size its output), and every term is
+returned.  ``tests/rllib/test_ppo_loss.py`` checks equality with RLlib's implementation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gradmon_ray.rllib.distribution import FactoredCategorical
+
+
+@dataclass
+class PPOLossTerms:
+    """All terms of one PPO loss evaluation (0-d tensors unless noted)."""
+
+    total: torch.Tensor
+    policy: torch.Tensor
+    """``-mean(surrogate)``."""
+    value: torch.Tensor
+    """Mean clipped squared value error (0 without a critic)."""
+    value_unclipped: torch.Tensor
+    entropy: torch.Tensor
+    """Mean summed-over-heads entropy."""
+    kl: torch.Tensor
+    """Mean KL(sampling policy || current policy), 0 when the KL loss is off."""
+    per_head_logp: torch.Tensor
+    """``[B, num_heads]`` log-prob of each head's taken action under the current policy."""
+    per_head_entropy: torch.Tensor
+    """``[num_heads]`` mean entropy per head."""
+    values: torch.Tensor
+    """``[B]`` value predictions (zeros without a critic)."""
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean over the first dimension's valid rows; plain mean when ``mask`` is None."""
+    if mask is None:
+        return x.mean(dim=0)
+    if x.dim() > 1:
+        mask = mask.reshape(mask.shape[0], *([1] * (x.dim() - 1)))
+    return torch.where(mask, x, 0.0).sum(dim=0) / mask.sum()
+
+
+def ppo_loss_terms(
+    *,
+    dist: FactoredCategorical,
+    prev_dist: FactoredCategorical | None,
+    actions: object,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    values: torch.Tensor | None,
+    value_targets: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    clip_param: float,
+    vf_clip_param: float,
+    vf_loss_coeff: float,
+    entropy_coeff: float | torch.Tensor,
+    kl_coeff: float | torch.Tensor,
+    use_kl_loss: bool,
+) -> PPOLossTerms:
+    """Evaluate PPO's loss; ``values=None`` means no critic (value terms are zero)."""
+    per_head_logp = dist.per_head_logp(actions)
+    logp_ratio = torch.exp(per_head_logp.sum(-1) - old_logp)
+    surrogate = torch.min(
+        advantages * logp_ratio,
+        advantages * torch.clamp(logp_ratio, 1 - clip_param, 1 + clip_param),
+    )
+    per_head_entropy = dist.per_head_entropy()
+    entropy = per_head_entropy.sum(-1)
+
+    if use_kl_loss:
+        if prev_dist is None:
+            raise ValueError("use_kl_loss needs the sampling policy's distribution")
+        mean_kl = masked_mean(prev_dist.kl(dist), mask)
+    else:
+        mean_kl = torch.zeros((), device=surrogate.device)
+
+    if values is not None:
+        vf_loss = torch.pow(values - value_targets, 2.0)
+        vf_loss_clipped = torch.clamp(vf_loss, 0, vf_clip_param)
+        mean_vf_loss = masked_mean(vf_loss_clipped, mask)
+        mean_vf_unclipped = masked_mean(vf_loss, mask)
+    else:
+        values = torch.zeros_like(surrogate)
+        vf_loss_clipped = mean_vf_loss = mean_vf_unclipped = torch.zeros((), device=surrogate.device)
+
+    total = masked_mean(-surrogate + vf_loss_coeff * vf_loss_clipped - entropy_coeff * entropy, mask)
+    if use_kl_loss:
+        total = total + kl_coeff * mean_kl
+    return PPOLossTerms(
+        total=total,
+        policy=-masked_mean(surrogate, mask),
+        value=mean_vf_loss,
+        value_unclipped=mean_vf_unclipped,
+        entropy=masked_mean(entropy, mask),
+        kl=mean_kl,
+        per_head_logp=per_head_logp,
+        per_head_entropy=masked_mean(per_head_entropy, mask),
+        values=values,
+    )

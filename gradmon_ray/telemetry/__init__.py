@@ -1,0 +1,30 @@
+"""Pure-PyTorch telemetry formulas: no Ray, no MLflow, no host synchronisation on hot paths."""
+
+from gradmon_ray.telemetry.accumulator import IterationAccumulator, TelemetryLayout
+from gradmon_ray.telemetry.head_norms import (
+    HEALTH_BANDS,
+    GradientNormPlan,
+    GradientNorms,
+    classify_grad_norm,
+    coefficient_of_variation,
+    per_head_grad_norms,
+    trend_arrow,
+)
+from gradmon_ray.telemetry.latches import HeadLatches, logp_nonfinite_flags
+from gradmon_ray.telemetry.summary import IterationTelemetry, TelemetryTracker
+
+__all__ = [
+    "HEALTH_BANDS",
+    "GradientNormPlan",
+    "GradientNorms",
+    "HeadLatches",
+    "IterationAccumulator",
+    "IterationTelemetry",
+    "TelemetryLayout",
+    "TelemetryTracker",
+    "classify_grad_norm",
+    "coefficient_of_variation",
+    "logp_nonfinite_flags",
+    "per_head_grad_norms",
+    "trend_arrow",
+]

@@ -1,0 +1,128 @@
+"""On-device accumulation of one training iteration's telemetry, drained once to the host.
+
+Every minibatch adds its numbers into ONE flat float64 buffer on the learner's device
+(a handful of kernels, no synchronisation).  Once per training iteration ``drain()`` copies
+that buffer to the host in a single transfer and zeroes it.  The buffer is laid out in
+lanes that reduce by SUM (norm sums, counts) followed by lanes that reduce by MAX (latch
+flags), so the same buffer is what a cross-learner reduction packs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gradmon_ray.telemetry.head_norms import GradientNorms
+
+
+@dataclass(frozen=True)
+class TelemetryLayout:
+    """Lane offsets inside the packed buffer.
+
+    ``num_reported`` heads get norms (the action heads plus the value head);
+    ``num_action_heads`` (the first ones) also get log-prob NaN/Inf latch flags.
+    """
+
+    num_reported: int
+    num_action_heads: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.num_action_heads <= self.num_reported:
+            raise ValueError("need 0 < num_action_heads <= num_reported")
+
+    # SUM lanes -------------------------------------------------------------------
+    @property
+    def norm_sum(self) -> slice:
+        return slice(0, self.num_reported)
+
+    @property
+    def norm_count(self) -> slice:
+        return slice(self.num_reported, 2 * self.num_reported)
+
+    @property
+    def global_norm_sum(self) -> int:
+        return 2 * self.num_reported
+
+    @property
+    def global_norm_count(self) -> int:
+        return 2 * self.num_reported + 1
+
+    @property
+    def nan_grad_count(self) -> int:
+        return 2 * self.num_reported + 2
+
+    @property
+    def inf_grad_count(self) -> int:
+        return 2 * self.num_reported + 3
+
+    @property
+    def skipped(self) -> int:
+        return 2 * self.num_reported + 4
+
+    @property
+    def minibatches(self) -> int:
+        return 2 * self.num_reported + 5
+
+    @property
+    def num_sum_lanes(self) -> int:
+        return 2 * self.num_reported + 6
+
+    # MAX lanes ---------------------------------------------------------------------
+    @property
+    def logp_nan(self) -> slice:
+        start = self.num_sum_lanes
+        return slice(start, start + self.num_action_heads)
+
+    @property
+    def logp_inf(self) -> slice:
+        start = self.num_sum_lanes + self.num_action_heads
+        return slice(start, start + self.num_action_heads)
+
+    @property
+    def size(self) -> int:
+        return self.num_sum_lanes + 2 * self.num_action_heads
+
+
+class IterationAccumulator:
+    """Device-side running sums/maxima for the current training iteration."""
+
+    def __init__(self, layout: TelemetryLayout, device: torch.device | str = "cpu") -> None:
+        self.layout = layout
+        self.buffer = torch.zeros(layout.size, dtype=torch.float64, device=device)
+        self._sum_view = self.buffer[: layout.num_sum_lanes]
+        self._max_view = self.buffer[layout.num_sum_lanes :]
+        self._ones = torch.ones((), dtype=torch.float32, device=device)
+
+    def add_minibatch(
+        self,
+        norms: GradientNorms,
+        logp_nan: torch.Tensor,
+        logp_inf: torch.Tensor,
+        skipped: torch.Tensor,
+    ) -> None:
+        """Add one minibatch: norms (NaN entries are left out of the means, Inf kept),
+        per-action-head log-prob flags and the 0-d skip flag.  No host synchronisation."""
+        head_known = ~torch.isnan(norms.head_norms)
+        global_known = ~torch.isnan(norms.global_norm)
+        sum_lanes = torch.cat(
+            [
+                torch.where(head_known, norms.head_norms, 0.0),
+                head_known.float(),
+                torch.where(global_known, norms.global_norm, 0.0).reshape(1),
+                global_known.float().reshape(1),
+                norms.nan_count.reshape(1).float(),
+                norms.inf_count.reshape(1).float(),
+                skipped.reshape(1).float(),
+                self._ones.reshape(1),
+            ]
+        )
+        self._sum_view.add_(sum_lanes.to(torch.float64))
+        torch.maximum(self._max_view, torch.cat([logp_nan, logp_inf]).to(torch.float64), out=self._max_view)
+
+    def drain(self) -> np.ndarray:
+        """The single device->host copy of the iteration; the buffer is zeroed after it."""
+        host = self.buffer.cpu().numpy().copy()
+        self.buffer.zero_()
+        return host

@@ -1,0 +1,188 @@
+"""Per-head gradient norms (TELE-320), global norm (TELE-310), NaN/Inf counts (TELE-300/301).
+
+Pure PyTorch: nothing here touches Ray or MLflow, and nothing here synchronises the
+device with the host.  ``per_head_grad_norms`` is the reference formula;
+``GradientNormPlan`` computes the same numbers for every head at once with a handful of
+kernels, which is what the learner runs every minibatch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+# Health band edges from the TELE-320 record: 10 x the clip norm of 0.5 is "exploding".
+DEAD_BELOW = 0.01
+WEAK_BELOW = 0.1
+HEALTHY_MAX = 2.0
+ELEVATED_MAX = 5.0
+TREND_DELTA = 0.01
+
+HEALTH_BANDS: tuple[str, ...] = ("missing", "dead", "weak", "healthy", "elevated", "exploding")
+
+
+def per_head_grad_norms(groups: Mapping[str, Iterable[torch.nn.Parameter]]) -> torch.Tensor:
+    """L2 gradient norm of each head, in mapping order, on the parameters' device.
+
+    Entry ``h`` is ``vector_norm(stack([vector_norm(p.grad) for p in head if p.grad is not None]))``,
+    i.e. the L2 norm over all gradient elements of the head; NaN when no parameter of the
+    head has a gradient (so "no data" is never mistaken for a vanishing gradient).  No host
+    synchronisation happens.
+    """
+    per_head: list[torch.Tensor] = []
+    device: torch.device | None = None
+    for params in groups.values():
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            device = grads[0].device
+            per_head.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        else:
+            per_head.append(None)  # type: ignore[arg-type]
+    if device is None:
+        device = _first_device(groups)
+    nan = torch.tensor(float("nan"), device=device)
+    return torch.stack([nan if t is None else t.to(device=device, dtype=torch.float32) for t in per_head]) if per_head else torch.empty(0, device=device)
+
+
+def _first_device(groups: Mapping[str, Iterable[torch.nn.Parameter]]) -> torch.device:
+    for params in groups.values():
+        for p in params:
+            return p.device
+    return torch.device("cpu")
+
+
+def classify_grad_norm(x: float) -> str:
+    """Health band of a gradient norm: dead, weak, healthy, elevated, exploding or missing.
+
+    Edges (TELE-320): dead < 0.01 <= weak < 0.1 <= healthy <= 2.0 < elevated <= 5.0 <
+    exploding (+Inf included); NaN is "missing" (no gradient data).
+    """
+    if math.isnan(x):
+        return "missing"
+    if x < DEAD_BELOW:
+        return "dead"
+    if x < WEAK_BELOW:
+        return "weak"
+    if x <= HEALTHY_MAX:
+        return "healthy"
+    if x <= ELEVATED_MAX:
+        return "elevated"
+    return "exploding"
+
+
+def trend_arrow(prev: float, cur: float) -> str:
+    """"↗" if cur - prev > 0.01, "↘" if cur - prev < -0.01, else "→" (also when either is NaN)."""
+    delta = cur - prev
+    if delta > TREND_DELTA:
+        return "↗"
+    if delta < -TREND_DELTA:
+        return "↘"
+    return "→"
+
+
+def coefficient_of_variation(values: Sequence[float]) -> float:
+    """Population std / mean of the finite values; NaN with fewer than two or a zero mean.
+
+    Used across the action heads' norms: near 0 means all heads learn at a similar rate,
+    above ~1 means some heads get far more signal than others.
+    """
+    finite = [v for v in values if math.isfinite(v)]
+    if len(finite) < 2:
+        return float("nan")
+    mean = sum(finite) / len(finite)
+    if mean == 0.0:
+        return float("nan")
+    var = sum((v - mean) ** 2 for v in finite) / len(finite)
+    return math.sqrt(var) / mean
+
+
+@dataclass(frozen=True)
+class GradientNorms:
+    """One minibatch's gradient telemetry, all 0-d/1-d tensors on the parameters' device."""
+
+    head_norms: torch.Tensor
+    """[num_heads] L2 norm per head; NaN for a head with no gradient."""
+    global_norm: torch.Tensor
+    """0-d L2 norm over every gradient the plan covers (heads and shared trunk)."""
+    nan_count: torch.Tensor
+    """0-d number of NaN gradient elements."""
+    inf_count: torch.Tensor
+    """0-d number of +-Inf gradient elements."""
+
+    @property
+    def found_nonfinite(self) -> torch.Tensor:
+        """0-d float tensor, 1.0 when any gradient element is NaN/Inf (the skip flag)."""
+        return ((self.nan_count + self.inf_count) > 0).to(torch.float32)
+
+
+class GradientNormPlan:
+    """Precomputed parameter-to-head assignment for fast per-minibatch norms.
+
+    ``groups`` maps each reported head to its parameters; ``all_params`` is every
+    trainable parameter (heads plus the shared trunk), which the global norm and the
+    NaN/Inf counts cover.  ``compute()`` costs one ``_foreach_norm`` (as
+    ``torch.nn.utils.clip_grad_norm_`` uses), one ``index_add_``, one concatenation for
+    the exact NaN/Inf counts, and no host synchronisation.
+    """
+
+    def __init__(
+        self,
+        groups: Mapping[str, Iterable[torch.nn.Parameter]],
+        all_params: Iterable[torch.nn.Parameter],
+    ) -> None:
+        self.head_names: tuple[str, ...] = tuple(groups)
+        self.params: tuple[torch.nn.Parameter, ...] = tuple(all_params)
+        slot_of: dict[int, int] = {}
+        for slot, params in enumerate(groups.values()):
+            for p in params:
+                if id(p) in slot_of:
+                    raise ValueError("a parameter belongs to two heads; head groups must be disjoint")
+                slot_of[id(p)] = slot
+        self._trunk_slot = len(self.head_names)
+        known = {id(p) for p in self.params}
+        missing = [s for s in slot_of if s not in known]
+        if missing:
+            raise ValueError("every head parameter must also be listed in all_params")
+        self._slots = [slot_of.get(id(p), self._trunk_slot) for p in self.params]
+        # Cache of (index tensor, "head has a grad" mask) per pattern of present grads,
+        # so that the steady state builds no tensors from host data.
+        self._index_cache: dict[tuple[bool, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _index_for(self, present: tuple[bool, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        cached = self._index_cache.get(present)
+        if cached is None or cached[0].device != device:
+            slots = [s for s, ok in zip(self._slots, present) if ok]
+            has_grad = [False] * (self._trunk_slot + 1)
+            for s in slots:
+                has_grad[s] = True
+            cached = (
+                torch.tensor(slots, dtype=torch.long, device=device),
+                torch.tensor(has_grad[: self._trunk_slot], dtype=torch.bool, device=device),
+            )
+            self._index_cache[present] = cached
+        return cached
+
+    def compute(self) -> GradientNorms:
+        """Norms of the gradients currently in ``p.grad``; see ``GradientNorms``."""
+        present = tuple(p.grad is not None for p in self.params)
+        grads = [p.grad for p, ok in zip(self.params, present) if ok]
+        device = self.params[0].device if self.params else torch.device("cpu")
+        nan = torch.full((len(self.head_names),), float("nan"), device=device)
+        if not grads:
+            zero = torch.zeros((), device=device)
+            return GradientNorms(nan, torch.full((), float("nan"), device=device), zero, zero)
+        index, has_grad = self._index_for(present, grads[0].device)
+        norms = torch.stack(torch._foreach_norm(grads)).float()
+        squares = norms * norms
+        per_slot = torch.zeros(self._trunk_slot + 1, device=norms.device).index_add_(0, index, squares)
+        head_norms = torch.where(has_grad, per_slot[: self._trunk_slot].sqrt(), nan)
+        global_norm = squares.sum().sqrt()
+        # Exact element counts need every element once; one concatenation keeps it to
+        # three kernels instead of two per tensor.
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        nan_count = torch.isnan(flat).sum().float()
+        inf_count = torch.isinf(flat).sum().float()
+        return GradientNorms(head_norms, global_norm, nan_count, inf_count)

@@ -1,0 +1,86 @@
+"""Per-head NaN/Inf OR-latches on the heads' log-probs (TELE-302/303).
+
+Detection (``logp_nonfinite_flags``) runs on the device every minibatch and returns flags
+without synchronising; the latch itself (``HeadLatches``) lives on the host and is fed once
+per training iteration.  Once a head's latch is set it stays set for the whole run,
+including across checkpoint restores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+def logp_nonfinite_flags(per_head_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NaN and Inf flags per head for a ``[..., num_heads]`` log-prob tensor.
+
+    Returns two float tensors of shape ``[num_heads]`` (1.0 where any entry of that head is
+    NaN, resp. +-Inf).  Two reductions, no host synchronisation: the clean fast path costs
+    the same as the dirty one, which is what lets it stay off the host.
+    """
+    flat = per_head_logp.reshape(-1, per_head_logp.shape[-1])
+    nan = torch.isnan(flat).any(dim=0).to(torch.float32)
+    inf = torch.isinf(flat).any(dim=0).to(torch.float32)
+    return nan, inf
+
+
+@dataclass
+class HeadLatches:
+    """OR-latches for every head, pre-populated with False; never reset during a run."""
+
+    head_names: tuple[str, ...]
+    nan: dict[str, bool] = field(default_factory=dict)
+    inf: dict[str, bool] = field(default_factory=dict)
+    nan_first_iteration: dict[str, int] = field(default_factory=dict)
+    inf_first_iteration: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.head_names = tuple(self.head_names)
+        for head in self.head_names:
+            self.nan.setdefault(head, False)
+            self.inf.setdefault(head, False)
+
+    def update(self, nan_flags: Sequence[float], inf_flags: Sequence[float], iteration: int) -> None:
+        """OR the per-head flags (any value > 0 counts) of ``iteration`` into the latches."""
+        if len(nan_flags) != len(self.head_names) or len(inf_flags) != len(self.head_names):
+            raise ValueError(f"expected {len(self.head_names)} flags per kind, got {len(nan_flags)} and {len(inf_flags)}")
+        for head, is_nan, is_inf in zip(self.head_names, nan_flags, inf_flags):
+            if is_nan > 0 and not self.nan[head]:
+                self.nan[head] = True
+                self.nan_first_iteration[head] = iteration
+            if is_inf > 0 and not self.inf[head]:
+                self.inf[head] = True
+                self.inf_first_iteration[head] = iteration
+
+    def latched(self, kind: str) -> list[str]:
+        """Heads whose ``kind`` ("nan" or "inf") latch is set, in head order."""
+        flags = {"nan": self.nan, "inf": self.inf}[kind]
+        return [h for h in self.head_names if flags[h]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-Python state for checkpoints."""
+        return {
+            "head_names": list(self.head_names),
+            "nan": dict(self.nan),
+            "inf": dict(self.inf),
+            "nan_first_iteration": dict(self.nan_first_iteration),
+            "inf_first_iteration": dict(self.inf_first_iteration),
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any], head_names: Iterable[str]) -> HeadLatches:
+        """Restore latches; a checkpoint for other heads is an error, not a silent reset."""
+        names = tuple(head_names)
+        if tuple(state["head_names"]) != names:
+            raise ValueError(f"checkpointed latches are for heads {state['head_names']}, this learner has {list(names)}")
+        return cls(
+            names,
+            nan={k: bool(v) for k, v in state["nan"].items()},
+            inf={k: bool(v) for k, v in state["inf"].items()},
+            nan_first_iteration={k: int(v) for k, v in state["nan_first_iteration"].items()},
+            inf_first_iteration={k: int(v) for k, v in state["inf_first_iteration"].items()},
+        )
