@@ -46,8 +46,12 @@ class ModelSection:
     """Shape of the FactoredActorCritic RLModule."""
 
     trunk_hiddens: list[int] = field(default_factory=lambda: [128, 128], metadata=_meta("Shared trunk widths.", min=1))
-    head_hiddens: list[int] = field(default_factory=list, metadata=_meta("Hidden widths inside each action head.", min=1))
-    value_hiddens: list[int] = field(default_factory=list, metadata=_meta("Hidden widths inside the value head.", min=1))
+    head_hiddens: list[int] = field(
+        default_factory=list, metadata=_meta("Hidden widths inside each action head.", min=1)
+    )
+    value_hiddens: list[int] = field(
+        default_factory=list, metadata=_meta("Hidden widths inside the value head.", min=1)
+    )
     activation: Literal["tanh", "relu", "silu"] = field(default="tanh", metadata=_meta("Hidden activation."))
     head_names: Union[list[str], None] = field(
         default=None, metadata=_meta("Head names for MultiDiscrete/Discrete spaces (Dict spaces use their keys).")
@@ -148,7 +152,9 @@ def _type_name(tp: Any) -> str:
         return f"a list of {_type_name(typing.get_args(tp)[0])}"
     if origin is dict:
         return "a mapping"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, getattr(tp, "__name__", str(tp)))
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
 
 
 def _coerce(value: Any, tp: Any, path: str, meta: dict[str, Any]) -> Any:
@@ -221,7 +227,9 @@ def _from_dict(cls: type, data: Any, path: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(path or "config", f"must be a mapping of {', '.join(f.name for f in dataclasses.fields(cls))}")
+        raise ConfigError(
+            path or "config", f"must be a mapping of {', '.join(f.name for f in dataclasses.fields(cls))}"
+        )
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = [k for k in data if k not in fields]
@@ -249,7 +257,9 @@ def validate_config(cfg: GradmonConfig) -> None:
             "ppo.minibatch_size",
             f"must be <= ppo.train_batch_size ({cfg.ppo.train_batch_size}), got {cfg.ppo.minibatch_size}",
         )
-    if cfg.resources.num_gpus_per_learner > 1 and cfg.resources.num_gpus_per_learner != int(cfg.resources.num_gpus_per_learner):
+    if cfg.resources.num_gpus_per_learner > 1 and cfg.resources.num_gpus_per_learner != int(
+        cfg.resources.num_gpus_per_learner
+    ):
         raise ConfigError("resources.num_gpus_per_learner", "must be a fraction <= 1 or a whole number")
 
 

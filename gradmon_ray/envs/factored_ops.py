@@ -21,7 +21,7 @@ random policy earns about -1 per 16-step episode; the optimum is about +11.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import gymnasium as gym
 import numpy as np
@@ -61,7 +61,7 @@ class FactoredOpsEnv(gym.Env[np.ndarray, dict[str, int]]):
     EnvRunner), ``op_probs`` (probabilities of the four wanted ops, default uniform).
     """
 
-    metadata = {"render_modes": []}
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         config = dict(config or {})
@@ -105,7 +105,9 @@ class FactoredOpsEnv(gym.Env[np.ndarray, dict[str, int]]):
         self._required_op = int(self.np_random.choice(4, p=self.op_probs))
         self._free_slot = int(self.np_random.integers(HEAD_SIZES["slot"]))
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
         super().reset(seed=seed)
         self._task = int(self.np_random.integers(self.num_tasks))
         self._t = 0
@@ -115,7 +117,9 @@ class FactoredOpsEnv(gym.Env[np.ndarray, dict[str, int]]):
     def step(self, action: dict[str, Any]) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
         a = {h: int(np.asarray(action[h]).item()) for h in HEAD_NAMES}
         reward = self.head_reward(a, self._required_op, self._free_slot, self._task)
-        reward += float(self.np_random.normal(0.0, self.task_noise[self._task])) if self.task_noise[self._task] > 0 else 0.0
+        reward += (
+            float(self.np_random.normal(0.0, self.task_noise[self._task])) if self.task_noise[self._task] > 0 else 0.0
+        )
         self._t += 1
         truncated = self._t >= self.episode_len
         self._draw_step_state()

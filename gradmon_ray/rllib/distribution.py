@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 import gymnasium as gym
 import torch
-
 from ray.rllib.core.distribution.distribution import Distribution
 from ray.rllib.utils.annotations import override
 
@@ -41,7 +40,10 @@ class FactoredCategorical(Distribution):
         if not sizes:
             raise TypeError("use FactoredCategorical.for_heads(...) to get a concrete distribution class")
         if logits.shape[-1] != sum(sizes):
-            raise ValueError(f"logits have {logits.shape[-1]} entries, heads {dict(zip(self.head_names, sizes))} need {sum(sizes)}")
+            raise ValueError(
+                f"logits have {logits.shape[-1]} entries; "
+                f"heads {dict(zip(self.head_names, sizes, strict=True))} need {sum(sizes)}"
+            )
         self.logits = logits
         self.deterministic = deterministic
         gather_index, valid = _padding_index(sizes, logits.device)
@@ -82,7 +84,9 @@ class FactoredCategorical(Distribution):
         if self.action_format == "dict":
             if not isinstance(value, Mapping):
                 raise TypeError(f"expected a dict of actions with keys {self.head_names}, got {type(value).__name__}")
-            return torch.stack([torch.as_tensor(value[h]).reshape(self.logits.shape[:-1]) for h in self.head_names], dim=-1).long()
+            return torch.stack(
+                [torch.as_tensor(value[h]).reshape(self.logits.shape[:-1]) for h in self.head_names], dim=-1
+            ).long()
         value = torch.as_tensor(value)
         if self.action_format == "discrete":
             return value.reshape(*self.logits.shape[:-1], 1).long()

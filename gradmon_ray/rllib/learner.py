@@ -20,7 +20,6 @@ import logging
 from typing import Any
 
 import torch
-
 from ray.rllib.algorithms.ppo.ppo import (
     LEARNER_RESULTS_KL_KEY,
     LEARNER_RESULTS_VF_EXPLAINED_VAR_KEY,
@@ -107,7 +106,9 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         params = self.get_parameters(self._module[module_id])
         # Fused Adam accepts `found_inf` (torch.amp.GradScaler's protocol), so a non-finite
         # minibatch is skipped inside the kernel without a host round trip.
-        fused = self._fused_optimizer and self._device is not None and torch.device(self._device).type in ("cpu", "cuda")
+        fused = (
+            self._fused_optimizer and self._device is not None and torch.device(self._device).type in ("cpu", "cuda")
+        )
         optimizer = torch.optim.Adam(params, fused=fused) if fused else torch.optim.Adam(params)
         self.register_optimizer(module_id=module_id, optimizer=optimizer, params=params, lr_or_lr_schedule=config.lr)
 

@@ -9,13 +9,12 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import torch
-from torch import nn
-
 from ray.rllib.core.columns import Columns
 from ray.rllib.core.rl_module.apis.value_function_api import ValueFunctionAPI
 from ray.rllib.core.rl_module.rl_module import RLModule
 from ray.rllib.core.rl_module.torch import TorchRLModule
 from ray.rllib.utils.annotations import override
+from torch import nn
 
 from gradmon_ray.rllib.distribution import ActionFormat, FactoredCategorical
 
@@ -56,7 +55,9 @@ def resolve_heads(action_space: gym.Space, head_names: Sequence[str] | None = No
         sizes = tuple(int(n) for n in action_space.nvec)
         names = tuple(head_names) if head_names is not None else tuple(f"head_{i}" for i in range(len(sizes)))
         if len(names) != len(sizes):
-            raise ValueError(f"model.head_names has {len(names)} names, the MultiDiscrete space has {len(sizes)} components")
+            raise ValueError(
+                f"model.head_names has {len(names)} names, the MultiDiscrete space has {len(sizes)} components"
+            )
         layout = HeadLayout(names, sizes, "multi_discrete")
     elif isinstance(action_space, gym.spaces.Discrete):
         names = tuple(head_names) if head_names is not None else ("action",)
@@ -65,7 +66,8 @@ def resolve_heads(action_space: gym.Space, head_names: Sequence[str] | None = No
         layout = HeadLayout(names, (int(action_space.n),), "discrete")
     else:
         raise ValueError(
-            f"FactoredActorCritic supports Dict-of-Discrete, MultiDiscrete and Discrete action spaces, got {action_space}"
+            "FactoredActorCritic supports Dict-of-Discrete, MultiDiscrete and Discrete action spaces, "
+            f"got {action_space}"
         )
     if len(set(layout.names)) != len(layout.names):
         raise ValueError(f"head names must be unique, got {list(layout.names)}")
@@ -74,7 +76,9 @@ def resolve_heads(action_space: gym.Space, head_names: Sequence[str] | None = No
     return layout
 
 
-def _mlp(in_dim: int, hiddens: Sequence[int], out_dim: int | None, activation: str, out_gain: float = 1.0) -> nn.Sequential:
+def _mlp(
+    in_dim: int, hiddens: Sequence[int], out_dim: int | None, activation: str, out_gain: float = 1.0
+) -> nn.Sequential:
     layers: list[nn.Module] = []
     for width in hiddens:
         linear = nn.Linear(in_dim, width)
@@ -117,7 +121,7 @@ class FactoredActorCritic(TorchRLModule, ValueFunctionAPI):
         self.heads = nn.ModuleDict(
             {
                 name: _mlp(embed_dim, head_hiddens, size, activation, out_gain=0.01)
-                for name, size in zip(self.head_layout.names, self.head_layout.sizes)
+                for name, size in zip(self.head_layout.names, self.head_layout.sizes, strict=True)
             }
         )
         self.value_head = _mlp(embed_dim, list(cfg.get("value_hiddens", [])), 1, activation, out_gain=1.0)

@@ -9,6 +9,7 @@ from gradmon_ray.telemetry.head_norms import (
     coefficient_of_variation,
     per_head_grad_norms,
     trend_arrow,
+    worst_head,
 )
 from gradmon_ray.telemetry.latches import HeadLatches, logp_nonfinite_flags
 from gradmon_ray.telemetry.summary import IterationTelemetry, TelemetryTracker
@@ -27,4 +28,5 @@ __all__ = [
     "logp_nonfinite_flags",
     "per_head_grad_norms",
     "trend_arrow",
+    "worst_head",
 ]

@@ -44,7 +44,11 @@ def per_head_grad_norms(groups: Mapping[str, Iterable[torch.nn.Parameter]]) -> t
     if device is None:
         device = _first_device(groups)
     nan = torch.tensor(float("nan"), device=device)
-    return torch.stack([nan if t is None else t.to(device=device, dtype=torch.float32) for t in per_head]) if per_head else torch.empty(0, device=device)
+    return (
+        torch.stack([nan if t is None else t.to(device=device, dtype=torch.float32) for t in per_head])
+        if per_head
+        else torch.empty(0, device=device)
+    )
 
 
 def _first_device(groups: Mapping[str, Iterable[torch.nn.Parameter]]) -> torch.device:
@@ -74,7 +78,7 @@ def classify_grad_norm(x: float) -> str:
 
 
 def trend_arrow(prev: float, cur: float) -> str:
-    """"↗" if cur - prev > 0.01, "↘" if cur - prev < -0.01, else "→" (also when either is NaN)."""
+    """ "↗" if cur - prev > 0.01, "↘" if cur - prev < -0.01, else "→" (also when either is NaN)."""
     delta = cur - prev
     if delta > TREND_DELTA:
         return "↗"
@@ -97,6 +101,30 @@ def coefficient_of_variation(values: Sequence[float]) -> float:
         return float("nan")
     var = sum((v - mean) ** 2 for v in finite) / len(finite)
     return math.sqrt(var) / mean
+
+
+_SEVERITY = {"healthy": 0, "weak": 1, "elevated": 1, "missing": 2, "dead": 3, "exploding": 3}
+_HEALTHY_CENTRE = math.log(math.sqrt(WEAK_BELOW * HEALTHY_MAX))
+
+
+def worst_head(norms: Mapping[str, float]) -> tuple[str, str]:
+    """The head furthest from health and its band.
+
+    Ordered by band severity (dead/exploding, then missing, then weak/elevated, then
+    healthy); ties go to the norm furthest, on a log scale, from the centre of the healthy
+    band (sqrt(0.1 * 2.0)), so a healthy run still names the head nearest an edge.
+    """
+    if not norms:
+        raise ValueError("no heads")
+
+    def key(head: str) -> tuple[int, float]:
+        x = norms[head]
+        band = classify_grad_norm(x)
+        distance = abs(math.log(x) - _HEALTHY_CENTRE) if math.isfinite(x) and x > 0 else math.inf
+        return _SEVERITY[band], distance
+
+    head = max(norms, key=key)
+    return head, classify_grad_norm(norms[head])
 
 
 @dataclass(frozen=True)
@@ -154,7 +182,7 @@ class GradientNormPlan:
     def _index_for(self, present: tuple[bool, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         cached = self._index_cache.get(present)
         if cached is None or cached[0].device != device:
-            slots = [s for s, ok in zip(self._slots, present) if ok]
+            slots = [s for s, ok in zip(self._slots, present, strict=True) if ok]
             has_grad = [False] * (self._trunk_slot + 1)
             for s in slots:
                 has_grad[s] = True
@@ -168,7 +196,7 @@ class GradientNormPlan:
     def compute(self) -> GradientNorms:
         """Norms of the gradients currently in ``p.grad``; see ``GradientNorms``."""
         present = tuple(p.grad is not None for p in self.params)
-        grads = [p.grad for p, ok in zip(self.params, present) if ok]
+        grads = [p.grad for p, ok in zip(self.params, present, strict=True) if ok]
         device = self.params[0].device if self.params else torch.device("cpu")
         nan = torch.full((len(self.head_names),), float("nan"), device=device)
         if not grads:

@@ -47,8 +47,10 @@ class HeadLatches:
     def update(self, nan_flags: Sequence[float], inf_flags: Sequence[float], iteration: int) -> None:
         """OR the per-head flags (any value > 0 counts) of ``iteration`` into the latches."""
         if len(nan_flags) != len(self.head_names) or len(inf_flags) != len(self.head_names):
-            raise ValueError(f"expected {len(self.head_names)} flags per kind, got {len(nan_flags)} and {len(inf_flags)}")
-        for head, is_nan, is_inf in zip(self.head_names, nan_flags, inf_flags):
+            raise ValueError(
+                f"expected {len(self.head_names)} flags per kind, got {len(nan_flags)} and {len(inf_flags)}"
+            )
+        for head, is_nan, is_inf in zip(self.head_names, nan_flags, inf_flags, strict=True):
             if is_nan > 0 and not self.nan[head]:
                 self.nan[head] = True
                 self.nan_first_iteration[head] = iteration
@@ -76,7 +78,9 @@ class HeadLatches:
         """Restore latches; a checkpoint for other heads is an error, not a silent reset."""
         names = tuple(head_names)
         if tuple(state["head_names"]) != names:
-            raise ValueError(f"checkpointed latches are for heads {state['head_names']}, this learner has {list(names)}")
+            raise ValueError(
+                f"checkpointed latches are for heads {state['head_names']}, this learner has {list(names)}"
+            )
         return cls(
             names,
             nan={k: bool(v) for k, v in state["nan"].items()},

@@ -16,7 +16,7 @@ import numpy as np
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.telemetry.accumulator import TelemetryLayout
-from gradmon_ray.telemetry.head_norms import classify_grad_norm, coefficient_of_variation, trend_arrow
+from gradmon_ray.telemetry.head_norms import classify_grad_norm, coefficient_of_variation, trend_arrow, worst_head
 from gradmon_ray.telemetry.latches import HeadLatches
 
 
@@ -42,10 +42,8 @@ class IterationTelemetry:
     inf_first_iteration: dict[str, int] = field(default_factory=dict)
 
     def worst_head(self) -> tuple[str, str]:
-        """The head whose band is furthest from healthy, and that band (ties: first head)."""
-        severity = {"healthy": 0, "weak": 1, "elevated": 1, "missing": 2, "dead": 3, "exploding": 3}
-        head = max(self.health, key=lambda h: severity[self.health[h]])
-        return head, self.health[head]
+        """See ``gradmon_ray.telemetry.worst_head``."""
+        return worst_head(self.head_norms)
 
     def to_metrics(self) -> dict[str, float]:
         """Flat ``{metric name: float}`` using the names in ``gradmon_ray.metric_names``."""
@@ -102,7 +100,7 @@ class TelemetryTracker:
         sums, counts = lanes[lay.norm_sum], lanes[lay.norm_count]
         with np.errstate(invalid="ignore", divide="ignore"):
             means = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
-        head_norms = {h: float(v) for h, v in zip(self.reported_heads, means)}
+        head_norms = {h: float(v) for h, v in zip(self.reported_heads, means, strict=True)}
         g_count = lanes[lay.global_norm_count]
         global_norm = float(lanes[lay.global_norm_sum] / g_count) if g_count > 0 else float("nan")
         prev = dict(self.prev_norms)
@@ -110,7 +108,7 @@ class TelemetryTracker:
         health = {h: classify_grad_norm(head_norms[h]) for h in self.reported_heads}
         cv = coefficient_of_variation([head_norms[h] for h in self.action_heads])
         self.latches.update(lanes[lay.logp_nan], lanes[lay.logp_inf], self.iteration)
-        skipped = int(round(lanes[lay.skipped]))
+        skipped = round(lanes[lay.skipped])
         self.skipped_total += skipped
         # A missing (NaN) norm does not overwrite the last known value.
         for h in self.reported_heads:
@@ -126,7 +124,7 @@ class TelemetryTracker:
             global_norm=global_norm,
             nan_grad_count=float(lanes[lay.nan_grad_count]),
             inf_grad_count=float(lanes[lay.inf_grad_count]),
-            minibatches=int(round(lanes[lay.minibatches])),
+            minibatches=round(lanes[lay.minibatches]),
             skipped=skipped,
             skipped_total=self.skipped_total,
             nan_latched=dict(self.latches.nan),
@@ -150,7 +148,8 @@ class TelemetryTracker:
         """Restore from ``state_dict()``; heads must match exactly."""
         if tuple(state["reported_heads"]) != self.reported_heads:
             raise ValueError(
-                f"checkpointed telemetry is for heads {state['reported_heads']}, this learner has {list(self.reported_heads)}"
+                f"checkpointed telemetry is for heads {state['reported_heads']}, "
+                f"this learner has {list(self.reported_heads)}"
             )
         self.prev_norms = {h: float(state["prev_norms"][h]) for h in self.reported_heads}
         self.skipped_total = int(state["skipped_total"])

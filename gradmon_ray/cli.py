@@ -1,0 +1,121 @@
+"""``gradmon-ray``: the command line.
+
+Exit codes: 0 success, 2 bad usage or config (one line on stderr naming the field), 1 the
+run failed (one line; ``--debug`` shows the traceback), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+from gradmon_ray.config import ConfigError, load_config
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own errors: status 2, no traceback
+        self.exit(EXIT_USAGE, f"gradmon-ray: {message}\n(run 'gradmon-ray {self.prog.split()[-1]} --help' for usage)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``gradmon-ray`` argument parser."""
+    parser = _Parser(prog="gradmon-ray", description="Per-head gradient health for multi-head PPO on Ray RLlib.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    train = sub.add_parser("train", help="train PPO with gradient telemetry, logging to MLflow")
+    train.add_argument("--config", help="YAML run config (see tune_configs/default.yaml); defaults when omitted")
+    train.add_argument("--iterations", type=int, help="training iterations (config: iterations)")
+    train.add_argument("--num-learners", type=int, help="remote learner actors (config: resources.num_learners)")
+    train.add_argument("--num-env-runners", type=int, help="EnvRunner actors (config: resources.num_env_runners)")
+    train.add_argument("--mlflow-uri", help="MLflow tracking URI (config: mlflow.tracking_uri)")
+    train.add_argument("--experiment", help="MLflow experiment (config: mlflow.experiment)")
+    train.add_argument("--run-name", help="MLflow run name (config: mlflow.run_name)")
+    train.add_argument("--seed", type=int, help="seed (config: seed)")
+    train.add_argument("--ray-address", help="Ray cluster address (config: resources.ray_address)")
+    train.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any config field, e.g. --set ppo.lr=1e-3 (VALUE is parsed as YAML)",
+    )
+    train.add_argument("--debug", action="store_true", help="show tracebacks and Ray's logs")
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    flags = {
+        "iterations": args.iterations,
+        "resources.num_learners": args.num_learners,
+        "resources.num_env_runners": args.num_env_runners,
+        "mlflow.tracking_uri": args.mlflow_uri,
+        "mlflow.experiment": args.experiment,
+        "mlflow.run_name": args.run_name,
+        "seed": args.seed,
+        "resources.ray_address": args.ray_address,
+    }
+    out = {k: v for k, v in flags.items() if v is not None}
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError("--set", f"expected KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            raise ConfigError(key, f"value {raw!r} is not valid YAML") from None
+    return out
+
+
+def _train(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, _overrides(args))
+    from gradmon_ray.train import run_training
+
+    print(
+        f"gradmon-ray: training {cfg.iterations} iterations on {cfg.env.id}; MLflow: {cfg.mlflow.tracking_uri}",
+        flush=True,
+    )
+    outcome = run_training(cfg, progress=lambda line: print(line, flush=True))
+    print(
+        f"gradmon-ray: done. MLflow run {outcome.run_id} in experiment '{cfg.mlflow.experiment}'"
+        + ("" if outcome.mlflow_complete else " (MLflow did not receive everything; see warnings)")
+        + (f"; checkpoint {outcome.checkpoint_path}" if outcome.checkpoint_path else ""),
+        flush=True,
+    )
+    print(f"gradmon-ray: view it with: mlflow ui --backend-store-uri {cfg.mlflow.tracking_uri}", flush=True)
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``gradmon-ray`` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        if args.command == "train":
+            return _train(args)
+        raise AssertionError(args.command)
+    except ConfigError as exc:
+        print(f"gradmon-ray: config error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("gradmon-ray: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if args.debug:
+            raise
+        print(
+            f"gradmon-ray: run failed: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

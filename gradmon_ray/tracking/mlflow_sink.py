@@ -1,0 +1,187 @@
+"""An MLflow sink that never blocks or breaks training.
+
+The training loop calls ``log_iteration`` (a non-blocking ``put``); a daemon thread owns the
+``MlflowClient``, creates the run, and writes with ``log_batch`` (at most 1000 metrics per
+call, MLflow's limit).  A slow or dead tracking server only delays that thread: pending
+iterations wait in a bounded buffer (the oldest are dropped and counted when it overflows),
+failed writes are retried with backoff, and nothing is ever raised into the caller.
+We write through ``MlflowClient`` rather than ``mlflow.log_*`` because the fluent API keeps
+a process-global active run, which a background writer must not share with user code.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
+MAX_PARAMS_PER_BATCH = 100
+MAX_TAGS_PER_BATCH = 100
+MAX_PARAM_VALUE_LEN = 6000
+
+
+@dataclass
+class _Pending:
+    step: int
+    timestamp_ms: int
+    metrics: dict[str, float]
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+class MlflowSink:
+    """Asynchronous, batched MLflow writer for one run.
+
+    Args:
+        tracking_uri: e.g. ``sqlite:///mlflow.db`` (embedded) or ``http://127.0.0.1:5000``.
+        experiment: experiment name, created when missing.
+        run_name: MLflow run name (None: MLflow picks one).
+        params: run params, written once at start (values are stringified).
+        tags: run tags written at start.
+        max_pending: iterations buffered while the server is unreachable; beyond this the
+            oldest are dropped (``dropped_iterations`` counts them).
+        retry_backoff_s: first retry delay after a failed write (doubles up to 30 s).
+    """
+
+    def __init__(
+        self,
+        tracking_uri: str,
+        experiment: str,
+        *,
+        run_name: str | None = None,
+        params: Mapping[str, Any] | None = None,
+        tags: Mapping[str, str] | None = None,
+        max_pending: int = 1000,
+        retry_backoff_s: float = 0.5,
+    ) -> None:
+        self.tracking_uri = tracking_uri
+        self.experiment = experiment
+        self.run_name = run_name
+        self._params = {str(k): str(v)[:MAX_PARAM_VALUE_LEN] for k, v in (params or {}).items()}
+        self._start_tags = {str(k): str(v) for k, v in (tags or {}).items()}
+        self._pending: deque[_Pending] = deque()
+        self._max_pending = max_pending
+        self._backoff0 = retry_backoff_s
+        self._cond = threading.Condition()
+        self._closing = False
+        self._final_status: str = "FINISHED"
+        self.dropped_iterations = 0
+        self.failed_writes = 0
+        self.written_iterations = 0
+        self.last_error: str | None = None
+        self.run_id: str | None = None
+        self._run_ready = threading.Event()
+        self._thread = threading.Thread(target=self._worker, name="gradmon-mlflow-sink", daemon=True)
+        self._thread.start()
+
+    # --- producer side (training thread) -----------------------------------------------
+    def log_iteration(self, step: int, metrics: Mapping[str, float], tags: Mapping[str, str] | None = None) -> None:
+        """Queue one iteration's metrics (and tags); returns immediately."""
+        item = _Pending(int(step), int(time.time() * 1000), {k: float(v) for k, v in metrics.items()}, dict(tags or {}))
+        with self._cond:
+            self._pending.append(item)
+            while len(self._pending) > self._max_pending:
+                self._pending.popleft()
+                self.dropped_iterations += 1
+            self._cond.notify()
+
+    def wait_for_run(self, timeout_s: float) -> str | None:
+        """The run id once the run exists (None if it could not be created in time)."""
+        self._run_ready.wait(timeout_s)
+        return self.run_id
+
+    def close(self, *, status: str = "FINISHED", timeout_s: float = 30.0) -> bool:
+        """Flush what is pending, end the run with ``status``; True if everything was written.
+
+        Waits at most ``timeout_s``: a dead server cannot hold the process hostage.
+        """
+        with self._cond:
+            self._closing = True
+            self._final_status = status
+            self._cond.notify()
+        self._thread.join(timeout_s)
+        with self._cond:
+            return not self._thread.is_alive() and not self._pending and self.run_id is not None
+
+    # --- consumer side (background thread) ------------------------------------------------
+    def _worker(self) -> None:
+        backoff = self._backoff0
+        client = None
+        while True:
+            try:
+                if client is None:
+                    client = self._create_run()
+                    self._run_ready.set()
+                    backoff = self._backoff0
+                with self._cond:
+                    while not self._pending and not self._closing:
+                        self._cond.wait()
+                    batch = list(self._pending)
+                    closing = self._closing
+                if batch:
+                    self._write(client, batch)
+                    with self._cond:
+                        for _ in batch:
+                            if self._pending:
+                                self._pending.popleft()
+                        self.written_iterations += len(batch)
+                    backoff = self._backoff0
+                    continue
+                if closing:
+                    client.set_terminated(self.run_id, status=self._final_status)
+                    return
+            except Exception as exc:  # never let the writer die; training must not notice
+                self.failed_writes += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                logger.warning("gradmon MLflow sink: write failed (%s); retrying in %.1fs", self.last_error, backoff)
+                # While closing we keep retrying until close()'s timeout gives up on us.
+                with self._cond:
+                    self._cond.wait(backoff)
+                backoff = min(backoff * 2, 30.0)
+
+    def _create_run(self) -> Any:
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=self.tracking_uri)
+        exp = client.get_experiment_by_name(self.experiment)
+        exp_id = exp.experiment_id if exp is not None else client.create_experiment(self.experiment)
+        if self.run_id is None:
+            run = client.create_run(exp_id, run_name=self.run_name, tags=self._start_tags)
+            self.run_id = run.info.run_id
+        params = [Param(k, v) for k, v in self._params.items()]
+        for i in range(0, len(params), MAX_PARAMS_PER_BATCH):
+            client.log_batch(self.run_id, params=params[i : i + MAX_PARAMS_PER_BATCH])
+        self._params = {}
+        return client
+
+    def _write(self, client: Any, batch: list[_Pending]) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        metrics = [
+            Metric(key, _mlflow_value(value), item.timestamp_ms, item.step)
+            for item in batch
+            for key, value in item.metrics.items()
+        ]
+        for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+            client.log_batch(self.run_id, metrics=metrics[i : i + MAX_METRICS_PER_BATCH])
+        latest_tags: dict[str, str] = {}
+        for item in batch:
+            latest_tags.update(item.tags)
+        tags = [RunTag(k, v) for k, v in latest_tags.items()]
+        for i in range(0, len(tags), MAX_TAGS_PER_BATCH):
+            client.log_batch(self.run_id, tags=tags[i : i + MAX_TAGS_PER_BATCH])
+
+
+def _mlflow_value(value: float) -> float:
+    # MLflow stores NaN natively but clamps +-Inf; keep Inf visible as the largest float.
+    if math.isinf(value):
+        return math.copysign(1.7976931348623157e308, value)
+    return value

@@ -1,0 +1,109 @@
+"""Turn RLlib's per-iteration result dict into gradmon's flat, named metrics."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from gradmon_ray import metric_names as mn
+from gradmon_ray.telemetry.head_norms import worst_head
+
+DEFAULT_MODULE_ID = "default_policy"
+
+_GRADMON_PREFIXES = ("grad/", "latch/", "update/")
+# RLlib result paths -> gradmon names (the training-progress rows of the README table).
+_RLLIB_PATHS: dict[str, tuple[str, ...]] = {
+    mn.EPISODE_RETURN_MEAN: ("env_runners", "episode_return_mean"),
+    mn.EPISODE_LEN_MEAN: ("env_runners", "episode_len_mean"),
+    mn.ENV_STEPS_SAMPLED_LIFETIME: ("env_runners", "num_env_steps_sampled_lifetime"),
+    mn.POLICY_LOSS: ("learners", "{module}", "policy_loss"),
+    mn.VF_LOSS: ("learners", "{module}", "vf_loss"),
+    mn.ENTROPY: ("learners", "{module}", "entropy"),
+    mn.MEAN_KL: ("learners", "{module}", "mean_kl_loss"),
+    mn.TOTAL_LOSS: ("learners", "{module}", "total_loss"),
+    mn.ITERATION_TIME_S: ("time_this_iter_s",),
+}
+_HEAD_FROM_NORM = re.compile(r"^grad/head/(?P<head>[^/]+)/norm$")
+
+
+def _lookup(result: Mapping[str, Any], path: tuple[str, ...], module_id: str) -> Any:
+    node: Any = result
+    for part in path:
+        if not isinstance(node, Mapping):
+            return None
+        node = node.get(part.format(module=module_id))
+    return node
+
+
+def _as_float(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def result_to_metrics(result: Mapping[str, Any], module_id: str = DEFAULT_MODULE_ID) -> dict[str, float]:
+    """Gradmon's telemetry (as the learner logged it) plus the progress metrics, as floats.
+
+    A progress metric RLlib did not report this iteration (e.g. no episode finished yet)
+    is left out rather than invented.
+    """
+    out: dict[str, float] = {}
+    learner = _lookup(result, ("learners", "{module}"), module_id) or {}
+    for key, value in learner.items():
+        if isinstance(key, str) and key.startswith(_GRADMON_PREFIXES):
+            number = _as_float(value)
+            if number is not None:
+                out[key] = number
+    for name, path in _RLLIB_PATHS.items():
+        number = _as_float(_lookup(result, path, module_id))
+        if number is not None and not (name == mn.EPISODE_RETURN_MEAN and math.isnan(number)):
+            out[name] = number
+    return out
+
+
+def heads_in(metrics: Mapping[str, float]) -> list[str]:
+    """Head names that have a ``grad/head/<head>/norm`` entry, in insertion order."""
+    return [m.group("head") for key in metrics if (m := _HEAD_FROM_NORM.match(key))]
+
+
+def latched_heads(metrics: Mapping[str, float], kind: str) -> list[str]:
+    """Heads whose ``kind`` ("nan" or "inf") latch metric is 1."""
+    template = mn.HEAD_NAN_LATCH if kind == "nan" else mn.HEAD_INF_LATCH
+    prefix, suffix = template.split("{head}")
+    return [
+        key[len(prefix) : len(key) - len(suffix) if suffix else None]
+        for key, value in metrics.items()
+        if key.startswith(prefix) and key.endswith(suffix) and key.count("/") == template.count("/") and value > 0
+    ]
+
+
+def health_name(code: float) -> str:
+    """Inverse of ``metric_names.HEALTH_CODES``."""
+    for name, value in mn.HEALTH_CODES.items():
+        if value == code:
+            return name
+    return "missing"
+
+
+def progress_line(iteration: int, total: int, metrics: Mapping[str, float]) -> str:
+    """One human line per iteration: steps, return, worst head and its band, latched heads."""
+    steps = metrics.get(mn.ENV_STEPS_SAMPLED_LIFETIME)
+    ret = metrics.get(mn.EPISODE_RETURN_MEAN)
+    parts = [
+        f"iter {iteration}/{total}",
+        f"env steps {int(steps)}" if steps is not None else "env steps ?",
+        f"return {ret:.3f}" if ret is not None else "return n/a",
+    ]
+    heads = heads_in(metrics)
+    if heads:
+        norms = {h: metrics[mn.head_metric(mn.HEAD_GRAD_NORM, h)] for h in heads}
+        worst, band = worst_head(norms)
+        parts.append(f"worst head {worst} {norms[worst]:.3f} ({band})")
+    else:
+        parts.append("telemetry off")
+    latched = sorted(set(latched_heads(metrics, "nan")) | set(latched_heads(metrics, "inf")))
+    parts.append("latched: " + (", ".join(latched) if latched else "none"))
+    return " | ".join(parts)
