@@ -205,7 +205,8 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
             norms = self._norm_plan.compute()
         found_nonfinite = norms.found_nonfinite
         for optimizer in self._optimizer_parameters:
-            if optimizer.defaults.get("fused"):
+            # Per param group, not `defaults`: loading another optimizer's state can change it.
+            if all(group.get("fused") for group in optimizer.param_groups):
                 optimizer.found_inf = found_nonfinite  # read by the fused kernel, as from GradScaler
                 try:
                     optimizer.step()

@@ -1,0 +1,99 @@
+"""Our PPO loss equals RLlib's PPOTorchLearner loss, evaluated with RLlib's own distributions."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from ray.rllib.algorithms.ppo import PPOConfig
+from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
+from ray.rllib.core.columns import Columns
+from ray.rllib.core.distribution.torch.torch_distribution import TorchMultiCategorical
+from ray.rllib.evaluation.postprocessing import Postprocessing
+
+from gradmon_ray.rllib import FactoredCategorical
+from gradmon_ray.rllib.ppo_loss import masked_mean, ppo_loss_terms
+
+SIZES = (3, 2, 4)
+B = 16
+
+
+def _batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, sum(SIZES), generator=g, requires_grad=True)
+    old_logits = logits.detach() + 0.3 * torch.randn(B, sum(SIZES), generator=g)
+    actions = torch.stack([torch.randint(0, s, (B,), generator=g) for s in SIZES], dim=-1)
+    old_dist = TorchMultiCategorical.from_logits(old_logits, input_lens=list(SIZES))
+    mask = torch.rand(B, generator=g) > 0.2
+    batch = {
+        Columns.ACTIONS: actions,
+        Columns.ACTION_LOGP: old_dist.logp(actions),
+        Columns.ACTION_DIST_INPUTS: old_logits,
+        Postprocessing.ADVANTAGES: torch.randn(B, generator=g),
+        Postprocessing.VALUE_TARGETS: torch.randn(B, generator=g) * 5,
+        Columns.LOSS_MASK: mask,
+    }
+    values = torch.randn(B, generator=g, requires_grad=True)
+    return logits, values, batch
+
+
+def _rllib_loss(logits, values, batch, config):
+    """RLlib's own compute_loss_for_module on a stand-in learner with RLlib distributions."""
+    dist_cls = TorchMultiCategorical.get_partial_dist_cls(input_lens=list(SIZES))
+    module = SimpleNamespace(
+        get_train_action_dist_cls=lambda: dist_cls,
+        get_exploration_action_dist_cls=lambda: dist_cls,
+        compute_values=lambda batch, embeddings=None: values,
+    )
+    stand_in = SimpleNamespace(
+        module={"p": SimpleNamespace(unwrapped=lambda: module)},
+        entropy_coeff_schedulers_per_module={"p": SimpleNamespace(get_current_value=lambda: config.entropy_coeff)},
+        curr_kl_coeffs_per_module={"p": torch.tensor(config.kl_coeff)},
+        metrics=SimpleNamespace(log_dict=lambda *a, **k: None),
+    )
+    return PPOTorchLearner.compute_loss_for_module(
+        stand_in, module_id="p", config=config, batch=batch, fwd_out={Columns.ACTION_DIST_INPUTS: logits}
+    )
+
+
+@pytest.mark.parametrize("use_kl_loss", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_total_loss_and_gradients_equal_rllib(use_kl_loss, seed):
+    config = PPOConfig().training(
+        clip_param=0.2, vf_clip_param=3.0, vf_loss_coeff=0.7, entropy_coeff=0.05, use_kl_loss=use_kl_loss, kl_coeff=0.3
+    )
+    logits, values, batch = _batch(seed)
+    expected = _rllib_loss(logits, values, batch, config)
+    g_expected = torch.autograd.grad(expected, [logits, values])
+    cls = FactoredCategorical.for_heads(("x", "y", "z"), SIZES, "multi_discrete")
+    terms = ppo_loss_terms(
+        dist=cls.from_logits(logits),
+        prev_dist=cls.from_logits(batch[Columns.ACTION_DIST_INPUTS]),
+        actions=batch[Columns.ACTIONS],
+        old_logp=batch[Columns.ACTION_LOGP],
+        advantages=batch[Postprocessing.ADVANTAGES],
+        values=values,
+        value_targets=batch[Postprocessing.VALUE_TARGETS],
+        mask=batch[Columns.LOSS_MASK],
+        clip_param=config.clip_param,
+        vf_clip_param=config.vf_clip_param,
+        vf_loss_coeff=config.vf_loss_coeff,
+        entropy_coeff=config.entropy_coeff,
+        kl_coeff=torch.tensor(config.kl_coeff),
+        use_kl_loss=use_kl_loss,
+    )
+    torch.testing.assert_close(terms.total, expected)
+    for got, want in zip(torch.autograd.grad(terms.total, [logits, values]), g_expected, strict=True):
+        torch.testing.assert_close(got, want)
+    assert terms.per_head_logp.shape == (B, 3)
+    assert terms.per_head_entropy.shape == (3,)
+
+
+def test_masked_mean_worked_answer():
+    x = torch.tensor([1.0, 2.0, float("nan"), 4.0])
+    mask = torch.tensor([True, True, False, True])
+    assert masked_mean(x, mask).item() == pytest.approx(7.0 / 3.0)  # NaN in a masked row is ignored
+    assert masked_mean(torch.tensor([1.0, 3.0]), None).item() == 2.0
+    rows = masked_mean(torch.tensor([[1.0, 2.0], [3.0, 4.0], [100.0, 100.0]]), torch.tensor([True, True, False]))
+    assert rows.tolist() == [2.0, 3.0]

@@ -1,0 +1,111 @@
+"""On-device accumulation and the once-per-iteration summary, against hand-computed means."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gradmon_ray import metric_names as mn
+from gradmon_ray.telemetry import GradientNorms, IterationAccumulator, TelemetryTracker
+
+REPORTED = ("op", "slot", "value")
+ACTION = ("op", "slot")
+
+
+def _norms(heads, global_norm, nan=0.0, inf=0.0) -> GradientNorms:
+    return GradientNorms(
+        torch.tensor(heads, dtype=torch.float32),
+        torch.tensor(global_norm, dtype=torch.float32),
+        torch.tensor(nan),
+        torch.tensor(inf),
+    )
+
+
+def _run_iteration(tracker, acc, minibatches):
+    for norms, nan_flags, inf_flags, skipped in minibatches:
+        acc.add_minibatch(norms, torch.tensor(nan_flags), torch.tensor(inf_flags), torch.tensor(skipped))
+    return tracker.finish_iteration(acc.drain())
+
+
+def test_means_leave_out_nan_keep_inf_and_count_skips():
+    tracker = TelemetryTracker(REPORTED, ACTION)
+    acc = IterationAccumulator(tracker.layout)
+    summary = _run_iteration(
+        tracker,
+        acc,
+        [
+            (_norms([1.0, 0.5, 2.0], 3.0), [0.0, 0.0], [0.0, 0.0], 0.0),
+            (_norms([3.0, float("nan"), 4.0], float("nan"), nan=7), [0.0, 1.0], [0.0, 0.0], 1.0),
+            (_norms([2.0, 1.5, 0.0], 1.0, inf=2), [0.0, 0.0], [1.0, 0.0], 0.0),
+        ],
+    )
+    assert summary.head_norms["op"] == pytest.approx(2.0)  # (1+3+2)/3
+    assert summary.head_norms["slot"] == pytest.approx(1.0)  # (0.5+1.5)/2, NaN left out
+    assert summary.head_norms["value"] == pytest.approx(2.0)  # (2+4+0)/3
+    assert summary.global_norm == pytest.approx(2.0)  # (3+1)/2
+    assert summary.nan_grad_count == 7 and summary.inf_grad_count == 2
+    assert summary.minibatches == 3 and summary.skipped == 1 and summary.skipped_total == 1
+    assert summary.nan_latched == {"op": False, "slot": True}
+    assert summary.inf_latched == {"op": True, "slot": False}
+    assert summary.nan_first_iteration == {"slot": 1} and summary.inf_first_iteration == {"op": 1}
+    assert summary.health == {"op": "healthy", "slot": "healthy", "value": "healthy"}
+    assert summary.head_norm_cv == pytest.approx(1.0 / 3.0)  # op 2, slot 1: mean 1.5, std 0.5
+    assert acc.buffer.abs().sum().item() == 0.0  # drained
+
+
+def test_head_without_any_grad_is_missing_and_keeps_prev():
+    tracker = TelemetryTracker(REPORTED, ACTION)
+    acc = IterationAccumulator(tracker.layout)
+    first = _run_iteration(tracker, acc, [(_norms([1.0, 0.05, 0.001], 1.0), [0, 0], [0, 0], 0.0)])
+    assert first.health == {"op": "healthy", "slot": "weak", "value": "dead"}
+    assert all(math.isnan(v) for v in first.head_norms_prev.values())
+    assert first.trends == {"op": "→", "slot": "→", "value": "→"}
+    second = _run_iteration(tracker, acc, [(_norms([1.5, float("nan"), 0.001], 1.0), [0, 0], [0, 0], 0.0)])
+    assert math.isnan(second.head_norms["slot"]) and second.health["slot"] == "missing"
+    assert second.head_norms_prev == {"op": 1.0, "slot": pytest.approx(0.05), "value": pytest.approx(0.001)}
+    assert second.trends["op"] == "↗"
+    third = _run_iteration(tracker, acc, [(_norms([1.0, 0.2, 0.001], 1.0), [0, 0], [0, 0], 0.0)])
+    assert third.head_norms_prev["slot"] == pytest.approx(0.05)  # last known value survives a gap
+    assert third.trends == {"op": "↘", "slot": "↗", "value": "→"}
+
+
+def test_latches_and_counters_survive_state_round_trip():
+    tracker = TelemetryTracker(REPORTED, ACTION)
+    acc = IterationAccumulator(tracker.layout)
+    _run_iteration(tracker, acc, [(_norms([1, 1, 1], 1.0, nan=3), [1, 0], [0, 0], 1.0)])
+    restored = TelemetryTracker(REPORTED, ACTION)
+    restored.load_state_dict(tracker.state_dict())
+    clean = _run_iteration(
+        restored, IterationAccumulator(restored.layout), [(_norms([1, 1, 1], 1.0), [0, 0], [0, 0], 0)]
+    )
+    assert clean.iteration == 2
+    assert clean.nan_latched == {"op": True, "slot": False} and clean.nan_first_iteration == {"op": 1}
+    assert clean.skipped_total == 1 and clean.skipped == 0
+    with pytest.raises(ValueError, match="heads"):
+        TelemetryTracker(("a", "value"), ("a",)).load_state_dict(tracker.state_dict())
+
+
+def test_to_metrics_names_and_codes():
+    tracker = TelemetryTracker(REPORTED, ACTION)
+    acc = IterationAccumulator(tracker.layout)
+    summary = _run_iteration(tracker, acc, [(_norms([7.0, 0.5, 0.001], 7.0), [0, 1], [0, 0], 0.0)])
+    metrics = summary.to_metrics()
+    assert metrics["grad/head/op/norm"] == pytest.approx(7.0)
+    assert metrics["grad/head/op/health"] == mn.HEALTH_CODES["exploding"]
+    assert metrics["grad/head/value/health"] == mn.HEALTH_CODES["dead"]
+    assert metrics["latch/nan/slot"] == 1.0 and metrics["latch/nan/op"] == 0.0
+    assert metrics["latch/nan/slot/first_iteration"] == 1.0
+    assert "latch/nan/op/first_iteration" not in metrics
+    assert "latch/nan/value" not in metrics  # the value head has no log-probs
+    assert metrics[mn.TELEMETRY_ITERATION] == 1.0
+
+
+def test_finish_iteration_rejects_wrong_layout():
+    tracker = TelemetryTracker(REPORTED, ACTION)
+    with pytest.raises(ValueError, match="lanes"):
+        tracker.finish_iteration(np.zeros(3))
+    with pytest.raises(ValueError, match="leading"):
+        TelemetryTracker(("a", "b"), ("b",))

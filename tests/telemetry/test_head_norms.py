@@ -1,0 +1,186 @@
+"""Per-head gradient norms, bands, trends, CV: worked answers and property tests."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradmon_ray.telemetry import (
+    GradientNormPlan,
+    classify_grad_norm,
+    coefficient_of_variation,
+    per_head_grad_norms,
+    trend_arrow,
+    worst_head,
+)
+
+
+def _param(*values: float, grad: list[float] | None) -> torch.nn.Parameter:
+    p = torch.nn.Parameter(torch.tensor(values, dtype=torch.float32))
+    if grad is not None:
+        p.grad = torch.tensor(grad, dtype=torch.float32)
+    return p
+
+
+@pytest.fixture
+def hand_built_heads():
+    """Head a: grads [3, 4] and [12] -> sqrt(9+16+144) = 13. Head b: no grads -> NaN.
+    Head c: grads [1, 2, 2] and [0] -> 3; one param without grad is ignored.  Trunk: [0, 5]."""
+    a = [_param(0, 0, grad=[3, 4]), _param(0, grad=[12])]
+    b = [_param(0, 0, grad=None)]
+    c = [_param(0, 0, 0, grad=[1, 2, 2]), _param(0, grad=[0]), _param(0, grad=None)]
+    trunk = [_param(0, 0, grad=[0, 5])]
+    return {"a": a, "b": b, "c": c}, trunk
+
+
+def test_per_head_grad_norms_worked_answer(hand_built_heads):
+    groups, _ = hand_built_heads
+    norms = per_head_grad_norms(groups)
+    assert norms.shape == (3,)
+    assert norms[0].item() == pytest.approx(13.0)
+    assert math.isnan(norms[1].item())
+    assert norms[2].item() == pytest.approx(3.0)
+
+
+def test_per_head_grad_norms_all_missing_is_all_nan():
+    norms = per_head_grad_norms({"x": [_param(1, grad=None)], "y": []})
+    assert torch.isnan(norms).all()
+
+
+def test_plan_matches_worked_answer_and_counts(hand_built_heads):
+    groups, trunk = hand_built_heads
+    all_params = [p for ps in groups.values() for p in ps] + trunk
+    result = GradientNormPlan(groups, all_params).compute()
+    assert result.head_norms[0].item() == pytest.approx(13.0)
+    assert math.isnan(result.head_norms[1].item())
+    assert result.head_norms[2].item() == pytest.approx(3.0)
+    # global: 169 + 9 + 25 (trunk) = 203
+    assert result.global_norm.item() == pytest.approx(math.sqrt(203.0))
+    assert result.nan_count.item() == 0 and result.inf_count.item() == 0
+    assert result.found_nonfinite.item() == 0.0
+
+
+def test_plan_counts_nan_and_inf_elements_exactly(hand_built_heads):
+    groups, trunk = hand_built_heads
+    groups["a"][0].grad = torch.tensor([float("nan"), float("inf")])
+    trunk[0].grad = torch.tensor([float("-inf"), float("nan")])
+    all_params = [p for ps in groups.values() for p in ps] + trunk
+    result = GradientNormPlan(groups, all_params).compute()
+    assert result.nan_count.item() == 2
+    assert result.inf_count.item() == 2
+    assert math.isnan(result.head_norms[0].item())
+    assert result.head_norms[2].item() == pytest.approx(3.0)  # untouched head stays exact
+    assert result.found_nonfinite.item() == 1.0
+
+
+def test_plan_inf_only_head_norm_is_inf():
+    p = _param(0, 0, grad=[float("inf"), 1.0])
+    result = GradientNormPlan({"h": [p]}, [p]).compute()
+    assert math.isinf(result.head_norms[0].item())
+    assert result.inf_count.item() == 1 and result.nan_count.item() == 0
+
+
+def test_plan_rejects_overlapping_or_unknown_params():
+    p = _param(0, grad=[1])
+    with pytest.raises(ValueError, match="two heads"):
+        GradientNormPlan({"a": [p], "b": [p]}, [p])
+    with pytest.raises(ValueError, match="all_params"):
+        GradientNormPlan({"a": [p]}, [])
+
+
+def test_plan_no_grads_at_all():
+    p = _param(0, grad=None)
+    result = GradientNormPlan({"a": [p]}, [p]).compute()
+    assert math.isnan(result.head_norms[0].item()) and math.isnan(result.global_norm.item())
+    assert result.found_nonfinite.item() == 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shapes=st.lists(st.lists(st.integers(1, 4), min_size=1, max_size=3), min_size=2, max_size=6),
+    seed=st.integers(0, 2**31 - 1),
+    data=st.data(),
+)
+def test_plan_equals_reference_formula_and_numpy(shapes, seed, data):
+    """Property: the vectorised plan equals the reference formula and an independent numpy sum."""
+    gen = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter(torch.zeros(shape))
+        if data.draw(st.booleans()):
+            p.grad = torch.randn(shape, generator=gen) * data.draw(st.sampled_from([1e-3, 1.0, 1e3]))
+        params.append(p)
+    cut = data.draw(st.integers(1, len(params) - 1))
+    groups = {"h0": params[:cut], "h1": params[cut:]}
+    trunk = torch.nn.Parameter(torch.zeros(3))
+    trunk.grad = torch.randn(3, generator=gen)
+    plan = GradientNormPlan(groups, [*params, trunk]).compute()
+    ref = per_head_grad_norms(groups)
+    torch.testing.assert_close(plan.head_norms, ref, equal_nan=True, rtol=1e-5, atol=1e-6)
+    for i, ps in enumerate(groups.values()):
+        sq = [np.sum(p.grad.double().numpy() ** 2) for p in ps if p.grad is not None]
+        expected = math.sqrt(sum(sq)) if sq else float("nan")
+        got = plan.head_norms[i].item()
+        assert (math.isnan(got) and math.isnan(expected)) or got == pytest.approx(expected, rel=1e-5)
+    all_sq = sum(np.sum(p.grad.double().numpy() ** 2) for p in [*params, trunk] if p.grad is not None)
+    assert plan.global_norm.item() == pytest.approx(math.sqrt(all_sq), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("x", "band"),
+    [
+        (0.0, "dead"),
+        (0.00999, "dead"),
+        (0.01, "weak"),
+        (0.0999, "weak"),
+        (0.1, "healthy"),
+        (1.0, "healthy"),
+        (2.0, "healthy"),
+        (2.0001, "elevated"),
+        (5.0, "elevated"),
+        (5.0001, "exploding"),
+        (float("inf"), "exploding"),
+        (float("nan"), "missing"),
+    ],
+)
+def test_classify_grad_norm_band_edges(x, band):
+    assert classify_grad_norm(x) == band
+
+
+@pytest.mark.parametrize(
+    ("prev", "cur", "arrow"),
+    [
+        (0.0, 0.01, "→"),  # delta exactly 0.01 is not "> 0.01"
+        (0.0, -0.01, "→"),
+        (0.0, 0.0101, "↗"),
+        (0.0, -0.0101, "↘"),
+        (1.0, 1.0, "→"),
+        (0.5, 3.0, "↗"),
+        (3.0, 0.5, "↘"),
+        (float("nan"), 1.0, "→"),
+        (1.0, float("nan"), "→"),
+    ],
+)
+def test_trend_arrow_edges(prev, cur, arrow):
+    assert trend_arrow(prev, cur) == arrow
+
+
+def test_coefficient_of_variation_worked_answers():
+    assert coefficient_of_variation([1.0, 3.0]) == pytest.approx(0.5)  # mean 2, population std 1
+    assert coefficient_of_variation([2.0, 2.0, 2.0]) == 0.0
+    assert coefficient_of_variation([1.0, float("nan"), 3.0]) == pytest.approx(0.5)
+    assert math.isnan(coefficient_of_variation([1.0]))
+    assert math.isnan(coefficient_of_variation([0.0, 0.0]))
+
+
+def test_worst_head_prefers_severity_then_distance_from_healthy_centre():
+    assert worst_head({"a": 1.0, "b": 7.0, "c": 0.05}) == ("b", "exploding")
+    assert worst_head({"a": 0.5, "b": float("nan")}) == ("b", "missing")
+    # all healthy: 1.9 is further (log scale) from sqrt(0.2)=0.447 than 0.3 is
+    assert worst_head({"a": 0.3, "b": 1.9}) == ("b", "healthy")
+    assert worst_head({"a": 0.001, "b": 100.0})[1] in {"dead", "exploding"}
