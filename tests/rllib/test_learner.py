@@ -74,7 +74,7 @@ def test_reports_nine_heads_with_finite_healthy_values(shared):
 
 def test_norms_equal_reference_on_one_full_batch_minibatch(shared):
     """One minibatch, no clipping: the reported norms are exactly the grads left in p.grad."""
-    cfg, _, batch = shared
+    _, _, batch = shared
     c = _cfg(grad_clip=None, num_epochs=1, minibatch_size=256, train_batch_size=256)
     learner = _fresh(c)
     learner.update(batch=batch, timesteps={}, num_epochs=1, minibatch_size=None)
@@ -88,7 +88,7 @@ def test_norms_equal_reference_on_one_full_batch_minibatch(shared):
 
 
 def test_norms_are_taken_before_clipping(shared):
-    cfg, _, batch = shared
+    _, _, batch = shared
     learner = _fresh(_cfg(grad_clip=1e-4, num_epochs=1))
     learner.update(batch=batch, timesteps={}, num_epochs=1, minibatch_size=None)
     reported = learner.last_telemetry.global_norm
@@ -150,7 +150,7 @@ def test_inf_log_prob_latches_inf_not_nan(shared):
 
 
 def test_state_contains_telemetry_only_when_asked(shared):
-    cfg, learner, _ = shared
+    _, learner, _ = shared
     assert TELEMETRY_STATE_KEY in learner.get_state()
     assert TELEMETRY_STATE_KEY not in learner.get_state(components="rl_module")
 
