@@ -1,0 +1,88 @@
+"""Config validation: defaults, the example YAML, and one clear error per kind of mistake."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from gradmon_ray.config import ConfigError, GradmonConfig, config_from_dict, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_are_valid_and_example_yaml_spells_every_default():
+    assert config_from_dict({}) == GradmonConfig()
+    assert load_config(ROOT / "tune_configs" / "default.yaml") == GradmonConfig()
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "fragment"),
+    [
+        ({"ppo": {"lrr": 1}}, "ppo.lrr", "unknown key; allowed keys here: lr, gamma"),
+        ({"bogus": 1}, "bogus", "unknown key"),
+        ({"ppo": {"lr": "fast"}}, "ppo.lr", "must be a number > 0.0"),
+        ({"ppo": {"lr": 0}}, "ppo.lr", "> 0.0"),
+        ({"ppo": {"minibatch_size": -3}}, "ppo.minibatch_size", "must be >= 1, got -3"),
+        ({"ppo": {"minibatch_size": 2.5}}, "ppo.minibatch_size", "must be an integer"),
+        ({"ppo": {"num_epochs": True}}, "ppo.num_epochs", "must be an integer"),
+        ({"ppo": {"gamma": 1.5}}, "ppo.gamma", "<= 1.0"),
+        ({"ppo": {"grad_clip_by": "l1"}}, "ppo.grad_clip_by", "one of 'global_norm', 'norm', 'value'"),
+        ({"model": {"activation": "gelu"}}, "model.activation", "one of 'tanh', 'relu', 'silu'"),
+        ({"model": {"trunk_hiddens": [64, 0]}}, "model.trunk_hiddens[1]", ">= 1"),
+        ({"model": {"trunk_hiddens": 64}}, "model.trunk_hiddens", "a list of an integer"),
+        ({"telemetry": {"enabled": "yes"}}, "telemetry.enabled", "true or false"),
+        ({"mlflow": {"tracking_uri": ""}}, "mlflow.tracking_uri", "non-empty string"),
+        ({"ppo": 3}, "ppo", "must be a mapping"),
+        ({"ppo": {"minibatch_size": 2048}}, "ppo.minibatch_size", "<= ppo.train_batch_size (1024)"),
+    ],
+)
+def test_errors_name_the_field_and_what_is_allowed(data, field, fragment):
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data)
+    assert info.value.field_path == field
+    assert str(info.value).startswith(f"{field}: ")
+    assert fragment in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_null_allowed_where_documented():
+    cfg = config_from_dict({"seed": None, "ppo": {"grad_clip": None}, "mlflow": {"run_name": None}})
+    assert cfg.seed is None and cfg.ppo.grad_clip is None
+
+
+def test_ints_accepted_for_floats_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("ppo:\n  lr: 1\n")
+    cfg = load_config(path, {"ppo.entropy_coeff": 0, "iterations": 3, "env.config.num_tasks": 4})
+    assert cfg.ppo.lr == 1.0 and isinstance(cfg.ppo.lr, float)
+    assert cfg.iterations == 3 and cfg.env.config == {"num_tasks": 4}
+
+
+@pytest.mark.parametrize(("text", "fragment"), [("[1, 2]", "mapping at the top level"), ("a: [", "not valid YAML")])
+def test_bad_files(tmp_path, text, fragment):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(path)
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_every_field_has_a_doc():
+    def walk(cls):
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.type.endswith("Section")):
+                continue
+            assert f.metadata.get("doc"), f"{cls.__name__}.{f.name} has no doc"
+
+    from gradmon_ray import config as c
+
+    for cls in (c.GradmonConfig, c.EnvSection, c.ModelSection, c.PPOSection, c.ResourcesSection, c.MlflowSection):
+        walk(cls)
+
+
+def test_flat_params():
+    flat = GradmonConfig().to_flat_dict()
+    assert flat["ppo.lr"] == 3e-4 and flat["model.trunk_hiddens"] == [128, 128] and flat["env.config"] == {}

@@ -1,0 +1,74 @@
+"""The MLflow sink against a real sqlite store, and against a server that is not there."""
+
+from __future__ import annotations
+
+import math
+import socket
+import time
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from gradmon_ray.tracking import MlflowSink
+
+
+def test_writes_params_metrics_tags_in_chunks_to_sqlite(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    sink = MlflowSink(uri, "exp", run_name="r", params={"ppo.lr": 0.001, "long": "x" * 9000})
+    wide = {f"m/{i}": float(i) for i in range(1500)}  # > 1000 per log_batch call
+    for step in (1, 2, 3):
+        sink.log_iteration(
+            step, {**wide, "loss": step * 0.5, "bad": float("nan"), "big": float("inf")}, {"t": str(step)}
+        )
+    assert sink.close() is True
+    client = MlflowClient(uri)
+    run = client.get_run(sink.run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "r"
+    assert run.data.params["ppo.lr"] == "0.001" and len(run.data.params["long"]) == 6000
+    assert run.data.tags["t"] == "3"
+    history = client.get_metric_history(sink.run_id, "loss")
+    assert sorted((m.step, m.value) for m in history) == [(1, 0.5), (2, 1.0), (3, 1.5)]
+    assert len(client.get_metric_history(sink.run_id, "m/1499")) == 3
+    assert math.isnan(client.get_metric_history(sink.run_id, "bad")[0].value)
+    assert client.get_metric_history(sink.run_id, "big")[0].value > 1e300
+    assert sink.written_iterations == 3 and sink.dropped_iterations == 0
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_dead_server_never_blocks_or_raises(monkeypatch):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    sink = MlflowSink(f"http://127.0.0.1:{_closed_port()}", "exp", max_pending=3, retry_backoff_s=0.05)
+    start = time.perf_counter()
+    for step in range(10):
+        sink.log_iteration(step, {"x": 1.0})
+    assert time.perf_counter() - start < 0.1  # log_iteration only enqueues
+    assert sink.dropped_iterations == 7  # bounded buffer: oldest dropped, counted
+    start = time.perf_counter()
+    assert sink.close(timeout_s=1.0) is False
+    assert time.perf_counter() - start < 3.0
+    assert sink.run_id is None and sink.failed_writes >= 1 and "Error" in (sink.last_error or "")
+
+
+def test_failed_run_status(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    sink = MlflowSink(uri, "exp")
+    sink.log_iteration(1, {"x": 1.0})
+    assert sink.close(status="FAILED")
+    assert MlflowClient(uri).get_run(sink.run_id).info.status == "FAILED"
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_reuses_existing_experiment(tmp_path, existing):
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    if existing:
+        MlflowClient(uri).create_experiment("exp")
+    sink = MlflowSink(uri, "exp")
+    assert sink.close()
+    client = MlflowClient(uri)
+    assert client.get_experiment_by_name("exp").experiment_id == client.get_run(sink.run_id).info.experiment_id

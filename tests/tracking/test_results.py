@@ -1,0 +1,61 @@
+"""Flattening RLlib results into gradmon metrics, and the progress line."""
+
+from __future__ import annotations
+
+from gradmon_ray import metric_names as mn
+from gradmon_ray.tracking import heads_in, latched_heads, progress_line, result_to_metrics
+
+
+def _result(**learner):
+    return {
+        "env_runners": {"episode_return_mean": 1.5, "episode_len_mean": 16.0, "num_env_steps_sampled_lifetime": 2048},
+        "learners": {"default_policy": {"policy_loss": -0.1, "vf_loss": 0.3, "entropy": 9.0, "not_ours": 5, **learner}},
+        "time_this_iter_s": 1.25,
+    }
+
+
+def test_result_to_metrics_keeps_ours_and_maps_progress():
+    metrics = result_to_metrics(
+        _result(**{"grad/head/op/norm": 0.5, "latch/nan/op": 1, "update/skipped": 0, "grad/weird": "text"})
+    )
+    assert metrics == {
+        "grad/head/op/norm": 0.5,
+        "latch/nan/op": 1.0,
+        "update/skipped": 0.0,
+        mn.EPISODE_RETURN_MEAN: 1.5,
+        mn.EPISODE_LEN_MEAN: 16.0,
+        mn.ENV_STEPS_SAMPLED_LIFETIME: 2048.0,
+        mn.POLICY_LOSS: -0.1,
+        mn.VF_LOSS: 0.3,
+        mn.ENTROPY: 9.0,
+        mn.ITERATION_TIME_S: 1.25,
+    }
+
+
+def test_missing_return_is_left_out_not_invented():
+    result = _result()
+    result["env_runners"]["episode_return_mean"] = float("nan")
+    del result["env_runners"]["episode_len_mean"]
+    metrics = result_to_metrics(result)
+    assert mn.EPISODE_RETURN_MEAN not in metrics and mn.EPISODE_LEN_MEAN not in metrics
+
+
+def test_heads_latches_and_progress_line():
+    metrics = {
+        "grad/head/op/norm": 0.5,
+        "grad/head/slot/norm": 7.5,
+        "grad/head/value/norm": 1.0,
+        "grad/head/op/norm_prev": 0.4,
+        "latch/nan/op": 0.0,
+        "latch/nan/slot": 1.0,
+        "latch/nan/slot/first_iteration": 3.0,
+        "latch/inf/op": 1.0,
+        mn.ENV_STEPS_SAMPLED_LIFETIME: 3072.0,
+        mn.EPISODE_RETURN_MEAN: 2.25,
+    }
+    assert heads_in(metrics) == ["op", "slot", "value"]
+    assert latched_heads(metrics, "nan") == ["slot"] and latched_heads(metrics, "inf") == ["op"]
+    assert progress_line(3, 10, metrics) == (
+        "iter 3/10 | env steps 3072 | return 2.250 | worst head slot 7.500 (exploding) | latched: op, slot"
+    )
+    assert progress_line(1, 2, {}) == "iter 1/2 | env steps ? | return n/a | telemetry off | latched: none"
