@@ -33,11 +33,10 @@ from ray.rllib.core.learner.learner import ENTROPY_KEY, POLICY_LOSS_KEY, VF_LOSS
 from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.utils.annotations import override
-from ray.rllib.utils.torch_utils import explained_variance
 from ray.rllib.utils.typing import ModuleID, ParamDict, StateDict, TensorType
 
 from gradmon_ray.rllib.distribution import FactoredCategorical
-from gradmon_ray.rllib.ppo_loss import ppo_loss_terms
+from gradmon_ray.rllib.ppo_loss import explained_variance, ppo_loss_terms
 from gradmon_ray.telemetry import (
     GradientNormPlan,
     GradientNorms,

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from ray.rllib.utils.numpy import SMALL_NUMBER
 
 from gradmon_ray.rllib.distribution import FactoredCategorical
 
@@ -47,6 +48,18 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     if x.dim() > 1:
         mask = mask.reshape(mask.shape[0], *([1] * (x.dim() - 1)))
     return torch.where(mask, x, 0.0).sum(dim=0) / mask.sum()
+
+
+def explained_variance(targets: torch.Tensor, predictions: torch.Tensor) -> torch.Tensor:
+    """``max(-1, 1 - Var(targets - predictions) / Var(targets))``, RLlib's formula.
+
+    RLlib's ``explained_variance`` builds its ``-1`` bound on the host and copies it to the
+    device on every call; this clamps on the device instead.
+    """
+    y = targets.squeeze()
+    y_var = torch.var(y, dim=0)
+    diff_var = torch.var(y - predictions.squeeze(), dim=0)
+    return torch.clamp(1 - diff_var / (y_var + SMALL_NUMBER), min=-1.0)
 
 
 def ppo_loss_terms(

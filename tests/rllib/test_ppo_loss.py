@@ -97,3 +97,18 @@ def test_masked_mean_worked_answer():
     assert masked_mean(torch.tensor([1.0, 3.0]), None).item() == 2.0
     rows = masked_mean(torch.tensor([[1.0, 2.0], [3.0, 4.0], [100.0, 100.0]]), torch.tensor([True, True, False]))
     assert rows.tolist() == [2.0, 3.0]
+
+
+def test_explained_variance_matches_rllib():
+    from ray.rllib.utils.torch_utils import explained_variance as rllib_ev
+
+    from gradmon_ray.rllib.ppo_loss import explained_variance
+
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(32, generator=g)
+    for pred in (y + 0.1 * torch.randn(32, generator=g), torch.zeros(32), -5 * y):
+        torch.testing.assert_close(explained_variance(y, pred), rllib_ev(y, pred))
+    small = 1e-3 * y  # Var ~1e-6: the epsilon matters, so it must be RLlib's
+    torch.testing.assert_close(explained_variance(small, 0.5 * small), rllib_ev(small, 0.5 * small))
+    assert explained_variance(y, y).item() == pytest.approx(1.0)
+    assert explained_variance(y, -10 * y).item() == -1.0  # clamped
