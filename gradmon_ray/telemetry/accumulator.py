@@ -38,12 +38,12 @@ class TelemetryLayout:
         return slice(0, self.num_reported)
 
     @property
-    def norm_count(self) -> slice:
-        return slice(self.num_reported, 2 * self.num_reported)
+    def global_norm_sum(self) -> int:
+        return self.num_reported
 
     @property
-    def global_norm_sum(self) -> int:
-        return 2 * self.num_reported
+    def norm_count(self) -> slice:
+        return slice(self.num_reported + 1, 2 * self.num_reported + 1)
 
     @property
     def global_norm_count(self) -> int:
@@ -104,22 +104,14 @@ class IterationAccumulator:
     ) -> None:
         """Add one minibatch: norms (NaN entries are left out of the means, Inf kept),
         per-action-head log-prob flags and the 0-d skip flag.  No host synchronisation."""
-        head_known = ~torch.isnan(norms.head_norms)
-        global_known = ~torch.isnan(norms.global_norm)
-        sum_lanes = torch.cat(
-            [
-                torch.where(head_known, norms.head_norms, 0.0),
-                head_known.float(),
-                torch.where(global_known, norms.global_norm, 0.0).reshape(1),
-                global_known.float().reshape(1),
-                norms.nan_count.reshape(1).float(),
-                norms.inf_count.reshape(1).float(),
-                skipped.reshape(1).float(),
-                self._ones.reshape(1),
-            ]
-        )
-        self._sum_view.add_(sum_lanes.to(torch.float64))
-        torch.maximum(self._max_view, torch.cat([logp_nan, logp_inf]).to(torch.float64), out=self._max_view)
+        # Seven kernels: the norms and the global norm as one vector, NaN entries left out
+        # of the sums and the counts (x == x is False only for NaN), then one add and one max.
+        values = torch.cat([norms.head_norms, norms.global_norm.reshape(1)])
+        known = values == values
+        counters = torch.stack([norms.nan_count, norms.inf_count, skipped, self._ones])
+        sum_lanes = torch.cat([torch.where(known, values, 0.0), known, counters])
+        self._sum_view.add_(sum_lanes)
+        torch.maximum(self._max_view, torch.cat([logp_nan, logp_inf]), out=self._max_view)
 
     def drain(self) -> np.ndarray:
         """The single device->host copy of the iteration; the buffer is zeroed after it."""

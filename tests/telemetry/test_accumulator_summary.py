@@ -109,3 +109,34 @@ def test_finish_iteration_rejects_wrong_layout():
         tracker.finish_iteration(np.zeros(3))
     with pytest.raises(ValueError, match="leading"):
         TelemetryTracker(("a", "b"), ("b",))
+
+
+@pytest.mark.parametrize(("reported", "action"), [(1, 1), (3, 2), (9, 8)])
+def test_layout_lanes_are_disjoint_and_cover_the_buffer(reported, action):
+    from gradmon_ray.telemetry import TelemetryLayout
+
+    lay = TelemetryLayout(reported, action)
+    owner = [None] * lay.size
+    lanes = {
+        "norm_sum": lay.norm_sum,
+        "norm_count": lay.norm_count,
+        "logp_nan": lay.logp_nan,
+        "logp_inf": lay.logp_inf,
+        **{
+            k: slice(getattr(lay, k), getattr(lay, k) + 1)
+            for k in (
+                "global_norm_sum",
+                "global_norm_count",
+                "nan_grad_count",
+                "inf_grad_count",
+                "skipped",
+                "minibatches",
+            )
+        },
+    }
+    for name, sl in lanes.items():
+        for i in range(sl.start, sl.stop):
+            assert owner[i] is None, (name, owner[i])
+            owner[i] = name
+    assert None not in owner
+    assert lay.logp_nan.start == lay.num_sum_lanes  # every MAX lane comes after every SUM lane
