@@ -13,6 +13,7 @@ from gradmon_ray.telemetry.head_norms import (
 )
 from gradmon_ray.telemetry.latches import HeadLatches, logp_nonfinite_flags
 from gradmon_ray.telemetry.summary import IterationTelemetry, TelemetryTracker
+from gradmon_ray.telemetry.vgs import VarianceGradientScaler
 
 __all__ = [
     "HEALTH_BANDS",
@@ -23,6 +24,7 @@ __all__ = [
     "IterationTelemetry",
     "TelemetryLayout",
     "TelemetryTracker",
+    "VarianceGradientScaler",
     "classify_grad_norm",
     "coefficient_of_variation",
     "logp_nonfinite_flags",
