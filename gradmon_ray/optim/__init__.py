@@ -1,0 +1,5 @@
+"""Optimizers offered beside Adam."""
+
+from gradmon_ray.optim.upgd import UPGD
+
+__all__ = ["UPGD"]
