@@ -102,6 +102,34 @@ class TelemetrySection:
 
 
 @dataclass
+class VgsSection:
+    """Variance Gradient Scaler (seed 002's `vgs:` block, plus `granularity`)."""
+
+    enabled: bool = field(default=False, metadata=_meta("Scale gradients by their temporal variance (opt-in)."))
+    beta: float = field(default=0.99, metadata=_meta("EMA decay per optimizer step.", min=0.0, exclusive_max=1.0))
+    alpha: float = field(default=0.1, metadata=_meta("Scaling strength: factor = 1 / (1 + alpha * var).", min=0.0))
+    eps: float = field(
+        default=1e-8, metadata=_meta("Added to the squared mean in the normalisation.", exclusive_min=0.0)
+    )
+    warmup_steps: int = field(default=100, metadata=_meta("Optimizer steps before scaling starts.", min=0))
+    aggregation_method: Literal["p90", "mean", "weighted_mean"] = field(
+        default="p90", metadata=_meta("How per-parameter variances become one number.")
+    )
+    granularity: Literal["element", "tensor"] = field(
+        default="element", metadata=_meta("Statistics per parameter element (like Adam) or per tensor.")
+    )
+
+
+@dataclass
+class UpgdSection:
+    """UPGD hyperparameters (used when `optimizer: upgd`; the learning rate is `ppo.lr`)."""
+
+    weight_decay: float = field(default=0.001, metadata=_meta("Decoupled weight decay.", min=0.0))
+    beta_utility: float = field(default=0.999, metadata=_meta("Utility EMA decay.", min=0.0, exclusive_max=1.0))
+    sigma: float = field(default=0.001, metadata=_meta("Perturbation noise std.", min=0.0))
+
+
+@dataclass
 class MlflowSection:
     """Where metrics go."""
 
@@ -123,6 +151,9 @@ class GradmonConfig:
     ppo: PPOSection = field(default_factory=PPOSection)
     resources: ResourcesSection = field(default_factory=ResourcesSection)
     telemetry: TelemetrySection = field(default_factory=TelemetrySection)
+    optimizer: Literal["adam", "upgd"] = field(default="adam", metadata=_meta("Optimizer."))
+    upgd: UpgdSection = field(default_factory=UpgdSection)
+    vgs: VgsSection = field(default_factory=VgsSection)
     mlflow: MlflowSection = field(default_factory=MlflowSection)
 
     def to_flat_dict(self) -> dict[str, Any]:
@@ -210,6 +241,8 @@ def _range_text(meta: dict[str, Any]) -> str:
         parts.append(f"> {meta['exclusive_min']}")
     if "max" in meta:
         parts.append(f"<= {meta['max']}")
+    if "exclusive_max" in meta:
+        parts.append(f"< {meta['exclusive_max']}")
     return (" " + " and ".join(parts)) if parts else ""
 
 
@@ -218,6 +251,7 @@ def _check_range(value: float, path: str, meta: dict[str, Any]) -> None:
         ("min" not in meta or value >= meta["min"])
         and ("exclusive_min" not in meta or value > meta["exclusive_min"])
         and ("max" not in meta or value <= meta["max"])
+        and ("exclusive_max" not in meta or value < meta["exclusive_max"])
     )
     if not ok:
         raise ConfigError(path, f"must be{_range_text(meta)}, got {value!r}")

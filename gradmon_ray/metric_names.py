@@ -58,6 +58,39 @@ MEAN_KL = "loss/mean_kl"
 TOTAL_LOSS = "loss/total"
 ITERATION_TIME_S = "perf/iteration_time_s"
 
+# --- Variance Gradient Scaler (seed 002's names, exactly) -------------------------
+VGS_STOCHASTIC_VAR_P10 = "vgs/stochastic_var_p10"
+"""10th percentile of the per-parameter normalized temporal variance."""
+VGS_STOCHASTIC_VAR_P50 = "vgs/stochastic_var_p50"
+VGS_STOCHASTIC_VAR_P90 = "vgs/stochastic_var_p90"
+VGS_STOCHASTIC_VAR_MEAN = "vgs/stochastic_var_mean"
+VGS_GRAD_NORM_EMA = "vgs/grad_norm_ema"
+"""Spatial (legacy): EMA of the global gradient L2 norm, before VGS scaling."""
+VGS_GRAD_MEAN_EMA = "vgs/grad_mean_ema"
+"""Spatial (legacy): EMA of the mean over all gradient elements."""
+VGS_GRAD_VAR_EMA = "vgs/grad_var_ema"
+"""Spatial (legacy): EMA of the variance across all gradient elements (not noise!)."""
+VGS_GRAD_MAX_EMA = "vgs/grad_max_ema"
+VGS_NORMALIZED_VARIANCE = "vgs/normalized_variance"
+"""The aggregated (p90 / mean / weighted_mean) normalized temporal variance VGS scales by."""
+VGS_SCALING_FACTOR = "vgs/scaling_factor"
+VGS_STEP_COUNT = "vgs/step_count"
+VGS_WARMUP_ACTIVE = "vgs/warmup_active"
+VGS_DEVICE_METRICS: tuple[str, ...] = (
+    VGS_STOCHASTIC_VAR_P10,
+    VGS_STOCHASTIC_VAR_P50,
+    VGS_STOCHASTIC_VAR_P90,
+    VGS_STOCHASTIC_VAR_MEAN,
+    VGS_GRAD_NORM_EMA,
+    VGS_GRAD_MEAN_EMA,
+    VGS_GRAD_VAR_EMA,
+    VGS_GRAD_MAX_EMA,
+    VGS_NORMALIZED_VARIANCE,
+    VGS_SCALING_FACTOR,
+)
+"""Order of ``VarianceGradientScaler.metrics_tensor()``."""
+VGS_HOST_METRICS: tuple[str, ...] = (VGS_STEP_COUNT, VGS_WARMUP_ACTIVE)
+
 # --- MLflow tags ------------------------------------------------------------------
 TAG_NAN_LATCHED_HEADS = "gradmon.nan_latched_heads"
 """Comma-separated heads whose NaN latch fired (absent while none has)."""
@@ -107,6 +140,8 @@ SCALAR_NAMES: tuple[str, ...] = (
     MEAN_KL,
     TOTAL_LOSS,
     ITERATION_TIME_S,
+    *VGS_DEVICE_METRICS,
+    *VGS_HOST_METRICS,
 )
 TAG_NAMES: tuple[str, ...] = (
     TAG_NAN_LATCHED_HEADS,

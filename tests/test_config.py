@@ -36,6 +36,12 @@ def test_defaults_are_valid_and_example_yaml_spells_every_default():
         ({"mlflow": {"tracking_uri": ""}}, "mlflow.tracking_uri", "non-empty string"),
         ({"ppo": 3}, "ppo", "must be a mapping"),
         ({"ppo": {"minibatch_size": 2048}}, "ppo.minibatch_size", "<= ppo.train_batch_size (1024)"),
+        ({"vgs": {"beta": 1.0}}, "vgs.beta", "must be >= 0.0 and < 1.0, got 1.0"),
+        ({"vgs": {"aggregation_method": "p95"}}, "vgs.aggregation_method", "one of 'p90', 'mean', 'weighted_mean'"),
+        ({"vgs": {"granularity": "layer"}}, "vgs.granularity", "one of 'element', 'tensor'"),
+        ({"vgs": {"warmup": 3}}, "vgs.warmup", "allowed keys here: enabled, beta, alpha, eps, warmup_steps"),
+        ({"optimizer": "sgd"}, "optimizer", "one of 'adam', 'upgd'"),
+        ({"upgd": {"sigma": -1}}, "upgd.sigma", ">= 0.0"),
     ],
 )
 def test_errors_name_the_field_and_what_is_allowed(data, field, fragment):
@@ -79,7 +85,8 @@ def test_every_field_has_a_doc():
 
     from gradmon_ray import config as c
 
-    for cls in (c.GradmonConfig, c.EnvSection, c.ModelSection, c.PPOSection, c.ResourcesSection, c.MlflowSection):
+    sections = (c.GradmonConfig, c.EnvSection, c.ModelSection, c.PPOSection, c.ResourcesSection, c.MlflowSection)
+    for cls in (*sections, c.VgsSection, c.UpgdSection, c.TelemetrySection):
         walk(cls)
 
 

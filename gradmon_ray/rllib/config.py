@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any
 
@@ -56,6 +57,9 @@ def build_ppo_config(cfg: GradmonConfig) -> PPOConfig:
                 LEARNER_CONFIG_KEY: {
                     "telemetry": cfg.telemetry.enabled,
                     "fused_optimizer": cfg.telemetry.fused_optimizer,
+                    "optimizer": cfg.optimizer,
+                    "upgd": dataclasses.asdict(cfg.upgd),
+                    "vgs": dataclasses.asdict(cfg.vgs),
                 }
             },
         )

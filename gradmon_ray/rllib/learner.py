@@ -35,6 +35,8 @@ from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.utils.annotations import override
 from ray.rllib.utils.typing import ModuleID, ParamDict, StateDict, TensorType
 
+from gradmon_ray import metric_names as mn
+from gradmon_ray.optim import UPGD
 from gradmon_ray.rllib.distribution import FactoredCategorical
 from gradmon_ray.rllib.ppo_loss import explained_variance, ppo_loss_terms
 from gradmon_ray.telemetry import (
@@ -43,6 +45,7 @@ from gradmon_ray.telemetry import (
     IterationAccumulator,
     IterationTelemetry,
     TelemetryTracker,
+    VarianceGradientScaler,
     logp_nonfinite_flags,
 )
 
@@ -50,6 +53,9 @@ logger = logging.getLogger(__name__)
 
 TELEMETRY_STATE_KEY = "gradmon_telemetry"
 """Key of the telemetry state inside ``Learner.get_state()``."""
+
+VGS_STATE_KEY = "gradmon_vgs"
+"""Key of the Variance Gradient Scaler's state inside ``Learner.get_state()``."""
 
 LEARNER_CONFIG_KEY = "gradmon"
 """Key in ``AlgorithmConfig.learner_config_dict`` holding the gradmon learner settings."""
@@ -60,8 +66,10 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
 
     The RLModule must expose ``head_parameter_groups()`` (``FactoredActorCritic`` does).
     Settings come from ``config.learner_config_dict["gradmon"]``: ``telemetry`` (bool,
-    default True) and ``fused_optimizer`` (bool, default True: fused Adam, which also makes
-    the skip-on-NaN decision on the device).
+    default True), ``fused_optimizer`` (bool, default True: fused Adam, which also makes
+    the skip-on-NaN decision on the device), ``optimizer`` (``"adam"`` or ``"upgd"``),
+    ``upgd`` (UPGD's hyperparameters) and ``vgs`` (``VarianceGradientScaler`` keyword
+    arguments plus ``enabled``; off when absent).
     """
 
     @override(PPOTorchLearner)
@@ -74,6 +82,11 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         settings = dict(self.config.learner_config_dict.get(LEARNER_CONFIG_KEY, {}))
         self._telemetry_enabled = bool(settings.get("telemetry", True))
         self._fused_optimizer = bool(settings.get("fused_optimizer", True))
+        self._optimizer_name = settings.get("optimizer", "adam")
+        if self._optimizer_name not in ("adam", "upgd"):
+            raise ValueError(f"optimizer must be 'adam' or 'upgd', got {self._optimizer_name!r}")
+        self._upgd_settings = dict(settings.get("upgd", {}))
+        vgs_settings = dict(settings.get("vgs", {}))
         super().build()
         module_ids = list(self.module.keys())
         if len(module_ids) != 1:
@@ -94,6 +107,11 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         self._pending_logp_flags: tuple[torch.Tensor, torch.Tensor] | None = None
         self._zero_flags = torch.zeros(len(action_heads), device=self._device)
         self.last_telemetry: IterationTelemetry | None = None
+        self._vgs: VarianceGradientScaler | None = None
+        if vgs_settings.pop("enabled", False):
+            # One scale for the whole module, computed from gradients that DDP has already
+            # averaged: every replica sees identical inputs and so applies an identical scale.
+            self._vgs = VarianceGradientScaler(self._norm_plan.params, **vgs_settings)
 
     @property
     def head_names(self) -> tuple[str, ...]:
@@ -103,12 +121,18 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
     @override(TorchLearner)
     def configure_optimizers_for_module(self, module_id: ModuleID, config: PPOConfig = None) -> None:
         params = self.get_parameters(self._module[module_id])
-        # Fused Adam accepts `found_inf` (torch.amp.GradScaler's protocol), so a non-finite
-        # minibatch is skipped inside the kernel without a host round trip.
-        fused = (
-            self._fused_optimizer and self._device is not None and torch.device(self._device).type in ("cpu", "cuda")
-        )
-        optimizer = torch.optim.Adam(params, fused=fused) if fused else torch.optim.Adam(params)
+        optimizer: torch.optim.Optimizer
+        if self._optimizer_name == "upgd":
+            # Seeded noise: every replica draws the same perturbation, so DDP replicas stay identical.
+            generator = torch.Generator(device=self._device).manual_seed(int(config.seed or 0))
+            initial_lr = 0.0 if isinstance(config.lr, list) else float(config.lr)  # a schedule sets it later
+            optimizer = UPGD(params, lr=initial_lr, generator=generator, **self._upgd_settings)
+        else:
+            # Fused Adam accepts `found_inf` (torch.amp.GradScaler's protocol), so a non-finite
+            # minibatch is skipped inside the kernel without a host round trip.
+            dev_type = torch.device(self._device).type if self._device is not None else "cpu"
+            fused = self._fused_optimizer and dev_type in ("cpu", "cuda")
+            optimizer = torch.optim.Adam(params, fused=fused) if fused else torch.optim.Adam(params)
         self.register_optimizer(module_id=module_id, optimizer=optimizer, params=params, lr_or_lr_schedule=config.lr)
 
     @override(PPOTorchLearner)
@@ -183,12 +207,19 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         # TELE-320/310/300/301 are read here: after backward (and DDP's all-reduce), before clipping.
         norms = self._norm_plan.compute()
         self._pending_norms = norms
+        global_norm = norms.global_norm
+        if self._vgs is not None:
+            # After the telemetry norms (they stay pre-scaling), before clipping and the step.
+            # A non-finite step is skipped by the optimizer; VGS must not learn from it either.
+            scale = self._vgs.scale_gradients(skip=norms.found_nonfinite)
+            self._vgs.step()
+            global_norm = global_norm * scale  # one uniform factor: the post-VGS norm, exactly
         if config.grad_clip is None:
             return dict(module_gradients_dict)
         if config.grad_clip_by == "global_norm":
             # RLlib's clip_gradients formula, reusing the norm computed above instead of a second pass.
             grads = [g for g in module_gradients_dict.values() if g is not None]
-            coeff = config.grad_clip / torch.clamp(norms.global_norm + 1e-6, min=config.grad_clip)
+            coeff = config.grad_clip / torch.clamp(global_norm + 1e-6, min=config.grad_clip)
             torch._foreach_mul_(grads, coeff)
             return dict(module_gradients_dict)
         grads_dict = dict(module_gradients_dict)
@@ -222,12 +253,19 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
     @override(PPOLearner)
     def after_gradient_based_update(self, *, timesteps: dict[str, Any]) -> None:
         super().after_gradient_based_update(timesteps=timesteps)
-        if not self._telemetry_enabled:
+        if not self._telemetry_enabled and self._vgs is None:
             return
-        lanes = self._accumulator.drain()  # the iteration's single device->host copy
-        summary = self._tracker.finish_iteration(lanes)
-        self.last_telemetry = summary
-        for name, value in summary.to_metrics().items():
+        extra = self._vgs.metrics_tensor() if self._vgs is not None else None
+        lanes, extra_host = self._accumulator.drain(extra)  # the iteration's single device->host copy
+        metrics: dict[str, float] = {}
+        if self._telemetry_enabled:
+            summary = self._tracker.finish_iteration(lanes)
+            self.last_telemetry = summary
+            metrics.update(summary.to_metrics())
+        if self._vgs is not None:
+            metrics.update(zip(mn.VGS_DEVICE_METRICS, extra_host.tolist(), strict=True))
+            metrics.update(self._vgs.host_metrics())
+        for name, value in metrics.items():
             self.metrics.log_value((self._module_id, name), value, window=1)
 
     def telemetry_state(self) -> dict[str, Any]:
@@ -239,6 +277,8 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         state = super().get_state(components, not_components=not_components, **kwargs)
         if self._check_component(TELEMETRY_STATE_KEY, components, not_components):
             state[TELEMETRY_STATE_KEY] = self._tracker.state_dict()
+        if self._vgs is not None and self._check_component(VGS_STATE_KEY, components, not_components):
+            state[VGS_STATE_KEY] = self._vgs.state_dict()
         return state
 
     @override(Learner)
@@ -246,3 +286,10 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         super().set_state(state)
         if TELEMETRY_STATE_KEY in state:
             self._tracker.load_state_dict(state[TELEMETRY_STATE_KEY])
+        if VGS_STATE_KEY in state and self._vgs is not None:
+            self._vgs.load_state_dict(state[VGS_STATE_KEY])
+
+    @property
+    def vgs(self) -> VarianceGradientScaler | None:
+        """The learner's Variance Gradient Scaler (None when disabled)."""
+        return self._vgs

@@ -113,8 +113,13 @@ class IterationAccumulator:
         self._sum_view.add_(sum_lanes)
         torch.maximum(self._max_view, torch.cat([logp_nan, logp_inf]), out=self._max_view)
 
-    def drain(self) -> np.ndarray:
-        """The single device->host copy of the iteration; the buffer is zeroed after it."""
-        host = self.buffer.cpu().numpy().copy()
+    def drain(self, extra: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The single device->host copy of the iteration; the buffer is zeroed after it.
+
+        ``extra`` (any 1-D device tensor, e.g. the VGS metrics) rides in the same copy.
+        Returns ``(lanes, extra_on_host)``; the second is empty without ``extra``.
+        """
+        packed = self.buffer if extra is None else torch.cat([self.buffer, extra.reshape(-1).to(self.buffer.dtype)])
+        host = packed.cpu().numpy().copy()
         self.buffer.zero_()
-        return host
+        return host[: self.layout.size], host[self.layout.size :]

@@ -32,10 +32,15 @@ from typing import Any
 
 import torch
 
+from gradmon_ray import metric_names as mn
+
 AGGREGATION_METHODS = ("p90", "mean", "weighted_mean")
 GRANULARITIES = ("element", "tensor")
 MAX_NORMALIZED_VARIANCE = 1e6
 MIN_SCALE = 1e-4
+GRAD_LIMIT = 1e18
+"""Gradients are clamped to +-1e18 (NaN -> 0) before entering the EMAs: then g^2 <= 1e36 stays
+finite in float32 and every normalized variance is finite by construction."""
 OLD_CHECKPOINT_WARNING = (
     "Loading old VGS checkpoint with spatial variance. "
     "Per-parameter stochastic variance statistics will be reset. "
@@ -45,19 +50,8 @@ OLD_CHECKPOINT_WARNING = (
 """The seed's migration warning, word for word."""
 
 # Order of ``metrics_tensor()``; ``vgs/step_count`` and ``vgs/warmup_active`` are host values.
-DEVICE_METRICS = (
-    "vgs/stochastic_var_p10",
-    "vgs/stochastic_var_p50",
-    "vgs/stochastic_var_p90",
-    "vgs/stochastic_var_mean",
-    "vgs/grad_norm_ema",
-    "vgs/grad_mean_ema",
-    "vgs/grad_var_ema",
-    "vgs/grad_max_ema",
-    "vgs/normalized_variance",
-    "vgs/scaling_factor",
-)
-HOST_METRICS = ("vgs/step_count", "vgs/warmup_active")
+DEVICE_METRICS = mn.VGS_DEVICE_METRICS
+HOST_METRICS = mn.VGS_HOST_METRICS
 
 
 class VarianceGradientScaler:
@@ -132,13 +126,10 @@ class VarianceGradientScaler:
         # Legacy spatial EMAs (mean, var, norm, max of all gradient elements), for logging.
         self._spatial_ema = torch.zeros(4, device=dev)
         self._spatial_steps = torch.zeros((), device=dev)
-        # Entry -> parameter-tensor index (for the per-tensor mean aggregation).
-        if self.granularity == "element":
-            self._entry_owner = torch.repeat_interleave(
-                torch.arange(len(self._numel), device=dev), torch.tensor(self._numel, device=dev)
-            )
-        else:
-            self._entry_owner = torch.arange(len(self._numel), device=dev)
+        # Work buffers, allocated once: at 10M parameters a fresh 40 MB temporary per step
+        # costs more (page faults) than all of VGS's arithmetic (bench/vgs.py).
+        self._work_flat: torch.Tensor | None = None
+        self._work_sq: torch.Tensor | None = None
         size = self._mean_ema.numel()
         if size > self.quantile_sample_size:
             gen = torch.Generator().manual_seed(0)
@@ -170,9 +161,13 @@ class VarianceGradientScaler:
         keep = torch.ones((), device=self._device) if skip is None else (1.0 - skip.to(self._device).float())
         weight = (1.0 - self.beta) * keep
         if self.granularity == "element":
-            flat = torch.cat([g.reshape(-1) for g in grads]).float()
-            flat = torch.nan_to_num_(flat, nan=0.0, posinf=0.0, neginf=0.0)
-            sq = flat * flat
+            if self._work_flat is None:
+                self._work_flat = torch.empty(self._mean_ema.numel(), device=self._device)
+                self._work_sq = torch.empty_like(self._work_flat)
+            flat, sq = self._work_flat, self._work_sq
+            torch.cat([g.reshape(-1).float() for g in grads], out=flat)
+            torch.nan_to_num_(flat, nan=0.0, posinf=GRAD_LIMIT, neginf=-GRAD_LIMIT).clamp_(-GRAD_LIMIT, GRAD_LIMIT)
+            torch.mul(flat, flat, out=sq)
             # Legacy spatial statistics from the same buffers: mean, var, norm, max|g|.
             n = flat.numel()
             total, total_sq = flat.sum(), sq.sum()
@@ -181,12 +176,15 @@ class VarianceGradientScaler:
             self._mean_ema.lerp_(magnitude, weight)
             spatial = torch.stack([total / n, total_sq / n - (total / n) ** 2, total_sq.sqrt(), magnitude.max()])
         else:
-            l1 = torch.stack(torch._foreach_norm(grads, 1)).float()
+            # Read-only reductions, no large temporaries: measured on CPU, _foreach_norm with
+            # ord=1 or inf allocates |g| (16 ms at 10M parameters); vector_norm / aminmax do not.
+            l1 = torch.stack([torch.linalg.vector_norm(g, 1) for g in grads]).float()
             l2 = torch.stack(torch._foreach_norm(grads, 2)).float()
-            linf = torch.stack(torch._foreach_norm(grads, float("inf"))).float()
+            extremes = torch.stack([torch.stack(torch.aminmax(g)) for g in grads]).float()
+            linf = torch.maximum(-extremes[:, 0], extremes[:, 1])
             sums = torch.stack([g.sum() for g in grads]).float()
             n = float(sum(self._numel))
-            stat = torch.nan_to_num(l1 / self._param_numel, nan=0.0, posinf=0.0, neginf=0.0)
+            stat = torch.nan_to_num(l1 / self._param_numel, nan=0.0, posinf=GRAD_LIMIT).clamp_(max=GRAD_LIMIT)
             self._mean_ema.lerp_(stat, weight)
             self._sq_ema.lerp_(stat * stat, weight)
             total, total_sq = sums.sum(), (l2 * l2).sum()
@@ -211,8 +209,7 @@ class VarianceGradientScaler:
 
     def _aggregate(self) -> torch.Tensor:
         if self.aggregation_method == "p90":
-            nv = self._normalized_entries(self._sample)
-            value = torch.nanquantile(nv, 0.9) if nv.numel() else torch.zeros((), device=self._device)
+            value = self._quantiles(self._normalized_entries(self._sample), (0.9,))[0]
         else:
             nv = self._normalized_entries()
             finite = ~torch.isnan(nv)
@@ -226,15 +223,34 @@ class VarianceGradientScaler:
         value = torch.nan_to_num(value, nan=0.0)
         return torch.clamp(value, max=MAX_NORMALIZED_VARIANCE)
 
+    @staticmethod
+    def _quantiles(values: torch.Tensor, qs: tuple[float, ...]) -> torch.Tensor:
+        """``torch.quantile``'s linear interpolation, by selection (O(n)) instead of a sort.
+
+        Entries are finite by construction (``GRAD_LIMIT``); should one ever be NaN it is
+        treated as +inf, so it can raise a high percentile but never hide one.
+        """
+        n = values.numel()
+        if n == 0:
+            return torch.zeros(len(qs), device=values.device)
+        values = torch.nan_to_num(values, nan=float("inf"))
+        out = []
+        for q in qs:
+            pos = q * (n - 1)
+            lo, frac = math.floor(pos), pos - math.floor(pos)
+            low = torch.kthvalue(values, lo + 1).values
+            if frac == 0.0:
+                out.append(low)
+            else:
+                high = torch.kthvalue(values, min(lo + 2, n)).values
+                out.append(low + frac * (high - low))
+        return torch.stack(out)
+
     def _per_tensor_means(self, nv: torch.Tensor) -> torch.Tensor:
+        """Each parameter tensor's mean finite entry (NaN for a tensor with none)."""
         if self.granularity == "tensor":
             return nv
-        finite = ~torch.isnan(nv)
-        num = torch.zeros(len(self._numel), device=self._device).index_add_(
-            0, self._entry_owner, torch.where(finite, nv, 0.0)
-        )
-        den = torch.zeros(len(self._numel), device=self._device).index_add_(0, self._entry_owner, finite.float())
-        return num / den  # NaN for a tensor with no finite entry (nanmean drops it)
+        return torch.stack([chunk.nanmean() for chunk in nv.split(self._numel)])
 
     def normalized_variance_tensor(self) -> torch.Tensor:
         """The aggregated normalized variance as a 0-d device tensor (no sync)."""
@@ -306,11 +322,7 @@ class VarianceGradientScaler:
         dev = self._device
         if not self.enabled or not self._parameters:
             return torch.cat([torch.zeros(len(DEVICE_METRICS) - 1, device=dev), torch.ones(1, device=dev)])
-        nv_sample = self._normalized_entries(self._sample)
-        if nv_sample.numel():
-            quantiles = torch.nanquantile(nv_sample, torch.tensor([0.1, 0.5, 0.9], device=dev))
-        else:
-            quantiles = torch.zeros(3, device=dev)
+        quantiles = self._quantiles(self._normalized_entries(self._sample), (0.1, 0.5, 0.9))
         mean = self._per_tensor_means(self._normalized_entries()).nanmean()
         correction = 1.0 - torch.pow(self._beta_tensor, self._spatial_steps)
         spatial = torch.where(

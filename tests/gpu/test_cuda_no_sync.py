@@ -67,3 +67,30 @@ def test_learner_update_on_cuda_reports_finite_telemetry():
     tele = learner.last_telemetry
     assert len(tele.head_norms) == 9 and all(v > 0 for v in tele.head_norms.values())
     assert tele.skipped == 0
+
+
+@pytest.mark.parametrize("granularity", ["element", "tensor"])
+@pytest.mark.parametrize("aggregation", ["p90", "mean", "weighted_mean"])
+def test_vgs_update_and_scale_do_not_sync(granularity, aggregation):
+    from gradmon_ray.telemetry import VarianceGradientScaler
+
+    dev = torch.device("cuda")
+    params = [torch.nn.Parameter(torch.randn(64, 64, device=dev)), torch.nn.Parameter(torch.randn(64, device=dev))]
+    vgs = VarianceGradientScaler(
+        params, warmup_steps=0, granularity=granularity, aggregation_method=aggregation, quantile_sample_size=512
+    )
+    for p in params:
+        p.grad = torch.randn_like(p)
+    vgs.scale_gradients()  # first call allocates work buffers
+    skip = torch.zeros((), device=dev)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            vgs.update_statistics(skip)
+            vgs.scale_gradients(skip)
+            vgs.step()
+            vgs.metrics_tensor()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert 0.0 < vgs.get_scaling_factor() <= 1.0

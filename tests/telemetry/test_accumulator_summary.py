@@ -27,7 +27,7 @@ def _norms(heads, global_norm, nan=0.0, inf=0.0) -> GradientNorms:
 def _run_iteration(tracker, acc, minibatches):
     for norms, nan_flags, inf_flags, skipped in minibatches:
         acc.add_minibatch(norms, torch.tensor(nan_flags), torch.tensor(inf_flags), torch.tensor(skipped))
-    return tracker.finish_iteration(acc.drain())
+    return tracker.finish_iteration(acc.drain()[0])
 
 
 def test_means_leave_out_nan_keep_inf_and_count_skips():
@@ -107,6 +107,9 @@ def test_finish_iteration_rejects_wrong_layout():
     tracker = TelemetryTracker(REPORTED, ACTION)
     with pytest.raises(ValueError, match="lanes"):
         tracker.finish_iteration(np.zeros(3))
+    acc = IterationAccumulator(tracker.layout)
+    lanes, extra = acc.drain(torch.tensor([7.0, 8.0]))
+    assert lanes.shape == (tracker.layout.size,) and extra.tolist() == [7.0, 8.0]
     with pytest.raises(ValueError, match="leading"):
         TelemetryTracker(("a", "b"), ("b",))
 
