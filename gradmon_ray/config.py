@@ -130,6 +130,18 @@ class UpgdSection:
 
 
 @dataclass
+class DistributedSection:
+    """How learners agree (only matters with resources.num_learners >= 2)."""
+
+    backend: Literal["auto", "gloo", "nccl"] = field(
+        default="auto", metadata=_meta("Ray collective backend: auto = NCCL on GPUs with cupy, else gloo.")
+    )
+    replica_check_every: int = field(
+        default=10, metadata=_meta("Compare parameter checksums across learners every N iterations (0: off).", min=0)
+    )
+
+
+@dataclass
 class MlflowSection:
     """Where metrics go."""
 
@@ -154,6 +166,7 @@ class GradmonConfig:
     optimizer: Literal["adam", "upgd"] = field(default="adam", metadata=_meta("Optimizer."))
     upgd: UpgdSection = field(default_factory=UpgdSection)
     vgs: VgsSection = field(default_factory=VgsSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
     mlflow: MlflowSection = field(default_factory=MlflowSection)
 
     def to_flat_dict(self) -> dict[str, Any]:

@@ -46,6 +46,10 @@ SKIPPED_UPDATES_TOTAL = "update/skipped_total"
 """Skipped minibatch updates since the start of the run (restored from checkpoints)."""
 TELEMETRY_ITERATION = "update/telemetry_iteration"
 """The learner's own 1-based count of training iterations (the latches' clock)."""
+REPLICA_CHECKSUM_OK = "update/replica_checksum_ok"
+"""1 when all learner replicas' parameters were bitwise identical at this check iteration
+(logged every ``distributed.replica_check_every`` iterations with 2+ learners; a mismatch
+stops training with ReplicaDivergenceError)."""
 
 # --- training progress (copied from RLlib's result dict) --------------------------
 EPISODE_RETURN_MEAN = "env/episode_return_mean"
@@ -131,6 +135,7 @@ SCALAR_NAMES: tuple[str, ...] = (
     SKIPPED_UPDATES,
     SKIPPED_UPDATES_TOTAL,
     TELEMETRY_ITERATION,
+    REPLICA_CHECKSUM_OK,
     EPISODE_RETURN_MEAN,
     EPISODE_LEN_MEAN,
     ENV_STEPS_SAMPLED_LIFETIME,

@@ -10,6 +10,7 @@ from ray.rllib.algorithms.ppo import PPOConfig
 from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
 from gradmon_ray.config import ConfigError, GradmonConfig
+from gradmon_ray.distributed import new_group_name
 from gradmon_ray.envs import BUILTIN_ENV_ID, register_builtin_env
 from gradmon_ray.rllib.learner import LEARNER_CONFIG_KEY, GradmonPPOTorchLearner
 from gradmon_ray.rllib.module import FactoredActorCritic
@@ -60,6 +61,9 @@ def build_ppo_config(cfg: GradmonConfig) -> PPOConfig:
                     "optimizer": cfg.optimizer,
                     "upgd": dataclasses.asdict(cfg.upgd),
                     "vgs": dataclasses.asdict(cfg.vgs),
+                    "collective_group": new_group_name(),
+                    "collective_backend": cfg.distributed.backend,
+                    "replica_check_every": cfg.distributed.replica_check_every,
                 }
             },
         )

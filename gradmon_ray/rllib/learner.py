@@ -17,8 +17,10 @@ host in one copy and becomes RLlib metrics (names in ``gradmon_ray.metric_names`
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
+import numpy as np
 import torch
 from ray.rllib.algorithms.ppo.ppo import (
     LEARNER_RESULTS_KL_KEY,
@@ -36,6 +38,7 @@ from ray.rllib.utils.annotations import override
 from ray.rllib.utils.typing import ModuleID, ParamDict, StateDict, TensorType
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray.distributed import LearnerCollective, ReplicaDivergenceError, parameter_checksum
 from gradmon_ray.optim import UPGD
 from gradmon_ray.rllib.distribution import FactoredCategorical
 from gradmon_ray.rllib.ppo_loss import explained_variance, ppo_loss_terms
@@ -68,8 +71,11 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
     Settings come from ``config.learner_config_dict["gradmon"]``: ``telemetry`` (bool,
     default True), ``fused_optimizer`` (bool, default True: fused Adam, which also makes
     the skip-on-NaN decision on the device), ``optimizer`` (``"adam"`` or ``"upgd"``),
-    ``upgd`` (UPGD's hyperparameters) and ``vgs`` (``VarianceGradientScaler`` keyword
-    arguments plus ``enabled``; off when absent).
+    ``upgd`` (UPGD's hyperparameters), ``vgs`` (``VarianceGradientScaler`` keyword
+    arguments plus ``enabled``; off when absent), ``collective_group`` /
+    ``collective_backend`` / ``replica_check_every`` (the cross-learner reduction), and
+    ``fault_injection`` (tests only: ``{"nan_logits": {"rank", "head", "iteration"}}`` makes
+    that head's logits NaN on that rank in that iteration).
     """
 
     @override(PPOTorchLearner)
@@ -87,6 +93,8 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
             raise ValueError(f"optimizer must be 'adam' or 'upgd', got {self._optimizer_name!r}")
         self._upgd_settings = dict(settings.get("upgd", {}))
         vgs_settings = dict(settings.get("vgs", {}))
+        self._replica_check_every = int(settings.get("replica_check_every", 10))
+        self._fault_injection = dict(settings.get("fault_injection", {}))
         super().build()
         module_ids = list(self.module.keys())
         if len(module_ids) != 1:
@@ -107,6 +115,7 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         self._pending_logp_flags: tuple[torch.Tensor, torch.Tensor] | None = None
         self._zero_flags = torch.zeros(len(action_heads), device=self._device)
         self.last_telemetry: IterationTelemetry | None = None
+        self._collective = self._make_collective(settings)
         self._vgs: VarianceGradientScaler | None = None
         if vgs_settings.pop("enabled", False):
             # One scale for the whole module, computed from gradients that DDP has already
@@ -117,6 +126,32 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
     def head_names(self) -> tuple[str, ...]:
         """Reported heads: the action heads in logits order, then ``"value"``."""
         return self._tracker.reported_heads
+
+    def _make_collective(self, settings: dict[str, Any]) -> LearnerCollective:
+        import torch.distributed as dist
+
+        if self.config.num_learners > 1 and dist.is_available() and dist.is_initialized():
+            world_size, rank = dist.get_world_size(), dist.get_rank()
+        else:
+            world_size, rank = 1, 0
+        # Every learner must use the same name: build_ppo_config puts a run-unique one in the
+        # config; a hand-made config falls back to the DDP world's rendezvous address.
+        name = settings.get("collective_group") or "gradmon-{}-{}".format(
+            os.environ.get("MASTER_ADDR", "local"), os.environ.get("MASTER_PORT", "0")
+        )
+        return LearnerCollective(
+            name, world_size, rank, settings.get("collective_backend", "auto"), torch.device(self._device)
+        )
+
+    @property
+    def collective(self) -> LearnerCollective:
+        """This learner's collective group (``world_size == 1`` without remote learners)."""
+        return self._collective
+
+    @override(Learner)
+    def shutdown(self) -> None:
+        self._collective.destroy()
+        super().shutdown()
 
     @override(TorchLearner)
     def configure_optimizers_for_module(self, module_id: ModuleID, config: PPOConfig = None) -> None:
@@ -148,7 +183,11 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         dist_cls = module.get_train_action_dist_cls()
         if not issubclass(dist_cls, FactoredCategorical):
             raise TypeError("GradmonPPOTorchLearner needs an RLModule whose action distribution is FactoredCategorical")
-        dist = dist_cls.from_logits(fwd_out[Columns.ACTION_DIST_INPUTS])
+        logits = fwd_out[Columns.ACTION_DIST_INPUTS]
+        fault = self._fault_injection.get("nan_logits")
+        if fault and fault["rank"] == self._collective.rank and fault["iteration"] == self._tracker.iteration + 1:
+            logits = self._with_nan_head(logits, module, fault["head"])
+        dist = dist_cls.from_logits(logits)
         prev_dist = (
             module.get_exploration_action_dist_cls().from_logits(batch[Columns.ACTION_DIST_INPUTS])
             if config.use_kl_loss
@@ -195,6 +234,16 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
             window=1,
         )
         return terms.total
+
+    @staticmethod
+    def _with_nan_head(logits: torch.Tensor, module: Any, head: str) -> torch.Tensor:
+        """Fault injection (tests): the logits of ``head`` set to NaN."""
+        layout = module.head_layout
+        start = sum(layout.sizes[: layout.names.index(head)])
+        stop = start + layout.sizes[layout.names.index(head)]
+        poisoned = logits.clone()
+        poisoned[..., start:stop] = float("nan")
+        return poisoned
 
     @override(Learner)
     def postprocess_gradients_for_module(
@@ -255,18 +304,69 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         super().after_gradient_based_update(timesteps=timesteps)
         if not self._telemetry_enabled and self._vgs is None:
             return
-        extra = self._vgs.metrics_tensor() if self._vgs is not None else None
-        lanes, extra_host = self._accumulator.drain(extra)  # the iteration's single device->host copy
+        lanes, checksum_ok = self._reduce_iteration()
         metrics: dict[str, float] = {}
         if self._telemetry_enabled:
-            summary = self._tracker.finish_iteration(lanes)
+            summary = self._tracker.finish_iteration(lanes["telemetry"])
             self.last_telemetry = summary
             metrics.update(summary.to_metrics())
         if self._vgs is not None:
-            metrics.update(zip(mn.VGS_DEVICE_METRICS, extra_host.tolist(), strict=True))
+            metrics.update(zip(mn.VGS_DEVICE_METRICS, lanes["vgs"].tolist(), strict=True))
             metrics.update(self._vgs.host_metrics())
+        if checksum_ok is not None:
+            metrics[mn.REPLICA_CHECKSUM_OK] = float(checksum_ok)
         for name, value in metrics.items():
             self.metrics.log_value((self._module_id, name), value, window=1)
+        if checksum_ok is False:
+            raise ReplicaDivergenceError(
+                f"learner replicas hold different parameters after iteration {self._tracker.iteration} "
+                f"(detected on rank {self._collective.rank} of {self._collective.world_size}); "
+                "the run cannot be trusted: restore the last checkpoint"
+            )
+
+    def _reduce_iteration(self) -> tuple[dict[str, np.ndarray], bool | None]:
+        """Pack, reduce ONCE across learners, copy to the host ONCE; then unpack.
+
+        Reduced part: the telemetry lanes, then the two checksum digits (zeros unless this is
+        a check iteration).  Unreduced part (identical on every replica or rank-local): VGS
+        metrics and this rank's own checksum digits.
+        """
+        collective = self._collective
+        k = collective.world_size
+        layout = self._tracker.layout
+        check = (
+            collective.active
+            and self._replica_check_every > 0
+            and (self._tracker.iteration + 1) % self._replica_check_every == 0
+        )
+        digits = (
+            parameter_checksum(list(self._norm_plan.params)).to(self._device)
+            if check
+            else torch.zeros(2, dtype=torch.float64, device=self._device)
+        )
+        reduced = torch.cat([self._accumulator.buffer, digits])
+        vgs = self._vgs.metrics_tensor().double() if self._vgs is not None else reduced.new_zeros(0)
+        if collective.backend == "nccl":
+            collective.allreduce_sum(reduced)
+        host = torch.cat([reduced, vgs, digits]).cpu()  # the iteration's single device->host copy
+        self._accumulator.buffer.zero_()
+        n = reduced.numel()
+        if collective.backend == "gloo":
+            collective.allreduce_sum(host[:n])
+        values = host.numpy()
+        telemetry = values[: layout.size].copy()
+        if k > 1:
+            # Lanes computed after DDP's all-reduce are identical on every replica: SUM = k x value.
+            for lane in (layout.nan_grad_count, layout.inf_grad_count, layout.skipped, layout.minibatches):
+                telemetry[lane] /= k
+            # Local log-prob flags are 0/1: OR across learners == (SUM > 0).
+            for flags in (layout.logp_nan, layout.logp_inf):
+                telemetry[flags] = (telemetry[flags] > 0).astype(np.float64)
+        checksum_ok = None
+        if check:
+            own = values[n + vgs.numel() :]
+            checksum_ok = bool(np.array_equal(values[layout.size : n], k * own))
+        return {"telemetry": telemetry, "vgs": values[n : n + vgs.numel()]}, checksum_ok
 
     def telemetry_state(self) -> dict[str, Any]:
         """The persistent telemetry state (latches, prev values, counters)."""

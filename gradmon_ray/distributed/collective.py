@@ -1,0 +1,125 @@
+"""One named Ray collective group among the learner actors, and one packed allreduce.
+
+The group is a ``ray.util.collective`` group.  With gloo it becomes a ``torch.distributed``
+sub-group of the world RLlib already created for DDP, under a run-unique name that never is
+``"default"`` (that name would mean torch's WORLD group, and destroying it would tear down
+RLlib's DDP).  It is created lazily on the first reduction and destroyed on learner shutdown.
+
+Why ONE SUM allreduce carries everything: every lane that would need MAX is a 0/1 flag
+(per-head NaN/Inf latches on the *local* log-probs), and for 0/1 flags ``OR == (SUM > 0)``.
+Lanes computed after DDP's all-reduce are identical on every replica; their SUM is K times
+the value and is divided by K.  Norm sums and their counts are used as a ratio, so SUM
+needs no correction.  A second call with MAX would double the latency for nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+def new_group_name() -> str:
+    """A run-unique group name (never torch's ``"default"``)."""
+    return f"gradmon-{uuid.uuid4().hex[:12]}"
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``"auto"``: NCCL for CUDA tensors when Ray's NCCL backend (cupy) is installed, else
+    gloo on the host copy the learner makes anyway; an explicit choice is checked."""
+    from ray.util import collective
+
+    if backend not in BACKENDS:
+        raise ValueError(f"collective backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" and collective.nccl_available() else "gloo"
+    if backend == "nccl" and (device.type != "cuda" or not collective.nccl_available()):
+        raise ValueError("collective backend 'nccl' needs CUDA learners and Ray's NCCL support (cupy)")
+    return backend
+
+
+class LearnerCollective:
+    """The learners' collective group; ``allreduce_sum`` counts its calls.
+
+    With ``world_size <= 1`` there is no group and ``allreduce_sum`` returns its input:
+    one learner takes the same code path with nothing to reduce.
+    """
+
+    def __init__(self, group_name: str, world_size: int, rank: int, backend: str, device: torch.device) -> None:
+        if group_name == "default":
+            raise ValueError("never name the gradmon collective group 'default' (torch's WORLD group)")
+        self.group_name = group_name
+        self.world_size = int(world_size)
+        self.rank = int(rank)
+        self.backend = resolve_backend(backend, device) if self.world_size > 1 else "none"
+        self.calls = 0
+        self._initialized = False
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+    def _ensure_group(self) -> None:
+        if self._initialized:
+            return
+        from ray.util import collective
+
+        collective.init_collective_group(self.world_size, self.rank, backend=self.backend, group_name=self.group_name)
+        self._initialized = True
+
+    def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """SUM-allreduce ``tensor`` in place across the learners (one collective call).
+
+        gloo reduces a host tensor (the caller's single device->host copy); NCCL reduces on
+        the device.  Returns the reduced tensor.
+        """
+        if not self.active:
+            return tensor
+        from ray.util import collective
+
+        self._ensure_group()
+        collective.allreduce(tensor, group_name=self.group_name)
+        self.calls += 1
+        return tensor
+
+    def destroy(self) -> None:
+        """Tear down this group only (RLlib's DDP world is left alone)."""
+        if not self._initialized:
+            return
+        from ray.util import collective
+
+        try:
+            collective.destroy_collective_group(self.group_name)
+        except Exception as exc:  # shutdown must not fail because a peer went first
+            logger.warning("destroying collective group %s failed: %s", self.group_name, exc)
+        self._initialized = False
+
+
+# --- replica checksum ---------------------------------------------------------------------
+CHECKSUM_BITS = 48
+_CHUNK = 1 << 24
+
+
+def parameter_checksum(params: list[torch.Tensor]) -> torch.Tensor:
+    """A 48-bit checksum of the parameters' exact bit patterns, as two float64 "digits".
+
+    ``sum_i bits_i * w_i mod 2^48`` with fixed odd weights ``w_i``: a change of any single
+    element changes it (``w_i`` is odd and ``|delta bits| < 2^33``).  The two 24-bit digits
+    stay exact in float64 after summing over up to 2^29 learners, so ``SUM == K * own`` is an
+    exact test across replicas.
+    """
+    flat = torch.cat([p.detach().reshape(-1).float() for p in params])
+    bits = flat.view(torch.int32).to(torch.int64)
+    index = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64)
+    weights = (index * 2654435761 + 1) | 1  # odd, distinct, deterministic
+    total = (bits * weights).sum() & ((1 << CHECKSUM_BITS) - 1)
+    return torch.stack([(total // _CHUNK).double(), (total % _CHUNK).double()])
+
+
+class ReplicaDivergenceError(RuntimeError):
+    """Learner replicas hold different parameters: the run can no longer be trusted."""

@@ -1,0 +1,92 @@
+"""Two real learner actors: one packed Ray-collective reduction, cross-rank latches, replica checksum."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import pytest
+
+from gradmon_ray import metric_names as mn
+from gradmon_ray.config import config_from_dict
+from gradmon_ray.rllib import build_ppo_config
+
+pytestmark = pytest.mark.e2e
+
+
+def _probe(learner) -> dict:
+    module = learner.module["default_policy"].unwrapped()
+    digest = hashlib.sha256()
+    finite = True
+    for p in module.parameters():
+        finite &= bool(p.detach().isfinite().all())
+        digest.update(p.detach().cpu().numpy().tobytes())
+    tele = learner.last_telemetry
+    return {
+        "rank": learner.collective.rank,
+        "world": learner.collective.world_size,
+        "backend": learner.collective.backend,
+        "group": learner.collective.group_name,
+        "calls": learner.collective.calls,
+        "params": digest.hexdigest(),
+        "finite": finite,
+        "nan_latched": [h for h, v in tele.nan_latched.items() if v],
+        "first": dict(tele.nan_first_iteration),
+        "skipped": tele.skipped,
+        "minibatches": tele.minibatches,
+        "iteration": tele.iteration,
+    }
+
+
+def _perturb_rank_1(learner) -> int:
+    if learner.collective.rank == 1:
+        p = next(iter(learner.module["default_policy"].unwrapped().parameters()))
+        p.data.view(-1)[0] += 1e-3
+    return learner.collective.rank
+
+
+def test_nan_on_one_rank_latches_everywhere_and_replicas_are_checked(ray_session):
+    cfg = config_from_dict(
+        {
+            "seed": 5,
+            "resources": {"num_learners": 2, "num_env_runners": 1},
+            "ppo": {"train_batch_size": 400, "minibatch_size": 100, "num_epochs": 2},
+            "model": {"trunk_hiddens": [32, 32]},
+            "distributed": {"replica_check_every": 1},
+        }
+    )
+    ppo = build_ppo_config(cfg)
+    ppo.learner_config_dict["gradmon"]["fault_injection"] = {"nan_logits": {"rank": 1, "head": "tempo", "iteration": 2}}
+    algo = ppo.build_algo()
+    try:
+        algo.train()
+        result = algo.train()  # iteration 2: rank 1's tempo logits are NaN
+        learners = sorted((r.get() for r in algo.learner_group.foreach_learner(_probe)), key=lambda d: d["rank"])
+        assert [d["rank"] for d in learners] == [0, 1] and {d["world"] for d in learners} == {2}
+        assert {d["backend"] for d in learners} == {"gloo"}
+        assert learners[0]["group"] == learners[1]["group"] != "default"
+        for d in learners:  # rank 0 never saw a NaN log-prob, yet latches 'tempo' in the same iteration
+            assert d["nan_latched"] == ["tempo"] and d["first"] == {"tempo": 2}
+            assert d["skipped"] == d["minibatches"] > 0
+            assert d["finite"]
+        assert learners[0]["params"] == learners[1]["params"]
+        logged = result["learners"]["default_policy"]
+        assert logged[mn.head_metric(mn.HEAD_NAN_LATCH, "tempo")] == 1.0
+        assert logged[mn.head_metric(mn.HEAD_NAN_LATCH, "op")] == 0.0
+        assert logged[mn.SKIPPED_UPDATES] == learners[0]["minibatches"]
+
+        for _ in range(3):  # iterations 3-5: clean again
+            result = algo.train()
+        learners = sorted((r.get() for r in algo.learner_group.foreach_learner(_probe)), key=lambda d: d["rank"])
+        assert [d["calls"] for d in learners] == [5, 5]  # exactly one collective call per iteration
+        assert learners[0]["params"] == learners[1]["params"] and learners[0]["iteration"] == 5
+        assert result["learners"]["default_policy"][mn.REPLICA_CHECKSUM_OK] == 1.0
+        assert result["learners"]["default_policy"][mn.SKIPPED_UPDATES] == 0.0
+        assert learners[0]["nan_latched"] == ["tempo"]  # the latch survives clean iterations
+        assert math.isfinite(result["learners"]["default_policy"][mn.head_metric(mn.HEAD_GRAD_NORM, "tempo")])
+
+        assert sorted(r.get() for r in algo.learner_group.foreach_learner(_perturb_rank_1)) == [0, 1]
+        with pytest.raises(Exception, match="replicas hold different parameters"):
+            algo.train()
+    finally:
+        algo.stop()
