@@ -16,6 +16,10 @@ HEAD_GRAD_TREND = "grad/head/{head}/trend"
 """+1 rising (delta > 0.01), -1 falling (delta < -0.01), 0 steady; see ``trend_arrow``."""
 HEAD_GRAD_HEALTH = "grad/head/{head}/health"
 """Health band as a code, see ``HEALTH_CODES``."""
+HEAD_NOISE_SCALE = "grad/head/{head}/noise_scale"
+"""B_simple = EMA(tr Sigma) / EMA(|G|^2) over the head's parameters (2+ learners only)."""
+GLOBAL_NOISE_SCALE = "grad/noise_scale"
+"""B_simple over all parameters (2+ learners only): about the critical batch size."""
 HEAD_GRAD_NORM_CV = "grad/head_norm_cv"
 """Coefficient of variation (population std / mean) of the finite action-head norms."""
 
@@ -121,12 +125,14 @@ PER_HEAD_TEMPLATES: tuple[str, ...] = (
     HEAD_GRAD_NORM_PREV,
     HEAD_GRAD_TREND,
     HEAD_GRAD_HEALTH,
+    HEAD_NOISE_SCALE,
     HEAD_NAN_LATCH,
     HEAD_INF_LATCH,
     HEAD_NAN_LATCH_FIRST_ITERATION,
     HEAD_INF_LATCH_FIRST_ITERATION,
 )
 SCALAR_NAMES: tuple[str, ...] = (
+    GLOBAL_NOISE_SCALE,
     HEAD_GRAD_NORM_CV,
     GLOBAL_GRAD_NORM,
     NAN_GRAD_COUNT,

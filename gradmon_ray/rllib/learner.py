@@ -47,6 +47,7 @@ from gradmon_ray.telemetry import (
     GradientNorms,
     IterationAccumulator,
     IterationTelemetry,
+    NoiseScaleTracker,
     TelemetryTracker,
     VarianceGradientScaler,
     logp_nonfinite_flags,
@@ -59,6 +60,9 @@ TELEMETRY_STATE_KEY = "gradmon_telemetry"
 
 VGS_STATE_KEY = "gradmon_vgs"
 """Key of the Variance Gradient Scaler's state inside ``Learner.get_state()``."""
+
+NOISE_STATE_KEY = "gradmon_noise_scale"
+"""Key of the gradient-noise-scale EMAs inside ``Learner.get_state()`` (2+ learners)."""
 
 LEARNER_CONFIG_KEY = "gradmon"
 """Key in ``AlgorithmConfig.learner_config_dict`` holding the gradmon learner settings."""
@@ -116,6 +120,7 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         self._zero_flags = torch.zeros(len(action_heads), device=self._device)
         self.last_telemetry: IterationTelemetry | None = None
         self._collective = self._make_collective(settings)
+        self._setup_noise_scale(groups, float(settings.get("noise_ema_beta", 0.9)))
         self._vgs: VarianceGradientScaler | None = None
         if vgs_settings.pop("enabled", False):
             # One scale for the whole module, computed from gradients that DDP has already
@@ -142,6 +147,48 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         return LearnerCollective(
             name, world_size, rank, settings.get("collective_backend", "auto"), torch.device(self._device)
         )
+
+    def _setup_noise_scale(self, groups: dict[str, list[Any]], beta: float) -> None:
+        """Per-head gradient noise scale (needs 2+ learners: local vs all-reduced gradients).
+
+        A DDP comm hook adds each bucket's LOCAL per-head squared norms (before the
+        all-reduce) into a device accumulator and then hands the bucket to DDP's own
+        ``allreduce_hook``, which still does the averaging.
+        """
+        num_slots = len(groups)
+        self._noise: NoiseScaleTracker | None = None
+        # [local sq per head | trunk (unused) | local global sq | big sq per head | big global sq]
+        self._noise_acc = torch.zeros(2 * num_slots + 3, dtype=torch.float64, device=self._device)
+        self._noise_rows = 0
+        self._last_rows = 0
+        if not self._collective.active:
+            return
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        self._noise = NoiseScaleTracker([*groups, "global"], beta=beta)
+        slot_of = {id(p): i for i, ps in enumerate(groups.values()) for p in ps}
+        local = self._noise_acc[: num_slots + 2]
+        index_cache: dict[tuple[int, ...], torch.Tensor] = {}
+
+        # No annotations: DDP checks them against dist.GradBucket / Future[Tensor], and under
+        # `from __future__ import annotations` they would be strings.
+        def local_norm_hook(state, bucket):  # type: ignore[no-untyped-def]
+            params = bucket.parameters()
+            key = tuple(id(p) for p in params)
+            index = index_cache.get(key)
+            if index is None:  # DDP may rebuild its buckets after the first iteration
+                index = torch.tensor([slot_of.get(id(p), num_slots) for p in params], device=local.device)
+                index_cache[key] = index
+            squares = torch.stack(torch._foreach_norm(bucket.gradients())).double() ** 2
+            local[: num_slots + 1].index_add_(0, index, squares)
+            local[num_slots + 1 :].add_(squares.sum())
+            return allreduce_hook(None, bucket)
+
+        module = self.module[self._module_id]
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            module.register_comm_hook(state=None, hook=local_norm_hook)
+        else:
+            self._noise = None
 
     @property
     def collective(self) -> LearnerCollective:
@@ -194,6 +241,7 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
             else None
         )
         mask = batch.get(Columns.LOSS_MASK)
+        self._last_rows = int(batch[Columns.OBS].shape[0])  # host-side shape: no sync
         values = module.compute_values(batch, embeddings=fwd_out.get(Columns.EMBEDDINGS)) if config.use_critic else None
         terms = ppo_loss_terms(
             dist=dist,
@@ -256,6 +304,10 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         # TELE-320/310/300/301 are read here: after backward (and DDP's all-reduce), before clipping.
         norms = self._norm_plan.compute()
         self._pending_norms = norms
+        if self._noise is not None:
+            big = self._noise_acc[len(self._norm_plan.head_names) + 2 :]
+            big.add_(torch.cat([norms.head_norms, norms.global_norm.reshape(1)]).double() ** 2)
+            self._noise_rows += self._last_rows
         global_norm = norms.global_norm
         if self._vgs is not None:
             # After the telemetry norms (they stay pre-scaling), before clipping and the step.
@@ -310,6 +362,7 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
             summary = self._tracker.finish_iteration(lanes["telemetry"])
             self.last_telemetry = summary
             metrics.update(summary.to_metrics())
+            metrics.update(self._noise_scale_metrics(lanes["noise"], summary.minibatches))
         if self._vgs is not None:
             metrics.update(zip(mn.VGS_DEVICE_METRICS, lanes["vgs"].tolist(), strict=True))
             metrics.update(self._vgs.host_metrics())
@@ -344,12 +397,13 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
             if check
             else torch.zeros(2, dtype=torch.float64, device=self._device)
         )
-        reduced = torch.cat([self._accumulator.buffer, digits])
+        reduced = torch.cat([self._accumulator.buffer, digits, self._noise_acc])
         vgs = self._vgs.metrics_tensor().double() if self._vgs is not None else reduced.new_zeros(0)
         if collective.backend == "nccl":
             collective.allreduce_sum(reduced)
         host = torch.cat([reduced, vgs, digits]).cpu()  # the iteration's single device->host copy
         self._accumulator.buffer.zero_()
+        self._noise_acc.zero_()
         n = reduced.numel()
         if collective.backend == "gloo":
             collective.allreduce_sum(host[:n])
@@ -365,8 +419,26 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         checksum_ok = None
         if check:
             own = values[n + vgs.numel() :]
-            checksum_ok = bool(np.array_equal(values[layout.size : n], k * own))
-        return {"telemetry": telemetry, "vgs": values[n : n + vgs.numel()]}, checksum_ok
+            checksum_ok = bool(np.array_equal(values[layout.size : layout.size + 2], k * own))
+        noise = values[layout.size + 2 : n]
+        return {"telemetry": telemetry, "vgs": values[n : n + vgs.numel()], "noise": noise}, checksum_ok
+
+    def _noise_scale_metrics(self, noise: np.ndarray, minibatches: int) -> dict[str, float]:
+        """B_simple per head and global from the reduced noise lanes of one iteration."""
+        rows, self._noise_rows = self._noise_rows, 0
+        if self._noise is None or minibatches <= 0 or rows <= 0:
+            return {}
+        k = self._collective.world_size
+        r = len(self._norm_plan.head_names)
+        local_sum = np.concatenate([noise[:r], noise[r + 1 : r + 2]])  # drop the trunk slot
+        big_sum = noise[r + 2 :]
+        sq_small = local_sum / (k * minibatches)  # mean over learners and minibatches
+        sq_big = big_sum / (k * minibatches)  # identical on every learner: SUM = k x
+        b_small = rows / minibatches
+        scales = self._noise.update(sq_small.tolist(), sq_big.tolist(), b_small, k * b_small)
+        out = {mn.head_metric(mn.HEAD_NOISE_SCALE, h): v for h, v in scales.items() if h != "global"}
+        out[mn.GLOBAL_NOISE_SCALE] = scales["global"]
+        return out
 
     def telemetry_state(self) -> dict[str, Any]:
         """The persistent telemetry state (latches, prev values, counters)."""
@@ -377,6 +449,8 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         state = super().get_state(components, not_components=not_components, **kwargs)
         if self._check_component(TELEMETRY_STATE_KEY, components, not_components):
             state[TELEMETRY_STATE_KEY] = self._tracker.state_dict()
+        if self._noise is not None and self._check_component(NOISE_STATE_KEY, components, not_components):
+            state[NOISE_STATE_KEY] = self._noise.state_dict()
         if self._vgs is not None and self._check_component(VGS_STATE_KEY, components, not_components):
             state[VGS_STATE_KEY] = self._vgs.state_dict()
         return state
@@ -386,6 +460,8 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         super().set_state(state)
         if TELEMETRY_STATE_KEY in state:
             self._tracker.load_state_dict(state[TELEMETRY_STATE_KEY])
+        if NOISE_STATE_KEY in state and self._noise is not None:
+            self._noise.load_state_dict(state[NOISE_STATE_KEY])
         if VGS_STATE_KEY in state and self._vgs is not None:
             self._vgs.load_state_dict(state[VGS_STATE_KEY])
 

@@ -12,6 +12,7 @@ from gradmon_ray.telemetry.head_norms import (
     worst_head,
 )
 from gradmon_ray.telemetry.latches import HeadLatches, logp_nonfinite_flags
+from gradmon_ray.telemetry.noise_scale import NoiseScaleTracker, gradient_noise_terms
 from gradmon_ray.telemetry.summary import IterationTelemetry, TelemetryTracker
 from gradmon_ray.telemetry.vgs import VarianceGradientScaler
 
@@ -22,11 +23,13 @@ __all__ = [
     "HeadLatches",
     "IterationAccumulator",
     "IterationTelemetry",
+    "NoiseScaleTracker",
     "TelemetryLayout",
     "TelemetryTracker",
     "VarianceGradientScaler",
     "classify_grad_norm",
     "coefficient_of_variation",
+    "gradient_noise_terms",
     "logp_nonfinite_flags",
     "per_head_grad_norms",
     "trend_arrow",

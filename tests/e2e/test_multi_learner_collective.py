@@ -84,6 +84,13 @@ def test_nan_on_one_rank_latches_everywhere_and_replicas_are_checked(ray_session
         assert result["learners"]["default_policy"][mn.SKIPPED_UPDATES] == 0.0
         assert learners[0]["nan_latched"] == ["tempo"]  # the latch survives clean iterations
         assert math.isfinite(result["learners"]["default_policy"][mn.head_metric(mn.HEAD_GRAD_NORM, "tempo")])
+        # Noise scale: local (comm hook, pre-all-reduce) vs all-reduced norms; the NaN
+        # iteration is left out of the EMAs.  A head whose |G|^2 estimate is still <= 0 after
+        # four iterations (weak signal: the two-batch estimate can be negative) reports NaN.
+        logged = result["learners"]["default_policy"]
+        assert math.isfinite(logged[mn.GLOBAL_NOISE_SCALE])
+        for head in ("op", "tempo", "value"):
+            assert mn.head_metric(mn.HEAD_NOISE_SCALE, head) in logged
 
         assert sorted(r.get() for r in algo.learner_group.foreach_learner(_perturb_rank_1)) == [0, 1]
         with pytest.raises(Exception, match="replicas hold different parameters"):

@@ -77,6 +77,8 @@ def test_mlflow_holds_all_telemetry_by_name_and_it_is_finite(trained):
     for name in [mn.head_metric(mn.HEAD_NAN_LATCH, h) for h in HEAD_NAMES] + [mn.NAN_GRAD_COUNT, mn.SKIPPED_UPDATES]:
         assert {m.value for m in client.get_metric_history(outcome.run_id, name)} == {0.0}, name
     assert mn.TAG_NAN_LATCHED_HEADS not in run.data.tags
+    # One learner: no local-vs-global pair, so the noise scale is absent, not made up.
+    assert client.get_metric_history(outcome.run_id, mn.GLOBAL_NOISE_SCALE) == []
     assert len(lines) == 10 and lines[-1].startswith("iter 10/10 | env steps 10000 | return ")
 
 

@@ -1,0 +1,88 @@
+"""Gradient noise scale (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training",
+Appendix A), per head.
+
+With data-parallel learners, each learner's local gradient is a small-batch estimate
+(``b_small`` samples) and the all-reduced gradient a big-batch one (``b_big``).  Since
+``E|G_b|^2 = |G|^2 + tr(Sigma)/b``, two batch sizes give unbiased estimates of the true
+squared gradient norm and of the trace of the per-sample gradient covariance:
+
+    |G|^2      ~ (b_big * |G_big|^2 - b_small * |G_small|^2) / (b_big - b_small)
+    tr(Sigma)  ~ (|G_small|^2 - |G_big|^2) / (1/b_small - 1/b_big)
+
+Each estimate is noisy, so the two are smoothed separately with EMAs and only then divided:
+``B_simple = EMA(tr Sigma) / EMA(|G|^2)``.  B_simple approximates the *critical batch
+size*: batches much smaller than it waste optimizer steps on noise, much larger ones waste
+samples.  Caveat for PPO: minibatches are reused for several epochs and the policy moves
+between them, so the samples are not i.i.d. draws from a fixed distribution; read B_simple as
+a trend and an order of magnitude, not an exact batch size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def gradient_noise_terms(sq_norm_small: T, sq_norm_big: T, b_small: float, b_big: float) -> tuple[T, T]:
+    """``(g2, trace_sigma)`` from squared gradient norms at two batch sizes (floats or tensors)."""
+    if not 0 < b_small < b_big:
+        raise ValueError(f"need 0 < b_small < b_big, got {b_small} and {b_big}")
+    g2 = (b_big * sq_norm_big - b_small * sq_norm_small) / (b_big - b_small)  # type: ignore[operator]
+    trace_sigma = (sq_norm_small - sq_norm_big) / (1.0 / b_small - 1.0 / b_big)  # type: ignore[operator]
+    return g2, trace_sigma
+
+
+class NoiseScaleTracker:
+    """EMAs of |G|^2 and tr(Sigma) per entry (heads, then "global"), and B_simple.
+
+    ``update`` takes one training iteration's mean squared norms.  Both EMAs start at 0 and
+    share the bias factor ``1 - beta^t``, which cancels in the ratio, so B_simple needs no
+    bias correction.
+    """
+
+    def __init__(self, names: Sequence[str], beta: float = 0.9) -> None:
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"beta must be in [0, 1), got {beta}")
+        self.names = tuple(names)
+        self.beta = beta
+        self.g2_ema = [0.0] * len(self.names)
+        self.trace_ema = [0.0] * len(self.names)
+        self.updates = 0
+
+    def update(
+        self, sq_small: Sequence[float], sq_big: Sequence[float], b_small: float, b_big: float
+    ) -> dict[str, float]:
+        """Fold in one iteration; returns ``{name: B_simple}`` (NaN while undefined)."""
+        self.updates += 1
+        for i, (small, big) in enumerate(zip(sq_small, sq_big, strict=True)):
+            g2, trace = gradient_noise_terms(small, big, b_small, b_big)
+            if math.isfinite(g2) and math.isfinite(trace):
+                self.g2_ema[i] = self.beta * self.g2_ema[i] + (1 - self.beta) * g2
+                self.trace_ema[i] = self.beta * self.trace_ema[i] + (1 - self.beta) * trace
+        return self.noise_scales()
+
+    def noise_scales(self) -> dict[str, float]:
+        """``B_simple`` per entry; NaN before any update or while EMA(|G|^2) <= 0."""
+        out = {}
+        for name, g2, trace in zip(self.names, self.g2_ema, self.trace_ema, strict=True):
+            out[name] = trace / g2 if self.updates and g2 > 0 else float("nan")
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "names": list(self.names),
+            "beta": self.beta,
+            "g2_ema": list(self.g2_ema),
+            "trace_ema": list(self.trace_ema),
+            "updates": self.updates,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if tuple(state["names"]) != self.names:
+            raise ValueError(f"noise-scale state is for {state['names']}, this learner has {list(self.names)}")
+        self.g2_ema = [float(x) for x in state["g2_ema"]]
+        self.trace_ema = [float(x) for x in state["trace_ema"]]
+        self.updates = int(state["updates"])
