@@ -136,6 +136,12 @@ class DistributedSection:
     backend: Literal["auto", "gloo", "nccl"] = field(
         default="auto", metadata=_meta("Ray collective backend: auto = NCCL on GPUs with cupy, else gloo.")
     )
+    reduce_telemetry: bool = field(
+        default=True, metadata=_meta("One packed collective per iteration (off: each learner reports its own view).")
+    )
+    noise_scale: bool = field(
+        default=True, metadata=_meta("Per-head gradient noise scale via a DDP comm hook (needs reduce_telemetry).")
+    )
     replica_check_every: int = field(
         default=10, metadata=_meta("Compare parameter checksums across learners every N iterations (0: off).", min=0)
     )

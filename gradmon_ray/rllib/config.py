@@ -63,6 +63,8 @@ def build_ppo_config(cfg: GradmonConfig) -> PPOConfig:
                     "vgs": dataclasses.asdict(cfg.vgs),
                     "collective_group": new_group_name(),
                     "collective_backend": cfg.distributed.backend,
+                    "reduce_telemetry": cfg.distributed.reduce_telemetry,
+                    "noise_scale": cfg.distributed.noise_scale,
                     "replica_check_every": cfg.distributed.replica_check_every,
                 }
             },

@@ -120,7 +120,9 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         self._zero_flags = torch.zeros(len(action_heads), device=self._device)
         self.last_telemetry: IterationTelemetry | None = None
         self._collective = self._make_collective(settings)
-        self._setup_noise_scale(groups, float(settings.get("noise_ema_beta", 0.9)))
+        self._setup_noise_scale(
+            groups, float(settings.get("noise_ema_beta", 0.9)), enabled=bool(settings.get("noise_scale", True))
+        )
         self._vgs: VarianceGradientScaler | None = None
         if vgs_settings.pop("enabled", False):
             # One scale for the whole module, computed from gradients that DDP has already
@@ -135,7 +137,8 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
     def _make_collective(self, settings: dict[str, Any]) -> LearnerCollective:
         import torch.distributed as dist
 
-        if self.config.num_learners > 1 and dist.is_available() and dist.is_initialized():
+        reduce = bool(settings.get("reduce_telemetry", True))
+        if reduce and self.config.num_learners > 1 and dist.is_available() and dist.is_initialized():
             world_size, rank = dist.get_world_size(), dist.get_rank()
         else:
             world_size, rank = 1, 0
@@ -148,7 +151,7 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
             name, world_size, rank, settings.get("collective_backend", "auto"), torch.device(self._device)
         )
 
-    def _setup_noise_scale(self, groups: dict[str, list[Any]], beta: float) -> None:
+    def _setup_noise_scale(self, groups: dict[str, list[Any]], beta: float, enabled: bool = True) -> None:
         """Per-head gradient noise scale (needs 2+ learners: local vs all-reduced gradients).
 
         A DDP comm hook adds each bucket's LOCAL per-head squared norms (before the
@@ -161,7 +164,7 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         self._noise_acc = torch.zeros(2 * num_slots + 3, dtype=torch.float64, device=self._device)
         self._noise_rows = 0
         self._last_rows = 0
-        if not self._collective.active:
+        if not (enabled and self._collective.active):
             return
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
