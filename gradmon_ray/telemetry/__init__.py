@@ -1,6 +1,7 @@
 """Pure-PyTorch telemetry formulas: no Ray, no MLflow, no host synchronisation on hot paths."""
 
 from gradmon_ray.telemetry.accumulator import IterationAccumulator, TelemetryLayout
+from gradmon_ray.telemetry.buckets import bucket_names, group_reward_stds, split_into_buckets
 from gradmon_ray.telemetry.head_norms import (
     HEALTH_BANDS,
     GradientNormPlan,
@@ -13,6 +14,7 @@ from gradmon_ray.telemetry.head_norms import (
 )
 from gradmon_ray.telemetry.latches import HeadLatches, logp_nonfinite_flags
 from gradmon_ray.telemetry.noise_scale import NoiseScaleTracker, gradient_noise_terms
+from gradmon_ray.telemetry.shares import cosine_similarities, signed_shares
 from gradmon_ray.telemetry.summary import IterationTelemetry, TelemetryTracker
 from gradmon_ray.telemetry.vgs import VarianceGradientScaler
 
@@ -27,11 +29,16 @@ __all__ = [
     "TelemetryLayout",
     "TelemetryTracker",
     "VarianceGradientScaler",
+    "bucket_names",
     "classify_grad_norm",
     "coefficient_of_variation",
+    "cosine_similarities",
     "gradient_noise_terms",
+    "group_reward_stds",
     "logp_nonfinite_flags",
     "per_head_grad_norms",
+    "signed_shares",
+    "split_into_buckets",
     "trend_arrow",
     "worst_head",
 ]
