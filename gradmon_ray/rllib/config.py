@@ -12,6 +12,7 @@ from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 from gradmon_ray.config import ConfigError, GradmonConfig
 from gradmon_ray.distributed import new_group_name
 from gradmon_ray.envs import BUILTIN_ENV_ID, register_builtin_env
+from gradmon_ray.rllib.connectors import AddGroupIdsToTrainBatch
 from gradmon_ray.rllib.learner import LEARNER_CONFIG_KEY, GradmonPPOTorchLearner
 from gradmon_ray.rllib.module import FactoredActorCritic
 
@@ -54,6 +55,8 @@ def build_ppo_config(cfg: GradmonConfig) -> PPOConfig:
             num_learners=res.num_learners,
             num_gpus_per_learner=res.num_gpus_per_learner,
             learner_class=GradmonPPOTorchLearner,
+            # Per-row group ids and episode indices, for the gradient probe's buckets.
+            learner_connector=lambda obs_space, act_space: AddGroupIdsToTrainBatch(obs_space, act_space),
             learner_config_dict={
                 LEARNER_CONFIG_KEY: {
                     "telemetry": cfg.telemetry.enabled,
