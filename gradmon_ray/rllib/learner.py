@@ -383,13 +383,12 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
     def _reduce_iteration(self) -> tuple[dict[str, np.ndarray], bool | None]:
         """Pack, reduce ONCE across learners, copy to the host ONCE; then unpack.
 
-        Reduced part: the telemetry lanes, then the two checksum digits (zeros unless this is
-        a check iteration).  Unreduced part (identical on every replica or rank-local): VGS
-        metrics and this rank's own checksum digits.
+        Reduced part: the telemetry lanes, the two checksum digits (zeros unless this is a
+        check iteration) and the noise-scale lanes.  Unreduced part (identical on every
+        replica, or rank-local): VGS metrics and this rank's own checksum digits.
         """
         collective = self._collective
         k = collective.world_size
-        layout = self._tracker.layout
         check = (
             collective.active
             and self._replica_check_every > 0
@@ -400,31 +399,18 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
             if check
             else torch.zeros(2, dtype=torch.float64, device=self._device)
         )
-        reduced = torch.cat([self._accumulator.buffer, digits, self._noise_acc])
-        vgs = self._vgs.metrics_tensor().double() if self._vgs is not None else reduced.new_zeros(0)
-        if collective.backend == "nccl":
-            collective.allreduce_sum(reduced)
-        host = torch.cat([reduced, vgs, digits]).cpu()  # the iteration's single device->host copy
-        self._accumulator.buffer.zero_()
+        vgs = self._vgs.metrics_tensor() if self._vgs is not None else None
+        local = digits if vgs is None else torch.cat([vgs.double(), digits])
+        lanes, reduced_extra, local_host = self._accumulator.drain(
+            reduced_extra=torch.cat([digits, self._noise_acc]),
+            local_extra=local,
+            allreduce=collective.allreduce_sum if collective.active else None,
+            reduce_on_device=collective.backend == "nccl",
+            world_size=k,
+        )
         self._noise_acc.zero_()
-        n = reduced.numel()
-        if collective.backend == "gloo":
-            collective.allreduce_sum(host[:n])
-        values = host.numpy()
-        telemetry = values[: layout.size].copy()
-        if k > 1:
-            # Lanes computed after DDP's all-reduce are identical on every replica: SUM = k x value.
-            for lane in (layout.nan_grad_count, layout.inf_grad_count, layout.skipped, layout.minibatches):
-                telemetry[lane] /= k
-            # Local log-prob flags are 0/1: OR across learners == (SUM > 0).
-            for flags in (layout.logp_nan, layout.logp_inf):
-                telemetry[flags] = (telemetry[flags] > 0).astype(np.float64)
-        checksum_ok = None
-        if check:
-            own = values[n + vgs.numel() :]
-            checksum_ok = bool(np.array_equal(values[layout.size : layout.size + 2], k * own))
-        noise = values[layout.size + 2 : n]
-        return {"telemetry": telemetry, "vgs": values[n : n + vgs.numel()], "noise": noise}, checksum_ok
+        checksum_ok = bool(np.array_equal(reduced_extra[:2], k * local_host[-2:])) if check else None
+        return {"telemetry": lanes, "vgs": local_host[:-2], "noise": reduced_extra[2:]}, checksum_ok
 
     def _noise_scale_metrics(self, noise: np.ndarray, minibatches: int) -> dict[str, float]:
         """B_simple per head and global from the reduced noise lanes of one iteration."""

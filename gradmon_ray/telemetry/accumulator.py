@@ -9,6 +9,7 @@ flags), so the same buffer is what a cross-learner reduction packs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,6 +85,23 @@ class TelemetryLayout:
     def size(self) -> int:
         return self.num_sum_lanes + 2 * self.num_action_heads
 
+    def merge_replicas(self, lanes: np.ndarray, world_size: int) -> np.ndarray:
+        """The lanes after a SUM across ``world_size`` replicas, turned back into one view.
+
+        Norm sums and counts are used as a ratio: SUM needs no correction.  Counts computed
+        after DDP's all-reduce (NaN/Inf elements, skipped updates, minibatches) are identical
+        on every replica, so their SUM is ``world_size`` times the value.  The MAX lanes are
+        0/1 flags on each replica's *local* log-probs, and for 0/1 flags OR == (SUM > 0): one
+        SUM reduction carries them without a second call.
+        """
+        merged = np.array(lanes, dtype=np.float64, copy=True)
+        if world_size > 1:
+            for lane in (self.nan_grad_count, self.inf_grad_count, self.skipped, self.minibatches):
+                merged[lane] /= world_size
+            for flags in (self.logp_nan, self.logp_inf):
+                merged[flags] = (merged[flags] > 0).astype(np.float64)
+        return merged
+
 
 class IterationAccumulator:
     """Device-side running sums/maxima for the current training iteration."""
@@ -113,13 +131,36 @@ class IterationAccumulator:
         self._sum_view.add_(sum_lanes)
         torch.maximum(self._max_view, torch.cat([logp_nan, logp_inf]), out=self._max_view)
 
-    def drain(self, extra: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """The single device->host copy of the iteration; the buffer is zeroed after it.
+    def drain(
+        self,
+        *,
+        reduced_extra: torch.Tensor | None = None,
+        local_extra: torch.Tensor | None = None,
+        allreduce: Callable[[torch.Tensor], object] | None = None,
+        reduce_on_device: bool = False,
+        world_size: int = 1,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The iteration's single device->host copy, with at most one SUM reduction.
 
-        ``extra`` (any 1-D device tensor, e.g. the VGS metrics) rides in the same copy.
-        Returns ``(lanes, extra_on_host)``; the second is empty without ``extra``.
+        ``[buffer, reduced_extra]`` is the reduced part and ``local_extra`` rides unreduced in
+        the same copy.  With ``allreduce`` (an in-place SUM across ``world_size`` replicas)
+        the reduced part is reduced once: on the device before the copy
+        (``reduce_on_device``, e.g. NCCL) or on the host copy after it (e.g. gloo).  The
+        lanes then go through ``layout.merge_replicas``; the buffer is zeroed.  Returns
+        ``(lanes, reduced_extra_on_host, local_extra_on_host)`` (empty arrays when absent).
         """
-        packed = self.buffer if extra is None else torch.cat([self.buffer, extra.reshape(-1).to(self.buffer.dtype)])
-        host = packed.cpu().numpy().copy()
+        empty = self.buffer.new_zeros(0)
+        extra_r = empty if reduced_extra is None else reduced_extra.reshape(-1).to(self.buffer.dtype)
+        extra_l = empty if local_extra is None else local_extra.reshape(-1).to(self.buffer.dtype)
+        reduced = torch.cat([self.buffer, extra_r])
+        if allreduce is not None and reduce_on_device:
+            allreduce(reduced)
+        host = torch.cat([reduced, extra_l]).cpu()
         self.buffer.zero_()
-        return host[: self.layout.size], host[self.layout.size :]
+        n = reduced.numel()
+        if allreduce is not None and not reduce_on_device:
+            allreduce(host[:n])
+        values = host.numpy()
+        size = self.layout.size
+        lanes = self.layout.merge_replicas(values[:size], world_size)
+        return lanes, values[size:n].copy(), values[n:].copy()

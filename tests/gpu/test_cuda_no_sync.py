@@ -44,7 +44,7 @@ def test_norms_flags_accumulate_and_fused_skip_do_not_sync():
         acc.add_minibatch(norms, nan_flags, inf_flags, norms.found_nonfinite)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    lanes = acc.drain()
+    lanes = acc.drain()[0]
     summary = tracker.finish_iteration(lanes)
     assert summary.skipped == 1 and summary.nan_grad_count == 1
     for p, b in zip(params, before, strict=True):

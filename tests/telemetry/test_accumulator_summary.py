@@ -108,8 +108,9 @@ def test_finish_iteration_rejects_wrong_layout():
     with pytest.raises(ValueError, match="lanes"):
         tracker.finish_iteration(np.zeros(3))
     acc = IterationAccumulator(tracker.layout)
-    lanes, extra = acc.drain(torch.tensor([7.0, 8.0]))
-    assert lanes.shape == (tracker.layout.size,) and extra.tolist() == [7.0, 8.0]
+    lanes, reduced, local = acc.drain(reduced_extra=torch.tensor([7.0, 8.0]), local_extra=torch.tensor([9.0]))
+    assert lanes.shape == (tracker.layout.size,) and reduced.tolist() == [7.0, 8.0] and local.tolist() == [9.0]
+    assert acc.drain()[1].size == 0 and acc.drain()[2].size == 0
     with pytest.raises(ValueError, match="leading"):
         TelemetryTracker(("a", "b"), ("b",))
 
@@ -143,3 +144,55 @@ def test_layout_lanes_are_disjoint_and_cover_the_buffer(reported, action):
             owner[i] = name
     assert None not in owner
     assert lay.logp_nan.start == lay.num_sum_lanes  # every MAX lane comes after every SUM lane
+
+
+def test_merge_replicas_worked_answer():
+    """Two replicas after one SUM: ratio lanes untouched, replicated counts halved, flags OR'd."""
+    tracker = TelemetryTracker(REPORTED, ACTION)
+    lay = tracker.layout
+    summed = np.zeros(lay.size)
+    summed[lay.norm_sum] = [4.0, 2.0, 6.0]  # 2 replicas x (2, 1, 3) over one minibatch each
+    summed[lay.norm_count] = [2.0, 2.0, 2.0]
+    summed[lay.global_norm_sum], summed[lay.global_norm_count] = 8.0, 2.0
+    summed[lay.nan_grad_count], summed[lay.inf_grad_count] = 6.0, 0.0
+    summed[lay.skipped], summed[lay.minibatches] = 2.0, 2.0
+    summed[lay.logp_nan] = [0.0, 1.0]  # only one replica saw a NaN in "slot"
+    summed[lay.logp_inf] = [2.0, 0.0]
+    merged = lay.merge_replicas(summed, world_size=2)
+    assert merged[lay.norm_sum].tolist() == [4.0, 2.0, 6.0] and merged[lay.norm_count].tolist() == [2.0] * 3
+    assert merged[lay.nan_grad_count] == 3.0 and merged[lay.skipped] == 1.0 and merged[lay.minibatches] == 1.0
+    assert merged[lay.logp_nan].tolist() == [0.0, 1.0] and merged[lay.logp_inf].tolist() == [1.0, 0.0]
+    assert np.array_equal(lay.merge_replicas(summed, world_size=1), summed)  # one replica: unchanged
+    summary = tracker.finish_iteration(merged)
+    assert summary.head_norms == {"op": 2.0, "slot": 1.0, "value": 3.0} and summary.global_norm == 4.0
+    assert summary.skipped == 1 and summary.nan_latched == {"op": False, "slot": True}
+
+
+@pytest.mark.parametrize("on_device", [True, False])
+def test_drain_reduces_once_on_device_or_on_the_host_copy(on_device):
+    """A stand-in for a 2-replica SUM allreduce whose peer holds identical values."""
+    tracker = TelemetryTracker(REPORTED, ACTION)
+    acc = IterationAccumulator(tracker.layout)
+    acc.add_minibatch(
+        _norms([1.0, 2.0, 3.0], 4.0, nan=5), torch.tensor([0.0, 1.0]), torch.tensor([0.0, 0.0]), torch.tensor(1.0)
+    )
+    calls = []
+
+    def double(t):
+        calls.append(t.device.type)
+        t.mul_(2)
+
+    lanes, reduced, local = acc.drain(
+        reduced_extra=torch.tensor([3.0]),
+        local_extra=torch.tensor([7.0]),
+        allreduce=double,
+        reduce_on_device=on_device,
+        world_size=2,
+    )
+    assert len(calls) == 1  # exactly one reduction
+    summary = tracker.finish_iteration(lanes)
+    assert summary.head_norms == {"op": 1.0, "slot": 2.0, "value": 3.0}
+    assert summary.nan_grad_count == 5.0 and summary.skipped == 1 and summary.minibatches == 1
+    assert summary.nan_latched == {"op": False, "slot": True}
+    assert reduced.tolist() == [6.0] and local.tolist() == [7.0]  # the local part is not reduced
+    assert acc.buffer.abs().sum().item() == 0.0
