@@ -16,11 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from ray.rllib.core.columns import Columns
-from ray.rllib.evaluation.postprocessing import Postprocessing
 
 from gradmon_ray.probe.regularizers import RegularizerSpec
-from gradmon_ray.rllib.ppo_loss import ppo_loss_terms
+from gradmon_ray.rllib.ppo_loss import ppo_loss_from_batch
 from gradmon_ray.telemetry.shares import cosine_similarities, signed_shares
 
 COMPONENTS = ("task", "entropy", "kl", "value")
@@ -68,19 +66,10 @@ def component_gradients(
     """
     params = [p for p in module.parameters() if p.requires_grad]
     fwd = module.forward_train(batch)
-    dist_cls = module.get_train_action_dist_cls()
-    dist = dist_cls.from_logits(fwd[Columns.ACTION_DIST_INPUTS])
-    prev = dist_cls.from_logits(batch[Columns.ACTION_DIST_INPUTS]) if use_kl_loss else None
-    values = module.compute_values(batch, embeddings=fwd.get(Columns.EMBEDDINGS))
-    terms = ppo_loss_terms(
-        dist=dist,
-        prev_dist=prev,
-        actions=batch[Columns.ACTIONS],
-        old_logp=batch[Columns.ACTION_LOGP],
-        advantages=batch[Postprocessing.ADVANTAGES],
-        values=values,
-        value_targets=batch[Postprocessing.VALUE_TARGETS],
-        mask=batch.get(Columns.LOSS_MASK),
+    terms = ppo_loss_from_batch(
+        module,
+        batch,
+        fwd,
         clip_param=clip_param,
         vf_clip_param=vf_clip_param,
         vf_loss_coeff=vf_loss_coeff,

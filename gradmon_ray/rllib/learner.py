@@ -40,8 +40,7 @@ from ray.rllib.utils.typing import ModuleID, ParamDict, StateDict, TensorType
 from gradmon_ray import metric_names as mn
 from gradmon_ray.distributed import LearnerCollective, ReplicaDivergenceError, parameter_checksum
 from gradmon_ray.optim import UPGD
-from gradmon_ray.rllib.distribution import FactoredCategorical
-from gradmon_ray.rllib.ppo_loss import explained_variance, ppo_loss_terms
+from gradmon_ray.rllib.ppo_loss import explained_variance, ppo_loss_from_batch
 from gradmon_ray.telemetry import (
     GradientNormPlan,
     GradientNorms,
@@ -230,37 +229,24 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         fwd_out: dict[str, TensorType],
     ) -> TensorType:
         module = self.module[module_id].unwrapped()
-        dist_cls = module.get_train_action_dist_cls()
-        if not issubclass(dist_cls, FactoredCategorical):
-            raise TypeError("GradmonPPOTorchLearner needs an RLModule whose action distribution is FactoredCategorical")
         logits = fwd_out[Columns.ACTION_DIST_INPUTS]
         fault = self._fault_injection.get("nan_logits")
         if fault and fault["rank"] == self._collective.rank and fault["iteration"] == self._tracker.iteration + 1:
             logits = self._with_nan_head(logits, module, fault["head"])
-        dist = dist_cls.from_logits(logits)
-        prev_dist = (
-            module.get_exploration_action_dist_cls().from_logits(batch[Columns.ACTION_DIST_INPUTS])
-            if config.use_kl_loss
-            else None
-        )
         mask = batch.get(Columns.LOSS_MASK)
         self._last_rows = int(batch[Columns.OBS].shape[0])  # host-side shape: no sync
-        values = module.compute_values(batch, embeddings=fwd_out.get(Columns.EMBEDDINGS)) if config.use_critic else None
-        terms = ppo_loss_terms(
-            dist=dist,
-            prev_dist=prev_dist,
-            actions=batch[Columns.ACTIONS],
-            old_logp=batch[Columns.ACTION_LOGP],
-            advantages=batch[Postprocessing.ADVANTAGES],
-            values=values,
-            value_targets=batch.get(Postprocessing.VALUE_TARGETS),
-            mask=mask,
+        terms = ppo_loss_from_batch(
+            module,
+            batch,
+            fwd_out,
+            logits=logits,
             clip_param=config.clip_param,
             vf_clip_param=config.vf_clip_param,
             vf_loss_coeff=config.vf_loss_coeff,
             entropy_coeff=self.entropy_coeff_schedulers_per_module[module_id].get_current_value(),
             kl_coeff=self.curr_kl_coeffs_per_module[module_id],
             use_kl_loss=config.use_kl_loss,
+            use_critic=config.use_critic,
         )
         if self._telemetry_enabled:
             logp = terms.per_head_logp

@@ -11,9 +11,13 @@ returned.  ``tests/rllib/test_ppo_loss.py`` checks equality with RLlib's impleme
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from ray.rllib.core.columns import Columns
+from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.utils.numpy import SMALL_NUMBER
 
 from gradmon_ray.rllib.distribution import FactoredCategorical
@@ -118,4 +122,50 @@ def ppo_loss_terms(
         per_head_logp=per_head_logp,
         per_head_entropy=masked_mean(per_head_entropy, mask),
         values=values,
+    )
+
+
+def ppo_loss_from_batch(
+    module: Any,
+    batch: Mapping[str, Any],
+    fwd_out: Mapping[str, Any],
+    *,
+    clip_param: float,
+    vf_clip_param: float,
+    vf_loss_coeff: float,
+    entropy_coeff: float | torch.Tensor,
+    kl_coeff: float | torch.Tensor,
+    use_kl_loss: bool,
+    use_critic: bool = True,
+    logits: torch.Tensor | None = None,
+) -> PPOLossTerms:
+    """``ppo_loss_terms`` on an RLlib train batch and ``module.forward_train`` output.
+
+    ``module`` is a ``FactoredActorCritic`` (any RLModule whose train distribution is a
+    ``FactoredCategorical`` and that has ``compute_values``).  ``logits`` overrides
+    ``fwd_out``'s action logits (the learner's fault injection uses it).
+    """
+    dist_cls = module.get_train_action_dist_cls()
+    if not issubclass(dist_cls, FactoredCategorical):
+        raise TypeError("the PPO loss needs an RLModule whose action distribution is FactoredCategorical")
+    dist = dist_cls.from_logits(fwd_out[Columns.ACTION_DIST_INPUTS] if logits is None else logits)
+    prev_dist = (
+        module.get_exploration_action_dist_cls().from_logits(batch[Columns.ACTION_DIST_INPUTS]) if use_kl_loss else None
+    )
+    values = module.compute_values(batch, embeddings=fwd_out.get(Columns.EMBEDDINGS)) if use_critic else None
+    return ppo_loss_terms(
+        dist=dist,
+        prev_dist=prev_dist,
+        actions=batch[Columns.ACTIONS],
+        old_logp=batch[Columns.ACTION_LOGP],
+        advantages=batch[Postprocessing.ADVANTAGES],
+        values=values,
+        value_targets=batch.get(Postprocessing.VALUE_TARGETS),
+        mask=batch.get(Columns.LOSS_MASK),
+        clip_param=clip_param,
+        vf_clip_param=vf_clip_param,
+        vf_loss_coeff=vf_loss_coeff,
+        entropy_coeff=entropy_coeff,
+        kl_coeff=kl_coeff,
+        use_kl_loss=use_kl_loss,
     )
