@@ -39,10 +39,17 @@ class PPOLossTerms:
     """Mean KL(sampling policy || current policy), 0 when the KL loss is off."""
     per_head_logp: torch.Tensor
     """``[B, num_heads]`` log-prob of each head's taken action under the current policy."""
-    per_head_entropy: torch.Tensor
-    """``[num_heads]`` mean entropy per head."""
+    per_head_entropy_rows: torch.Tensor
+    """``[B, num_heads]`` entropy of each head per row."""
     values: torch.Tensor
     """``[B]`` value predictions (zeros without a critic)."""
+    mask: torch.Tensor | None = None
+
+    @property
+    def per_head_entropy(self) -> torch.Tensor:
+        """``[num_heads]`` masked mean entropy per head, computed only when asked for (the
+        training step never needs it, so it costs nothing per minibatch)."""
+        return masked_mean(self.per_head_entropy_rows, self.mask)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -120,8 +127,9 @@ def ppo_loss_terms(
         entropy=masked_mean(entropy, mask),
         kl=mean_kl,
         per_head_logp=per_head_logp,
-        per_head_entropy=masked_mean(per_head_entropy, mask),
+        per_head_entropy_rows=per_head_entropy,
         values=values,
+        mask=mask,
     )
 
 

@@ -197,16 +197,16 @@ class GradientNormPlan:
         """Norms of the gradients currently in ``p.grad``; see ``GradientNorms``."""
         present = tuple(p.grad is not None for p in self.params)
         grads = [p.grad for p, ok in zip(self.params, present, strict=True) if ok]
-        device = self.params[0].device if self.params else torch.device("cpu")
-        nan = torch.full((len(self.head_names),), float("nan"), device=device)
         if not grads:
+            device = self.params[0].device if self.params else torch.device("cpu")
             zero = torch.zeros((), device=device)
+            nan = torch.full((len(self.head_names),), float("nan"), device=device)
             return GradientNorms(nan, torch.full((), float("nan"), device=device), zero, zero)
         index, has_grad = self._index_for(present, grads[0].device)
         norms = torch.stack(torch._foreach_norm(grads)).float()
         squares = norms * norms
         per_slot = torch.zeros(self._trunk_slot + 1, device=norms.device).index_add_(0, index, squares)
-        head_norms = torch.where(has_grad, per_slot[: self._trunk_slot].sqrt(), nan)
+        head_norms = torch.where(has_grad, per_slot[: self._trunk_slot].sqrt(), float("nan"))
         global_norm = squares.sum().sqrt()
         # Exact element counts need every element once; one concatenation keeps it to
         # three kernels instead of two per tensor.

@@ -116,6 +116,7 @@ class VarianceGradientScaler:
     def _reset_statistics(self) -> None:
         dev = self._device
         self._beta_tensor = torch.tensor(self.beta, device=dev)
+        self._one = torch.ones((), device=dev)
         size = sum(self._numel) if self.granularity == "element" else len(self._parameters)
         self._mean_ema = torch.zeros(size, device=dev)  # EMA of |g| (or of s = mean|g|)
         self._sq_ema = torch.zeros(size, device=dev)  # EMA of g^2 (or of s^2)
@@ -158,7 +159,7 @@ class VarianceGradientScaler:
         if not self.enabled or not self._parameters:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._parameters]
-        keep = torch.ones((), device=self._device) if skip is None else (1.0 - skip.to(self._device).float())
+        keep = self._one if skip is None else (1.0 - skip.to(self._device).float())
         weight = (1.0 - self.beta) * keep
         if self.granularity == "element":
             if self._work_flat is None:

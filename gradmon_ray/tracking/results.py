@@ -80,14 +80,6 @@ def latched_heads(metrics: Mapping[str, float], kind: str) -> list[str]:
     ]
 
 
-def health_name(code: float) -> str:
-    """Inverse of ``metric_names.HEALTH_CODES``."""
-    for name, value in mn.HEALTH_CODES.items():
-        if value == code:
-            return name
-    return "missing"
-
-
 def progress_line(iteration: int, total: int, metrics: Mapping[str, float]) -> str:
     """One human line per iteration: steps, return, worst head and its band, latched heads."""
     steps = metrics.get(mn.ENV_STEPS_SAMPLED_LIFETIME)
