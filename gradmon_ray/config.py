@@ -9,6 +9,7 @@ exits with status 2.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -148,6 +149,39 @@ class DistributedSection:
 
 
 @dataclass
+class RegularizerEntry:
+    """One regularizer the probe tracks (ADR-009): ``weight * fn(module, batch, fwd_out)``."""
+
+    name: str = field(default="", metadata=_meta("Metric name of the regularizer (required; letters, digits, _ . -)."))
+    fn: Union[str, None] = field(
+        default=None,
+        metadata=_meta("A built-in (logit_l2, uniform_prior_kl, weight_l2) or 'package.module:function' (null: name)."),
+    )
+    weight: float = field(default=1.0, metadata=_meta("Coefficient the regularizer enters the loss with."))
+    enabled: bool = field(default=True, metadata=_meta("Track this regularizer."))
+
+
+@dataclass
+class ProbeSection:
+    """The GradientProbe actor (seeds 004 and 003): bucketed, non-destructive gradient probes."""
+
+    gradient_analysis_every: int = field(
+        default=0, metadata=_meta("Probe every N training iterations (0: off).", min=0)
+    )
+    num_buckets: int = field(default=4, metadata=_meta("Reward-variance buckets (bucket_1 = lowest).", min=1))
+    group_key: str = field(
+        default="group_id", metadata=_meta("Key in the env's reset info that groups episodes (absent: one per group).")
+    )
+    num_cpus: float = field(default=1.0, metadata=_meta("CPUs reserved for the probe actor.", min=0.0))
+    num_gpus: float = field(default=0.0, metadata=_meta("GPU (fraction) for the probe actor (0: CPU).", min=0.0))
+    max_restarts: int = field(default=3, metadata=_meta("Restarts of a crashed probe actor (-1: unlimited).", min=-1))
+    track_grad_norms: bool = field(
+        default=False,
+        metadata=_meta("ADR-009: also take each regularizer's own gradient (one backward pass each)."),
+    )
+
+
+@dataclass
 class MlflowSection:
     """Where metrics go."""
 
@@ -173,6 +207,10 @@ class GradmonConfig:
     upgd: UpgdSection = field(default_factory=UpgdSection)
     vgs: VgsSection = field(default_factory=VgsSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
+    regularizers: list[RegularizerEntry] = field(
+        default_factory=list, metadata=_meta("Extra loss terms, added to the PPO loss with their weights.")
+    )
+    probe: ProbeSection = field(default_factory=ProbeSection)
     mlflow: MlflowSection = field(default_factory=MlflowSection)
 
     def to_flat_dict(self) -> dict[str, Any]:
@@ -310,10 +348,35 @@ def validate_config(cfg: GradmonConfig) -> None:
             "ppo.minibatch_size",
             f"must be <= ppo.train_batch_size ({cfg.ppo.train_batch_size}), got {cfg.ppo.minibatch_size}",
         )
+    seen: set[str] = set()
+    for i, entry in enumerate(cfg.regularizers):
+        where = f"regularizers[{i}]"
+        reserved = ("task", "entropy", "kl", "value", "total")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", entry.name) or entry.name in reserved:
+            raise ConfigError(
+                f"{where}.name",
+                f"must be letters, digits, '_', '.' or '-' and not task/entropy/kl/value/total, got {entry.name!r}",
+            )
+        if entry.name in seen:
+            raise ConfigError(f"{where}.name", f"duplicate regularizer name {entry.name!r}")
+        seen.add(entry.name)
+        try:
+            _resolve_regularizer(entry.name, entry.fn, entry.weight, entry.enabled)
+        except ValueError as exc:
+            raise ConfigError(f"{where}.fn", str(exc)) from None
+    if cfg.probe.track_grad_norms and not any(r.enabled for r in cfg.regularizers):
+        raise ConfigError("probe.track_grad_norms", "is true but no enabled entry in regularizers")
     if cfg.resources.num_gpus_per_learner > 1 and cfg.resources.num_gpus_per_learner != int(
         cfg.resources.num_gpus_per_learner
     ):
         raise ConfigError("resources.num_gpus_per_learner", "must be a fraction <= 1 or a whole number")
+
+
+def _resolve_regularizer(name: str, fn: str | None, weight: float, enabled: bool) -> Any:
+    # Imported here: the probe package imports torch and RLlib, which the config module avoids.
+    from gradmon_ray.probe.regularizers import resolve_regularizer
+
+    return resolve_regularizer(name, fn, weight, enabled)
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> GradmonConfig:

@@ -99,6 +99,51 @@ VGS_DEVICE_METRICS: tuple[str, ...] = (
 """Order of ``VarianceGradientScaler.metrics_tensor()``."""
 VGS_HOST_METRICS: tuple[str, ...] = (VGS_STEP_COUNT, VGS_WARMUP_ACTIVE)
 
+# --- GradientProbe (seeds 004 + 003): logged by the probe actor, per bucket --------
+# <bucket> is bucket_1 (lowest group reward std) .. bucket_K (highest); <component> is
+# task, entropy, kl, value or a regularizer's name.  Step = the probed training iteration.
+PROBE_COMPONENT_NORM = "grad_norm/{bucket}/{component}"
+"""L2 norm over all parameters of the component's gradient (as it enters the loss, with its coefficient)."""
+PROBE_PER_SAMPLE_NORM = "grad_norm/{bucket}/per_sample/{component}"
+"""``PROBE_COMPONENT_NORM`` divided by the bucket's number of episodes."""
+PROBE_PER_TOKEN_NORM = "grad_norm/{bucket}/per_token/{component}"
+"""``PROBE_COMPONENT_NORM`` divided by the bucket's number of (unmasked) env steps."""
+PROBE_LOSS = "grad_norm/{bucket}/loss/{loss}"
+"""The bucket's PPO loss terms: policy, entropy, kl, value, total (unweighted, as RLlib logs them)."""
+PROBE_REWARD_STD_MEAN = "grad_norm/{bucket}/reward_std_mean"
+"""Mean over the bucket's groups of the group reward std."""
+PROBE_NUM_GROUPS = "grad_norm/{bucket}/num_groups"
+PROBE_NUM_EPISODES = "grad_norm/{bucket}/num_episodes"
+PROBE_NUM_STEPS = "grad_norm/{bucket}/num_steps"
+PROBE_HEAD_NORM = "grad_norm/{bucket}/head/{head}/{component}"
+"""The PPO component's gradient norm over one head's parameters (action heads and value)."""
+PROBE_SHARE = "grad_norm/{bucket}/share/{component}"
+"""Signed share <g_c, g>/|g|^2 of a PPO component in their summed gradient g (the shares sum to 1)."""
+PROBE_COSINE = "grad_norm/{bucket}/cosine/{pair}"
+"""Cosine similarity of two PPO components' gradients, ``<a>_vs_<b>``."""
+PROBE_REGULARIZER_GRAD_NORM = "grad_norm/{bucket}/regularizer/{regularizer}_grad_norm"
+"""ADR-009: the weighted regularizer's gradient norm (NaN when it failed)."""
+PROBE_REGULARIZER_ERROR = "grad_norm/{bucket}/regularizer/{regularizer}_grad_norm_error"
+"""ADR-009: 1 when the regularizer raised or was not differentiable, else 0."""
+PROBE_REGULARIZER_SHARE = "grad_norm/{bucket}/regularizer/{regularizer}_share"
+"""Signed share of the regularizer in the regularizers' summed gradient."""
+PROBE_REGULARIZER_TOTAL = "grad_norm/{bucket}/regularizer/total_grad_norm"
+"""ADR-009: norm of the gradient of the weighted sum of the working regularizers."""
+PROBE_DURATION_S = "probe/duration_s"
+"""Wall time the probe actor spent on this iteration's analysis."""
+PROBE_NUM_BUCKETS = "probe/num_buckets"
+PROBE_NUM_GROUPS_TOTAL = "probe/num_groups"
+"""Groups found in the probed batch (rank 0's shard with several learners)."""
+# Counters kept by the learner (rank 0), cumulative over the run, logged every iteration.
+PROBE_REQUESTS_SENT = "probe/requests_sent"
+PROBE_REQUESTS_DROPPED = "probe/requests_dropped"
+"""Probe iterations skipped because the previous probe was still running (never queued)."""
+PROBE_COMPLETED = "probe/completed"
+PROBE_SKIPPED = "probe/skipped"
+"""Probes that ran but could not bucket the batch (fewer groups than buckets)."""
+PROBE_FAILURES = "probe/failures"
+"""Probe requests that failed: actor died or restarting, or the analysis raised."""
+
 # --- MLflow tags ------------------------------------------------------------------
 TAG_NAN_LATCHED_HEADS = "gradmon.nan_latched_heads"
 """Comma-separated heads whose NaN latch fired (absent while none has)."""
@@ -153,6 +198,38 @@ SCALAR_NAMES: tuple[str, ...] = (
     ITERATION_TIME_S,
     *VGS_DEVICE_METRICS,
     *VGS_HOST_METRICS,
+    PROBE_DURATION_S,
+    PROBE_NUM_BUCKETS,
+    PROBE_NUM_GROUPS_TOTAL,
+    PROBE_REQUESTS_SENT,
+    PROBE_REQUESTS_DROPPED,
+    PROBE_COMPLETED,
+    PROBE_SKIPPED,
+    PROBE_FAILURES,
+)
+PROBE_TEMPLATES: tuple[str, ...] = (
+    PROBE_COMPONENT_NORM,
+    PROBE_PER_SAMPLE_NORM,
+    PROBE_PER_TOKEN_NORM,
+    PROBE_LOSS,
+    PROBE_REWARD_STD_MEAN,
+    PROBE_NUM_GROUPS,
+    PROBE_NUM_EPISODES,
+    PROBE_NUM_STEPS,
+    PROBE_HEAD_NORM,
+    PROBE_SHARE,
+    PROBE_COSINE,
+    PROBE_REGULARIZER_GRAD_NORM,
+    PROBE_REGULARIZER_ERROR,
+    PROBE_REGULARIZER_SHARE,
+    PROBE_REGULARIZER_TOTAL,
+)
+PROBE_COUNTERS: tuple[str, ...] = (
+    PROBE_REQUESTS_SENT,
+    PROBE_REQUESTS_DROPPED,
+    PROBE_COMPLETED,
+    PROBE_SKIPPED,
+    PROBE_FAILURES,
 )
 TAG_NAMES: tuple[str, ...] = (
     TAG_NAN_LATCHED_HEADS,
@@ -160,6 +237,11 @@ TAG_NAMES: tuple[str, ...] = (
     TAG_HEAD_NAMES,
     TAG_STATUS,
 )
+
+
+def probe_metric(template: str, bucket: str, **parts: str) -> str:
+    """Fill a probe template, e.g. ``probe_metric(PROBE_COMPONENT_NORM, "bucket_1", component="task")``."""
+    return template.format(bucket=bucket, **parts)
 
 
 def head_metric(template: str, head: str) -> str:

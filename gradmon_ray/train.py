@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +15,10 @@ from gradmon_ray.config import GradmonConfig
 from gradmon_ray.tracking import MlflowSink, heads_in, latched_heads, progress_line, result_to_metrics
 
 logger = logging.getLogger(__name__)
+
+PROBE_RUN_WAIT_S = 15.0
+"""How long the driver waits for the MLflow run before starting the probe without one."""
+PROBE_FLUSH_S = 30.0
 
 
 @dataclass
@@ -25,6 +31,8 @@ class TrainingOutcome:
     checkpoint_path: str | None = None
     mlflow_complete: bool = False
     """True when every iteration reached MLflow before the sink was closed."""
+    probe_actor: str | None = None
+    """Name of the GradientProbe actor of this run (None: probe off or not started)."""
 
 
 def ensure_ray(cfg: GradmonConfig) -> bool:
@@ -56,7 +64,7 @@ def run_training(
     """
     import ray
 
-    from gradmon_ray.rllib import build_ppo_config
+    from gradmon_ray.rllib.config import build_ppo_config, probe_actor_name_of
 
     started_ray = ensure_ray(cfg)
     if sink is None:
@@ -71,8 +79,13 @@ def run_training(
     outcome = TrainingOutcome(run_id=None, iterations_done=0)
     status = "FAILED"
     algo = None
+    probe = None
     try:
-        algo = build_ppo_config(cfg).build_algo()
+        ppo_config = build_ppo_config(cfg)
+        outcome.probe_actor = probe_actor_name_of(ppo_config)
+        if outcome.probe_actor is not None:
+            probe = _start_probe(cfg, outcome.probe_actor, sink)
+        algo = ppo_config.build_algo()
         for iteration in range(1, cfg.iterations + 1):
             result = algo.train()
             metrics = result_to_metrics(result)
@@ -88,6 +101,8 @@ def run_training(
     finally:
         if algo is not None:
             algo.stop()
+        if probe is not None:
+            _stop_probe(probe)
         sink.log_iteration(outcome.iterations_done, {}, {mn.TAG_STATUS: status.lower()})
         outcome.mlflow_complete = sink.close(status=status)
         outcome.run_id = sink.run_id
@@ -100,6 +115,55 @@ def run_training(
             )
         if started_ray:
             ray.shutdown()
+
+
+def _start_probe(cfg: GradmonConfig, name: str, sink: MlflowSink) -> Any:
+    """Start the GradientProbe actor writing into the sink's run (None, with a warning, if it cannot start)."""
+    from gradmon_ray.probe import start_probe_actor
+
+    run_id = sink.wait_for_run(PROBE_RUN_WAIT_S)
+    if run_id is None:
+        logger.warning(
+            "MLflow run not created within %.0f s (%s): the gradient probe runs but its metrics are not recorded",
+            PROBE_RUN_WAIT_S,
+            sink.last_error,
+        )
+    try:
+        return start_probe_actor(
+            name,
+            tracking_uri=cfg.mlflow.tracking_uri,
+            run_id=run_id,
+            num_buckets=cfg.probe.num_buckets,
+            regularizers=[dataclasses.asdict(r) for r in cfg.regularizers],
+            track_grad_norms=cfg.probe.track_grad_norms,
+            num_cpus=cfg.probe.num_cpus,
+            num_gpus=cfg.probe.num_gpus,
+            max_restarts=cfg.probe.max_restarts,
+        )
+    except Exception as exc:  # the probe is an observer: training goes on without it
+        logger.warning("gradient probe actor could not start (%s: %s); training without it", type(exc).__name__, exc)
+        return None
+
+
+def _stop_probe(probe: Any) -> None:
+    """Let the probe finish its last request and write it to MLflow, then end the actor."""
+    import ray
+
+    deadline = time.monotonic() + PROBE_FLUSH_S
+    while True:
+        try:
+            if not ray.get(probe.flush.remote(PROBE_FLUSH_S), timeout=2 * PROBE_FLUSH_S):
+                logger.warning("gradient probe: some probe metrics did not reach MLflow")
+            break
+        except ray.exceptions.ActorUnavailableError:  # restarting: give it the rest of the deadline
+            if time.monotonic() > deadline:
+                logger.warning("gradient probe: still restarting at the end of the run; its last probe is lost")
+                break
+            time.sleep(0.5)
+        except Exception as exc:
+            logger.warning("gradient probe: final flush failed (%s)", type(exc).__name__)
+            break
+    ray.kill(probe)
 
 
 def _latch_tags(metrics: dict[str, float], iteration: int) -> dict[str, str]:

@@ -37,6 +37,22 @@ def test_defaults_are_valid_and_example_yaml_spells_every_default():
         ({"ppo": 3}, "ppo", "must be a mapping"),
         ({"ppo": {"minibatch_size": 2048}}, "ppo.minibatch_size", "<= ppo.train_batch_size (1024)"),
         ({"vgs": {"beta": 1.0}}, "vgs.beta", "must be >= 0.0 and < 1.0, got 1.0"),
+        ({"probe": {"gradient_analysis_every": -1}}, "probe.gradient_analysis_every", ">= 0"),
+        ({"probe": {"num_buckets": 0}}, "probe.num_buckets", ">= 1"),
+        ({"probe": {"max_restarts": -2}}, "probe.max_restarts", ">= -1"),
+        ({"probe": {"track_grad_norms": True}}, "probe.track_grad_norms", "no enabled entry in regularizers"),
+        ({"regularizers": [{"fn": "logit_l2"}]}, "regularizers[0].name", "must be letters, digits"),
+        ({"regularizers": [{"name": "task"}]}, "regularizers[0].name", "not task/entropy/kl/value/total"),
+        ({"regularizers": [{"name": "a b"}]}, "regularizers[0].name", "got 'a b'"),
+        ({"regularizers": [{"name": "x", "fn": "nope"}]}, "regularizers[0].fn", "unknown function 'nope'; use one of"),
+        ({"regularizers": [{"name": "x", "fn": "no.such:fn"}]}, "regularizers[0].fn", "cannot import 'no.such:fn'"),
+        (
+            {"regularizers": [{"name": "logit_l2"}, {"name": "logit_l2", "fn": "weight_l2"}]},
+            "regularizers[1].name",
+            "duplicate regularizer name",
+        ),
+        ({"regularizers": [{"name": "x", "wieght": 1}]}, "regularizers[0].wieght", "unknown key"),
+        ({"regularizers": {"name": "x"}}, "regularizers", "a list of"),
         ({"vgs": {"aggregation_method": "p95"}}, "vgs.aggregation_method", "one of 'p90', 'mean', 'weighted_mean'"),
         ({"vgs": {"granularity": "layer"}}, "vgs.granularity", "one of 'element', 'tensor'"),
         ({"vgs": {"warmup": 3}}, "vgs.warmup", "allowed keys here: enabled, beta, alpha, eps, warmup_steps"),
@@ -86,7 +102,7 @@ def test_every_field_has_a_doc():
     from gradmon_ray import config as c
 
     sections = (c.GradmonConfig, c.EnvSection, c.ModelSection, c.PPOSection, c.ResourcesSection, c.MlflowSection)
-    for cls in (*sections, c.VgsSection, c.UpgdSection, c.TelemetrySection):
+    for cls in (*sections, c.VgsSection, c.UpgdSection, c.TelemetrySection, c.ProbeSection, c.RegularizerEntry):
         walk(cls)
 
 

@@ -36,9 +36,17 @@ def test_readme_train_command_is_the_console_script():
     assert 'gradmon-ray = "gradmon_ray.cli:main"' in pyproject
 
 
+def _documented_form(template: str) -> str:
+    """``grad/head/{head}/norm`` -> ``grad/head/<head>/norm``, as the README writes it."""
+    return re.sub(r"\{(\w+)\}", r"<\1>", template)
+
+
+ALL_METRICS = [_documented_form(t) for t in (*mn.PER_HEAD_TEMPLATES, *mn.PROBE_TEMPLATES)] + list(mn.SCALAR_NAMES)
+
+
 def test_every_metric_and_tag_name_is_in_the_readme_table():
     documented = set(re.findall(r"^\| `([^`]+)` \|", README, re.M))
-    names = [t.replace("{head}", "<head>") for t in mn.PER_HEAD_TEMPLATES] + list(mn.SCALAR_NAMES)
+    names = ALL_METRICS
     missing = [n for n in names if n not in documented]
     assert not missing, f"add README table rows for {missing}"
     for tag in mn.TAG_NAMES:
@@ -47,5 +55,5 @@ def test_every_metric_and_tag_name_is_in_the_readme_table():
 
 def test_readme_table_has_no_stale_rows():
     documented = set(re.findall(r"^\| `([^`]+)` \|", README, re.M))
-    known = {t.replace("{head}", "<head>") for t in mn.PER_HEAD_TEMPLATES} | set(mn.SCALAR_NAMES)
+    known = set(ALL_METRICS)
     assert documented <= known, documented - known

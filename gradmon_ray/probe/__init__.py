@@ -1,5 +1,8 @@
 """The gradient probe: non-destructive per-component, per-bucket gradient analysis."""
 
+from gradmon_ray.probe.actor import GradientProbe, ProbeOutcome, ProbeRequest, start_probe_actor
+from gradmon_ray.probe.analysis import LossSettings, analyse_batch, episodes_from_batch
+from gradmon_ray.probe.client import ProbeClient
 from gradmon_ray.probe.components import COMPONENTS, ComponentReport, component_gradients
 from gradmon_ray.probe.regularizers import BUILTIN_REGULARIZERS, RegularizerSpec, resolve_regularizer
 
@@ -7,7 +10,15 @@ __all__ = [
     "BUILTIN_REGULARIZERS",
     "COMPONENTS",
     "ComponentReport",
+    "GradientProbe",
+    "LossSettings",
+    "ProbeClient",
+    "ProbeOutcome",
+    "ProbeRequest",
     "RegularizerSpec",
+    "analyse_batch",
     "component_gradients",
+    "episodes_from_batch",
     "resolve_regularizer",
+    "start_probe_actor",
 ]

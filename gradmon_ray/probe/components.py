@@ -31,7 +31,7 @@ class ComponentReport:
     norms: dict[str, float]
     """L2 norm of each component's gradient over all trainable parameters."""
     per_head: dict[str, dict[str, float]]
-    """component -> head -> L2 norm over that head's parameters."""
+    """component -> head -> L2 norm over that head's parameters (``kl`` only with the KL loss)."""
     losses: dict[str, float]
     """policy, entropy, kl, value, total (as logged by PPO)."""
     shares: dict[str, float]
@@ -77,13 +77,16 @@ def component_gradients(
         kl_coeff=kl_coeff,
         use_kl_loss=use_kl_loss,
     )
-    # The total loss is exactly the sum of these (masked means are linear).
+    # The total loss is exactly the sum of these (masked means are linear).  Without the KL
+    # loss there is no KL component (its gradient would be an uninformative zero).
     component_losses = {
         "task": terms.policy,
         "entropy": -entropy_coeff * terms.entropy,
         "kl": kl_coeff * terms.kl if use_kl_loss else None,
         "value": vf_loss_coeff * terms.value,
     }
+    if not use_kl_loss:
+        del component_losses["kl"]
     grads: dict[str, list[torch.Tensor]] = {}
     for name, loss in component_losses.items():
         if loss is None or not loss.requires_grad:
@@ -104,11 +107,11 @@ def component_gradients(
         norms={name: _norm(g) for name, g in grads.items()},
         per_head=per_head,
         losses={
-            "policy": float(terms.policy),
-            "entropy": float(terms.entropy),
-            "kl": float(terms.kl),
-            "value": float(terms.value),
-            "total": float(terms.total),
+            "policy": float(terms.policy.detach()),
+            "entropy": float(terms.entropy.detach()),
+            "kl": float(terms.kl.detach()),
+            "value": float(terms.value.detach()),
+            "total": float(terms.total.detach()),
         },
         shares=signed_shares(grads),
         cosines=cosines,

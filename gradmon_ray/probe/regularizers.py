@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from ray.rllib.core.columns import Columns
 
+from gradmon_ray.rllib.ppo_loss import masked_mean
+
 RegularizerFn = Callable[[torch.nn.Module, Mapping[str, Any], Mapping[str, Any]], torch.Tensor]
 
 
@@ -33,15 +35,16 @@ class RegularizerSpec:
 
 
 def logit_l2(module: torch.nn.Module, batch: Mapping[str, Any], fwd_out: Mapping[str, Any]) -> torch.Tensor:
-    """Mean squared action logits over all heads (keeps logits from running away)."""
-    return fwd_out[Columns.ACTION_DIST_INPUTS].pow(2).mean()
+    """Mean over valid rows of the mean squared action logit (keeps logits from running away)."""
+    logits = fwd_out[Columns.ACTION_DIST_INPUTS]
+    return masked_mean(logits.pow(2).mean(-1), batch.get(Columns.LOSS_MASK))
 
 
 def uniform_prior_kl(module: torch.nn.Module, batch: Mapping[str, Any], fwd_out: Mapping[str, Any]) -> torch.Tensor:
-    """Mean over samples of sum over heads of KL(pi_head || uniform) = log K_head - H_head."""
+    """Mean over valid rows of the sum over heads of KL(pi_head || uniform) = log K_head - H_head."""
     dist = module.get_train_action_dist_cls().from_logits(fwd_out[Columns.ACTION_DIST_INPUTS])
     log_k = torch.tensor([math.log(k) for k in dist.head_sizes], device=dist.logits.device)
-    return (log_k - dist.per_head_entropy()).sum(-1).mean()
+    return masked_mean((log_k - dist.per_head_entropy()).sum(-1), batch.get(Columns.LOSS_MASK))
 
 
 def weight_l2(module: torch.nn.Module, batch: Mapping[str, Any], fwd_out: Mapping[str, Any]) -> torch.Tensor:

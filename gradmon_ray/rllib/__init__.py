@@ -1,17 +1,30 @@
-"""Thin adapters to RLlib's new API stack: the multi-head RLModule, the learner, config."""
+"""Thin adapters to RLlib's new API stack: the multi-head RLModule, the learner, config.
 
-from gradmon_ray.rllib.config import build_ppo_config, resolve_env
-from gradmon_ray.rllib.distribution import FactoredCategorical
-from gradmon_ray.rllib.learner import GradmonPPOTorchLearner
-from gradmon_ray.rllib.module import VALUE_HEAD, FactoredActorCritic, HeadLayout, resolve_heads
+Exports are resolved lazily (PEP 562): ``gradmon_ray.probe`` imports ``rllib.ppo_loss``
+while the learner imports the probe's client, and an eager package import would make
+that a cycle.
+"""
 
-__all__ = [
-    "VALUE_HEAD",
-    "FactoredActorCritic",
-    "FactoredCategorical",
-    "GradmonPPOTorchLearner",
-    "HeadLayout",
-    "build_ppo_config",
-    "resolve_env",
-    "resolve_heads",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "build_ppo_config": "gradmon_ray.rllib.config",
+    "resolve_env": "gradmon_ray.rllib.config",
+    "FactoredCategorical": "gradmon_ray.rllib.distribution",
+    "GradmonPPOTorchLearner": "gradmon_ray.rllib.learner",
+    "VALUE_HEAD": "gradmon_ray.rllib.module",
+    "FactoredActorCritic": "gradmon_ray.rllib.module",
+    "HeadLayout": "gradmon_ray.rllib.module",
+    "resolve_heads": "gradmon_ray.rllib.module",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

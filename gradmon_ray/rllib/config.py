@@ -12,6 +12,7 @@ from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 from gradmon_ray.config import ConfigError, GradmonConfig
 from gradmon_ray.distributed import new_group_name
 from gradmon_ray.envs import BUILTIN_ENV_ID, register_builtin_env
+from gradmon_ray.probe.actor import probe_actor_name
 from gradmon_ray.rllib.connectors import AddGroupIdsToTrainBatch
 from gradmon_ray.rllib.learner import LEARNER_CONFIG_KEY, GradmonPPOTorchLearner
 from gradmon_ray.rllib.module import FactoredActorCritic
@@ -35,9 +36,22 @@ def resolve_env(env_id: str) -> Any:
     return env_id
 
 
-def build_ppo_config(cfg: GradmonConfig) -> PPOConfig:
-    """A ``PPOConfig`` that trains ``FactoredActorCritic`` with ``GradmonPPOTorchLearner``."""
+def build_ppo_config(cfg: GradmonConfig, *, probe_actor: str | None = None) -> PPOConfig:
+    """A ``PPOConfig`` that trains ``FactoredActorCritic`` with ``GradmonPPOTorchLearner``.
+
+    With ``probe.gradient_analysis_every > 0`` rank 0's learner looks for the GradientProbe
+    actor named ``probe_actor`` (default: a fresh run-unique name; read it back with
+    ``probe_actor_name_of``); whoever runs the algorithm starts that actor
+    (``gradmon_ray.probe.start_probe_actor``), as ``run_training`` does.
+    """
     ppo, res = cfg.ppo, cfg.resources
+    probe: dict[str, Any] = {}
+    if cfg.probe.gradient_analysis_every > 0:
+        probe = {
+            "actor_name": probe_actor or probe_actor_name(new_group_name()),
+            "every": cfg.probe.gradient_analysis_every,
+        }
+    group_key = cfg.probe.group_key
     model_config: dict[str, Any] = {
         "trunk_hiddens": list(cfg.model.trunk_hiddens),
         "head_hiddens": list(cfg.model.head_hiddens),
@@ -56,7 +70,9 @@ def build_ppo_config(cfg: GradmonConfig) -> PPOConfig:
             num_gpus_per_learner=res.num_gpus_per_learner,
             learner_class=GradmonPPOTorchLearner,
             # Per-row group ids and episode indices, for the gradient probe's buckets.
-            learner_connector=lambda obs_space, act_space: AddGroupIdsToTrainBatch(obs_space, act_space),
+            learner_connector=lambda obs_space, act_space: AddGroupIdsToTrainBatch(
+                obs_space, act_space, group_key=group_key
+            ),
             learner_config_dict={
                 LEARNER_CONFIG_KEY: {
                     "telemetry": cfg.telemetry.enabled,
@@ -69,6 +85,8 @@ def build_ppo_config(cfg: GradmonConfig) -> PPOConfig:
                     "reduce_telemetry": cfg.distributed.reduce_telemetry,
                     "noise_scale": cfg.distributed.noise_scale,
                     "replica_check_every": cfg.distributed.replica_check_every,
+                    "regularizers": [dataclasses.asdict(r) for r in cfg.regularizers],
+                    "probe": probe,
                 }
             },
         )
@@ -93,3 +111,9 @@ def build_ppo_config(cfg: GradmonConfig) -> PPOConfig:
         .debugging(seed=cfg.seed)
     )
     return config
+
+
+def probe_actor_name_of(config: PPOConfig) -> str | None:
+    """The GradientProbe actor name the learners of ``config`` will look for (None: probe off)."""
+    probe = config.learner_config_dict.get(LEARNER_CONFIG_KEY, {}).get("probe") or {}
+    return probe.get("actor_name")

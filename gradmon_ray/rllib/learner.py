@@ -33,6 +33,7 @@ from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 from ray.rllib.core.columns import Columns
 from ray.rllib.core.learner.learner import ENTROPY_KEY, POLICY_LOSS_KEY, VF_LOSS_KEY, Learner
 from ray.rllib.core.learner.torch.torch_learner import TorchLearner
+from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.utils.annotations import override
 from ray.rllib.utils.typing import ModuleID, ParamDict, StateDict, TensorType
@@ -40,6 +41,10 @@ from ray.rllib.utils.typing import ModuleID, ParamDict, StateDict, TensorType
 from gradmon_ray import metric_names as mn
 from gradmon_ray.distributed import LearnerCollective, ReplicaDivergenceError, parameter_checksum
 from gradmon_ray.optim import UPGD
+from gradmon_ray.probe.actor import ProbeRequest
+from gradmon_ray.probe.analysis import LossSettings
+from gradmon_ray.probe.client import ProbeClient
+from gradmon_ray.probe.regularizers import resolve_regularizer
 from gradmon_ray.rllib.ppo_loss import explained_variance, ppo_loss_from_batch
 from gradmon_ray.telemetry import (
     GradientNormPlan,
@@ -63,6 +68,9 @@ VGS_STATE_KEY = "gradmon_vgs"
 NOISE_STATE_KEY = "gradmon_noise_scale"
 """Key of the gradient-noise-scale EMAs inside ``Learner.get_state()`` (2+ learners)."""
 
+PROBE_STATE_KEY = "gradmon_probe"
+"""Key of the probe bookkeeping (iteration count, probe counters) inside ``Learner.get_state()``."""
+
 LEARNER_CONFIG_KEY = "gradmon"
 """Key in ``AlgorithmConfig.learner_config_dict`` holding the gradmon learner settings."""
 
@@ -76,7 +84,10 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
     the skip-on-NaN decision on the device), ``optimizer`` (``"adam"`` or ``"upgd"``),
     ``upgd`` (UPGD's hyperparameters), ``vgs`` (``VarianceGradientScaler`` keyword
     arguments plus ``enabled``; off when absent), ``collective_group`` /
-    ``collective_backend`` / ``replica_check_every`` (the cross-learner reduction), and
+    ``collective_backend`` / ``replica_check_every`` (the cross-learner reduction),
+    ``regularizers`` (``{"name", "fn", "weight", "enabled"}`` entries added to the loss),
+    ``probe`` (``{"actor_name", "every"}``: rank 0 hands the GradientProbe actor the
+    pre-update weights and the batch every ``every`` iterations), and
     ``fault_injection`` (tests only: ``{"nan_logits": {"rank", "head", "iteration"}}`` makes
     that head's logits NaN on that rank in that iteration).
     """
@@ -98,6 +109,9 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         vgs_settings = dict(settings.get("vgs", {}))
         self._replica_check_every = int(settings.get("replica_check_every", 10))
         self._fault_injection = dict(settings.get("fault_injection", {}))
+        self._regularizers = [resolve_regularizer(**dict(r)) for r in settings.get("regularizers", ())]
+        self._regularizers = [r for r in self._regularizers if r.enabled]
+        probe_settings = dict(settings.get("probe") or {})
         super().build()
         module_ids = list(self.module.keys())
         if len(module_ids) != 1:
@@ -122,11 +136,23 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         self._setup_noise_scale(
             groups, float(settings.get("noise_ema_beta", 0.9)), enabled=bool(settings.get("noise_scale", True))
         )
+        self._iterations_done = 0
+        self._probe: ProbeClient | None = None
+        self._probe_snapshot: dict[str, Any] | None = None
+        if probe_settings.get("every", 0) > 0 and self._global_rank() == 0:
+            # Rank 0's shard stands for the batch: the other shards come from the same policy.
+            self._probe = ProbeClient(probe_settings["actor_name"], int(probe_settings["every"]))
         self._vgs: VarianceGradientScaler | None = None
         if vgs_settings.pop("enabled", False):
             # One scale for the whole module, computed from gradients that DDP has already
             # averaged: every replica sees identical inputs and so applies an identical scale.
             self._vgs = VarianceGradientScaler(self._norm_plan.params, **vgs_settings)
+
+    @staticmethod
+    def _global_rank() -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
     @property
     def head_names(self) -> tuple[str, ...]:
@@ -248,6 +274,9 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
             use_kl_loss=config.use_kl_loss,
             use_critic=config.use_critic,
         )
+        total = terms.total
+        for spec in self._regularizers:
+            total = total + spec.weight * spec.fn(module, batch, fwd_out)
         if self._telemetry_enabled:
             logp = terms.per_head_logp
             if mask is not None:
@@ -270,7 +299,7 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
             key=module_id,
             window=1,
         )
-        return terms.total
+        return total
 
     @staticmethod
     def _with_nan_head(logits: torch.Tensor, module: Any, head: str) -> torch.Tensor:
@@ -343,10 +372,15 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
     @override(PPOLearner)
     def after_gradient_based_update(self, *, timesteps: dict[str, Any]) -> None:
         super().after_gradient_based_update(timesteps=timesteps)
+        self._iterations_done += 1
+        metrics: dict[str, float] = {}
+        if self._probe is not None:
+            self._send_probe()
+            metrics.update(self._probe.metrics())
         if not self._telemetry_enabled and self._vgs is None:
+            self._log_metrics_dict(metrics)
             return
         lanes, checksum_ok = self._reduce_iteration()
-        metrics: dict[str, float] = {}
         if self._telemetry_enabled:
             summary = self._tracker.finish_iteration(lanes["telemetry"])
             self.last_telemetry = summary
@@ -357,14 +391,67 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
             metrics.update(self._vgs.host_metrics())
         if checksum_ok is not None:
             metrics[mn.REPLICA_CHECKSUM_OK] = float(checksum_ok)
-        for name, value in metrics.items():
-            self.metrics.log_value((self._module_id, name), value, window=1)
+        self._log_metrics_dict(metrics)
         if checksum_ok is False:
             raise ReplicaDivergenceError(
                 f"learner replicas hold different parameters after iteration {self._tracker.iteration} "
                 f"(detected on rank {self._collective.rank} of {self._collective.world_size}); "
                 "the run cannot be trusted: restore the last checkpoint"
             )
+
+    def _log_metrics_dict(self, metrics: dict[str, float]) -> None:
+        for name, value in metrics.items():
+            self.metrics.log_value((self._module_id, name), value, window=1)
+
+    @override(Learner)
+    def _make_batch_if_necessary(self, training_data: Any) -> Any:
+        # The one place that sees the whole postprocessed batch (GAE done) before the first
+        # minibatch: snapshot it and the pre-update weights for the probe, on device, no sync.
+        batch = super()._make_batch_if_necessary(training_data)
+        probe = self._probe
+        if probe is not None and batch is not None and probe.due(self._iterations_done + 1) and probe.reserve():
+            mid = self._module_id
+            module = self.module[mid].unwrapped()
+            self._probe_snapshot = {
+                "weights": {k: v.detach().clone() for k, v in module.state_dict().items()},
+                "batch": {k: v for k, v in batch.policy_batches[mid].items() if k != "weights_seq_no"},
+                "entropy_coeff": self.entropy_coeff_schedulers_per_module[mid].get_current_value(),
+                "kl_coeff": torch.as_tensor(self.curr_kl_coeffs_per_module[mid]).detach().clone(),
+            }
+        return batch
+
+    def _send_probe(self) -> None:
+        """Hand the snapshot to the probe actor (once per probed iteration; the copy to host is here)."""
+        snapshot, self._probe_snapshot = self._probe_snapshot, None
+        if snapshot is None:
+            self._probe.poll()
+            return
+        import tree
+
+        module = self.module[self._module_id].unwrapped()
+        config = self.config.get_config_for_module(self._module_id)
+        to_host = lambda t: t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)  # noqa: E731
+        self._probe.submit(
+            ProbeRequest(
+                iteration=self._iterations_done,
+                module_spec=RLModuleSpec(
+                    module_class=type(module),
+                    observation_space=module.observation_space,
+                    action_space=module.action_space,
+                    model_config=module.model_config,
+                ),
+                weights={k: to_host(v) for k, v in snapshot["weights"].items()},
+                batch={k: tree.map_structure(to_host, v) for k, v in snapshot["batch"].items()},
+                loss=LossSettings(
+                    clip_param=float(config.clip_param),
+                    vf_clip_param=float(config.vf_clip_param),
+                    vf_loss_coeff=float(config.vf_loss_coeff),
+                    entropy_coeff=float(snapshot["entropy_coeff"]),
+                    kl_coeff=float(snapshot["kl_coeff"]),
+                    use_kl_loss=bool(config.use_kl_loss),
+                ),
+            )
+        )
 
     def _reduce_iteration(self) -> tuple[dict[str, np.ndarray], bool | None]:
         """Pack, reduce ONCE across learners, copy to the host ONCE; then unpack.
@@ -424,6 +511,11 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         state = super().get_state(components, not_components=not_components, **kwargs)
         if self._check_component(TELEMETRY_STATE_KEY, components, not_components):
             state[TELEMETRY_STATE_KEY] = self._tracker.state_dict()
+        if self._check_component(PROBE_STATE_KEY, components, not_components):
+            state[PROBE_STATE_KEY] = {
+                "iterations_done": self._iterations_done,
+                "counters": self._probe.state_dict() if self._probe is not None else {},
+            }
         if self._noise is not None and self._check_component(NOISE_STATE_KEY, components, not_components):
             state[NOISE_STATE_KEY] = self._noise.state_dict()
         if self._vgs is not None and self._check_component(VGS_STATE_KEY, components, not_components):
@@ -435,6 +527,10 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         super().set_state(state)
         if TELEMETRY_STATE_KEY in state:
             self._tracker.load_state_dict(state[TELEMETRY_STATE_KEY])
+        if PROBE_STATE_KEY in state:
+            self._iterations_done = int(state[PROBE_STATE_KEY].get("iterations_done", 0))
+            if self._probe is not None:
+                self._probe.load_state_dict(state[PROBE_STATE_KEY].get("counters", {}))
         if NOISE_STATE_KEY in state and self._noise is not None:
             self._noise.load_state_dict(state[NOISE_STATE_KEY])
         if VGS_STATE_KEY in state and self._vgs is not None:

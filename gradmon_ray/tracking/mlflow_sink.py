@@ -48,6 +48,9 @@ class MlflowSink:
         max_pending: iterations buffered while the server is unreachable; beyond this the
             oldest are dropped (``dropped_iterations`` counts them).
         retry_backoff_s: first retry delay after a failed write (doubles up to 30 s).
+        run_id: write into this existing run instead of creating one (the probe actor does
+            this); ``experiment`` and ``params`` are then ignored and ``close`` leaves the
+            run's status alone, because the run belongs to someone else.
     """
 
     def __init__(
@@ -60,6 +63,7 @@ class MlflowSink:
         tags: Mapping[str, str] | None = None,
         max_pending: int = 1000,
         retry_backoff_s: float = 0.5,
+        run_id: str | None = None,
     ) -> None:
         self.tracking_uri = tracking_uri
         self.experiment = experiment
@@ -76,7 +80,8 @@ class MlflowSink:
         self.failed_writes = 0
         self.written_iterations = 0
         self.last_error: str | None = None
-        self.run_id: str | None = None
+        self.run_id: str | None = run_id
+        self._owns_run = run_id is None
         self._run_ready = threading.Event()
         self._thread = threading.Thread(target=self._worker, name="gradmon-mlflow-sink", daemon=True)
         self._thread.start()
@@ -96,6 +101,17 @@ class MlflowSink:
         """The run id once the run exists (None if it could not be created in time)."""
         self._run_ready.wait(timeout_s)
         return self.run_id
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait (at most ``timeout_s``) until everything queued so far is written; keeps the sink open."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._pending and self._thread.is_alive():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(min(remaining, 0.05))
+            return not self._pending
 
     def close(self, *, status: str = "FINISHED", timeout_s: float = 30.0) -> bool:
         """Flush what is pending, end the run with ``status``; True if everything was written.
@@ -135,7 +151,8 @@ class MlflowSink:
                     backoff = self._backoff0
                     continue
                 if closing:
-                    client.set_terminated(self.run_id, status=self._final_status)
+                    if self._owns_run:
+                        client.set_terminated(self.run_id, status=self._final_status)
                     return
             except Exception as exc:  # never let the writer die; training must not notice
                 self.failed_writes += 1
@@ -151,6 +168,8 @@ class MlflowSink:
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(tracking_uri=self.tracking_uri)
+        if not self._owns_run:
+            return client
         exp = client.get_experiment_by_name(self.experiment)
         exp_id = exp.experiment_id if exp is not None else client.create_experiment(self.experiment)
         if self.run_id is None:

@@ -12,7 +12,7 @@ from gradmon_ray.telemetry.head_norms import worst_head
 
 DEFAULT_MODULE_ID = "default_policy"
 
-_GRADMON_PREFIXES = ("grad/", "latch/", "update/", "vgs/")
+_GRADMON_PREFIXES = ("grad/", "latch/", "update/", "vgs/", "probe/")
 # RLlib result paths -> gradmon names (the training-progress rows of the README table).
 _RLLIB_PATHS: dict[str, tuple[str, ...]] = {
     mn.EPISODE_RETURN_MEAN: ("env_runners", "episode_return_mean"),

@@ -163,3 +163,28 @@ def test_telemetry_off_logs_nothing(shared):
     results = update(learner, batch, c)
     assert learner.last_telemetry is None
     assert not [k for k in results[DEFAULT_MODULE_ID] if str(k).startswith("grad/")]
+
+
+def test_configured_regularizers_enter_the_training_loss():
+    cfg = config_from_dict(
+        {
+            "seed": 6,
+            "ppo": {"train_batch_size": 128, "minibatch_size": 128, "num_epochs": 1},
+            "model": {"trunk_hiddens": [8]},
+            "regularizers": [
+                {"name": "wl2", "fn": "weight_l2", "weight": 0.25},
+                {"name": "off", "fn": "logit_l2", "weight": 100.0, "enabled": False},
+            ],
+        }
+    )
+    learner = build_local_learner(cfg)
+    batch = learner._convert_batch_type(train_batch(learner, sample_episodes(cfg, learner, 128)))
+    tensors = dict(batch.policy_batches[DEFAULT_MODULE_ID])
+    module = learner.module[DEFAULT_MODULE_ID].unwrapped()
+    fwd = module.forward_train(tensors)
+    config = learner.config.get_config_for_module(DEFAULT_MODULE_ID)
+    with_reg = learner.compute_loss_for_module(module_id=DEFAULT_MODULE_ID, config=config, batch=tensors, fwd_out=fwd)
+    learner._regularizers = []
+    without = learner.compute_loss_for_module(module_id=DEFAULT_MODULE_ID, config=config, batch=tensors, fwd_out=fwd)
+    expected = 0.25 * sum(float(p.detach().pow(2).sum()) for p in module.parameters())
+    assert float(with_reg.detach() - without.detach()) == pytest.approx(expected, rel=1e-5)

@@ -72,3 +72,19 @@ def test_reuses_existing_experiment(tmp_path, existing):
     assert sink.close()
     client = MlflowClient(uri)
     assert client.get_experiment_by_name("exp").experiment_id == client.get_run(sink.run_id).info.experiment_id
+
+
+def test_attached_sink_writes_into_an_existing_run_and_leaves_its_status(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'attached.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("owner")).info.run_id
+    sink = MlflowSink(uri, "ignored", run_id=run_id, params={"ignored": 1})
+    sink.log_iteration(3, {"grad_norm/bucket_1/task": 0.5})
+    assert sink.flush(30.0)
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "grad_norm/bucket_1/task")] == [(3, 0.5)]
+    sink.log_iteration(4, {"grad_norm/bucket_1/task": 0.25})
+    assert sink.close(status="FAILED", timeout_s=30.0)
+    run = client.get_run(run_id)
+    assert run.info.status == "RUNNING" and run.data.params == {}
+    assert client.get_experiment_by_name("ignored") is None
+    assert len(client.get_metric_history(run_id, "grad_norm/bucket_1/task")) == 2

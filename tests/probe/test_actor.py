@@ -1,0 +1,222 @@
+"""The GradientProbe as a real Ray actor, writing to a real MLflow store; the learner's client."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import time
+import uuid
+
+import numpy as np
+import pytest
+import ray
+import tree
+from mlflow.tracking import MlflowClient
+from ray.rllib.core import DEFAULT_MODULE_ID
+from ray.rllib.core.rl_module.rl_module import RLModuleSpec
+
+from gradmon_ray import metric_names as mn
+from gradmon_ray.config import config_from_dict
+from gradmon_ray.probe import ProbeClient, ProbeRequest, start_probe_actor
+from gradmon_ray.probe.analysis import LossSettings
+from gradmon_ray.rllib.standalone import build_local_learner, sample_episodes, train_batch, update
+
+LOSS = LossSettings(
+    clip_param=0.2, vf_clip_param=10.0, vf_loss_coeff=0.5, entropy_coeff=0.01, kl_coeff=0.2, use_kl_loss=False
+)
+SLOW = [{"name": "slow", "fn": "tests.fixtures.user_envs:slow_logit_l2", "weight": 1.0, "enabled": True}]
+
+
+def _cfg(**extra):
+    return config_from_dict(
+        {
+            "seed": 4,
+            "ppo": {"train_batch_size": 256, "minibatch_size": 128, "num_epochs": 1},
+            "model": {"trunk_hiddens": [16]},
+            **extra,
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def request_template():
+    """A real postprocessed batch of the built-in env (8 tasks -> enough groups for 2 buckets)."""
+    cfg = _cfg()
+    learner = build_local_learner(cfg)
+    batch = train_batch(learner, sample_episodes(cfg, learner, 256)).policy_batches[DEFAULT_MODULE_ID]
+    module = learner.module[DEFAULT_MODULE_ID].unwrapped()
+    return ProbeRequest(
+        iteration=7,
+        module_spec=RLModuleSpec(
+            module_class=type(module),
+            observation_space=module.observation_space,
+            action_space=module.action_space,
+            model_config=module.model_config,
+        ),
+        weights={k: v.detach().numpy().copy() for k, v in module.state_dict().items()},
+        batch={k: tree.map_structure(lambda t: t.numpy(), v) for k, v in batch.items() if k != "weights_seq_no"},
+        loss=LOSS,
+    )
+
+
+@pytest.fixture
+def mlflow_run(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run = client.create_run(client.create_experiment("probe"))
+    return uri, run.info.run_id
+
+
+def _name() -> str:
+    return f"gradmon-probe-test-{uuid.uuid4().hex[:8]}"
+
+
+def _wait_until(predicate, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_actor_logs_bucket_metrics_into_the_run_at_the_training_iteration(ray_session, request_template, mlflow_run):
+    uri, run_id = mlflow_run
+    probe = start_probe_actor(_name(), tracking_uri=uri, run_id=run_id, num_buckets=2, num_cpus=1)
+    try:
+        outcome = ray.get(probe.analyse.remote(request_template))
+        assert outcome.status == "ok" and outcome.iteration == 7 and outcome.num_metrics > 50, outcome
+        assert ray.get(probe.flush.remote(30.0))
+    finally:
+        ray.kill(probe)
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    assert run.info.status == "RUNNING"  # the probe writes into someone else's run and leaves it alone
+    for bucket in ("bucket_1", "bucket_2"):
+        for component in ("task", "entropy", "value"):
+            history = client.get_metric_history(
+                run_id, mn.probe_metric(mn.PROBE_COMPONENT_NORM, bucket, component=component)
+            )
+            assert [(m.step, m.value > 0) for m in history] == [(7, True)], (bucket, component)
+        assert mn.probe_metric(mn.PROBE_REWARD_STD_MEAN, bucket) in run.data.metrics
+    assert run.data.metrics[mn.PROBE_DURATION_S] > 0
+
+
+def test_client_drops_a_request_while_the_probe_is_busy_and_never_queues(ray_session, request_template):
+    name = _name()
+    probe = start_probe_actor(
+        name, tracking_uri=None, run_id=None, num_buckets=2, regularizers=SLOW, track_grad_norms=True, num_cpus=1
+    )
+    try:
+        client = ProbeClient(name, every=1)
+        assert client.reserve()
+        t0 = time.perf_counter()
+        client.submit(request_template)
+        assert time.perf_counter() - t0 < 0.5  # fire and forget: the slow probe is not waited for
+        assert not client.reserve() and not client.reserve()
+        assert client.counters[mn.PROBE_REQUESTS_DROPPED] == 2
+        assert _wait_until(lambda: not client.busy)
+        assert client.reserve()
+        assert client.counters == {
+            mn.PROBE_REQUESTS_SENT: 1,
+            mn.PROBE_REQUESTS_DROPPED: 2,
+            mn.PROBE_COMPLETED: 1,
+            mn.PROBE_SKIPPED: 0,
+            mn.PROBE_FAILURES: 0,
+        }
+        assert client.last_outcome.status == "ok"
+    finally:
+        ray.kill(probe)
+
+
+def test_client_survives_a_killed_actor_warns_once_and_resumes_after_restart(ray_session, request_template, caplog):
+    name = _name()
+    probe = start_probe_actor(
+        name,
+        tracking_uri=None,
+        run_id=None,
+        num_buckets=2,
+        regularizers=SLOW,
+        track_grad_norms=True,
+        num_cpus=1,
+        max_restarts=1,
+    )
+    client = ProbeClient(name, every=1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="gradmon_ray.probe.client"):
+            client.submit(request_template)
+            time.sleep(0.3)  # the probe is inside its slow regularizer now
+            ray.kill(probe, no_restart=False)  # dies with our request; Ray restarts it
+            assert _wait_until(lambda: not client.busy)
+            assert client.counters[mn.PROBE_FAILURES] == 1
+            # While Ray restarts the actor, requests fail fast (counted); then they go through again.
+            deadline = time.monotonic() + 90
+            while client.counters[mn.PROBE_COMPLETED] == 0 and time.monotonic() < deadline:
+                client.submit(request_template)
+                assert _wait_until(lambda: not client.busy, timeout_s=90)
+                time.sleep(0.2)
+        assert client.counters[mn.PROBE_COMPLETED] == 1, client.counters
+        failures_before_death = client.counters[mn.PROBE_FAILURES]
+        warnings = [r for r in caplog.records if "probe request failed" in r.getMessage()]
+        assert len(warnings) == 1
+    finally:
+        ray.kill(probe, no_restart=True)
+    # gone for good: still no exception, just counted
+    assert _wait_until(lambda: not client.busy)
+    client.submit(request_template)
+    assert _wait_until(lambda: not client.busy)
+    assert client.counters[mn.PROBE_FAILURES] == failures_before_death + 1
+
+
+def test_client_without_an_actor_counts_a_failure():
+    client = ProbeClient("gradmon-probe-that-does-not-exist", every=3)
+    assert [client.due(i) for i in range(1, 7)] == [False, False, True, False, False, True]
+    ray_was_up = ray.is_initialized()
+    if not ray_was_up:
+        pytest.skip("needs Ray")
+    client.submit(object())
+    assert client.counters[mn.PROBE_FAILURES] == 1 and client.counters[mn.PROBE_REQUESTS_SENT] == 0
+    with pytest.raises(ValueError, match="every must be >= 1"):
+        ProbeClient("x", every=0)
+
+
+def _fingerprint(learner) -> str:
+    digest = hashlib.sha256()
+    for p in learner.module[DEFAULT_MODULE_ID].unwrapped().parameters():
+        digest.update(p.detach().numpy().tobytes())
+        digest.update(b"none" if p.grad is None else p.grad.numpy().tobytes())
+    for opt in learner._optimizer_parameters:
+        for state in opt.state_dict()["state"].values():
+            for value in state.values():
+                digest.update(np.asarray(value).tobytes())
+    return digest.hexdigest()
+
+
+def test_learner_hands_off_pre_update_weights_and_the_probe_leaves_the_learner_untouched(ray_session):
+    cfg = _cfg(probe={"gradient_analysis_every": 1, "num_buckets": 2})
+    learner = build_local_learner(cfg)
+    probe = start_probe_actor(learner._probe.actor_name, tracking_uri=None, run_id=None, num_buckets=2, num_cpus=1)
+    try:
+        module = learner.module[DEFAULT_MODULE_ID].unwrapped()
+        before_update = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        sent = []
+        real_submit = learner._probe.submit
+        learner._probe.submit = lambda request: (sent.append(request), real_submit(request))[1]
+        batch = train_batch(learner, sample_episodes(cfg, learner, 256))
+        results = update(learner, batch, cfg)
+        (request,) = sent
+        assert request.iteration == 1
+        for key, value in before_update.items():  # the weights the update started from
+            np.testing.assert_array_equal(request.weights[key], value.numpy())
+        assert any(not np.array_equal(request.weights[k], v.detach().numpy()) for k, v in module.state_dict().items())
+        assert {"gradmon_group_id", "gradmon_episode", "advantages", "loss_mask"} <= set(request.batch)
+        assert results[DEFAULT_MODULE_ID][mn.PROBE_REQUESTS_SENT].peek() == 1.0
+        fingerprint = _fingerprint(learner)
+        outcome = ray.get(learner._probe._in_flight)
+        assert outcome.status == "ok"
+        assert _fingerprint(learner) == fingerprint  # parameters, grads, Adam moments: unchanged
+        state = copy.deepcopy(learner.get_state()["gradmon_probe"])
+        assert state["iterations_done"] == 1 and state["counters"][mn.PROBE_REQUESTS_SENT] == 1
+    finally:
+        ray.kill(probe)
