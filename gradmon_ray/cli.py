@@ -46,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="override any config field, e.g. --set ppo.lr=1e-3 (VALUE is parsed as YAML)",
     )
     train.add_argument("--debug", action="store_true", help="show tracebacks and Ray's logs")
+    sweep = sub.add_parser("tune", help="run a Ray Tune sweep from a sweep file (see tune_configs/*_sweep.yaml)")
+    sweep.add_argument("sweep_file", help="sweep YAML: base_config/base, search_space, num_samples, ...")
+    sweep.add_argument("--mlflow-uri", help="MLflow tracking URI for the parent and trial runs")
+    sweep.add_argument("--ray-address", help="Ray cluster address (default: local Ray or RAY_ADDRESS)")
+    sweep.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
 
 
@@ -91,6 +96,21 @@ def _train(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _tune(args: argparse.Namespace) -> int:
+    from gradmon_ray.config import apply_overrides, config_from_dict
+    from gradmon_ray.sweep import load_sweep, run_sweep
+
+    sweep, base = load_sweep(args.sweep_file)
+    flags = {"mlflow.tracking_uri": args.mlflow_uri, "resources.ray_address": args.ray_address}
+    base = apply_overrides(base, {k: v for k, v in flags.items() if v is not None})
+    config_from_dict(dict(base))  # the flags too are validated before Ray starts
+    print(f"gradmon-ray: sweep '{sweep.name}' over {', '.join(sweep.search_space)}", flush=True)
+    outcome = run_sweep(sweep, base, progress=lambda line: print(line, flush=True))
+    best = f"best run {outcome.best.run_id} ({sweep.metric} {outcome.best.metric:.4g})" if outcome.best else "no best"
+    print(f"gradmon-ray: sweep done; MLflow parent run {outcome.parent_run_id}; {best}", flush=True)
+    return EXIT_OK if any(t.status != "failed" for t in outcome.trials) else EXIT_FAILED
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gradmon-ray`` console script."""
     args = build_parser().parse_args(argv)
@@ -100,6 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "tune":
+            return _tune(args)
         raise AssertionError(args.command)
     except ConfigError as exc:
         print(f"gradmon-ray: config error: {exc}", file=sys.stderr)

@@ -54,6 +54,10 @@ class ModelSection:
         default_factory=list, metadata=_meta("Hidden widths inside the value head.", min=1)
     )
     activation: Literal["tanh", "relu", "silu"] = field(default="tanh", metadata=_meta("Hidden activation."))
+    head_logit_scale: dict[str, float] = field(
+        default_factory=dict,
+        metadata=_meta("Multiply a head's logits, e.g. {op: 100.0} (diagnostics: provokes an exploding head)."),
+    )
     head_names: Union[list[str], None] = field(
         default=None, metadata=_meta("Head names for MultiDiscrete/Discrete spaces (Dict spaces use their keys).")
     )
@@ -182,6 +186,22 @@ class ProbeSection:
 
 
 @dataclass
+class HealthStopSection:
+    """Gradient-health early stopping (each rule off by default)."""
+
+    dead_iterations: int = field(
+        default=0,
+        metadata=_meta("Stop when a head is dead (norm < 0.01) this many iterations in a row (0: off).", min=0),
+    )
+    exploding_iterations: int = field(
+        default=0,
+        metadata=_meta("Stop when a head is exploding (norm > 5) this many iterations in a row (0: off).", min=0),
+    )
+    nan_latch: bool = field(default=False, metadata=_meta("Stop as soon as any head's NaN log-prob latch fires."))
+    inf_latch: bool = field(default=False, metadata=_meta("Stop as soon as any head's Inf log-prob latch fires."))
+
+
+@dataclass
 class MlflowSection:
     """Where metrics go."""
 
@@ -211,6 +231,7 @@ class GradmonConfig:
         default_factory=list, metadata=_meta("Extra loss terms, added to the PPO loss with their weights.")
     )
     probe: ProbeSection = field(default_factory=ProbeSection)
+    health_stop: HealthStopSection = field(default_factory=HealthStopSection)
     mlflow: MlflowSection = field(default_factory=MlflowSection)
 
     def to_flat_dict(self) -> dict[str, Any]:
@@ -348,6 +369,9 @@ def validate_config(cfg: GradmonConfig) -> None:
             "ppo.minibatch_size",
             f"must be <= ppo.train_batch_size ({cfg.ppo.train_batch_size}), got {cfg.ppo.minibatch_size}",
         )
+    for head, factor in cfg.model.head_logit_scale.items():
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ConfigError(f"model.head_logit_scale.{head}", f"must be a number > 0, got {factor!r}")
     seen: set[str] = set()
     for i, entry in enumerate(cfg.regularizers):
         where = f"regularizers[{i}]"
@@ -393,7 +417,12 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError("--config", f"{p} must hold a mapping at the top level")
         data = loaded or {}
-    for dotted, value in (overrides or {}).items():
+    return config_from_dict(apply_overrides(data, overrides or {}))
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Set dotted keys (``{"ppo.lr": 1e-3}``) in plain config data, in place; returns ``data``."""
+    for dotted, value in overrides.items():
         node = data
         *parents, leaf = dotted.split(".")
         for part in parents:
@@ -401,4 +430,4 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             if not isinstance(node, dict):
                 raise ConfigError(dotted, "cannot set a key inside a non-mapping value")
         node[leaf] = value
-    return config_from_dict(data)
+    return data

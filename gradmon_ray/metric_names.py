@@ -144,6 +144,10 @@ PROBE_SKIPPED = "probe/skipped"
 PROBE_FAILURES = "probe/failures"
 """Probe requests that failed: actor died or restarting, or the analysis raised."""
 
+# --- gradient-health early stopping (health_stop config) --------------------------
+HEALTH_STOP_REASON = "health/stop_reason"
+"""Logged once, at the iteration a health rule stopped the run: 1 dead, 2 exploding, 3 NaN latch, 4 Inf latch."""
+
 # --- MLflow tags ------------------------------------------------------------------
 TAG_NAN_LATCHED_HEADS = "gradmon.nan_latched_heads"
 """Comma-separated heads whose NaN latch fired (absent while none has)."""
@@ -151,7 +155,11 @@ TAG_INF_LATCHED_HEADS = "gradmon.inf_latched_heads"
 TAG_HEAD_NAMES = "gradmon.head_names"
 """Comma-separated head names in the order the learner reports them."""
 TAG_STATUS = "gradmon.status"
-"""``running``, ``finished`` or ``failed``."""
+"""``running``, ``finished``, ``stopped`` (a health rule ended it) or ``failed``."""
+TAG_STOP_REASON = "gradmon.stop_reason"
+"""Why a health rule stopped the run, in words (head, rule, iteration)."""
+TAG_SWEEP = "gradmon.sweep"
+"""On a sweep's parent run and its trials' runs: the sweep's name."""
 
 # Health bands (``classify_grad_norm``) as numbers, because MLflow metrics are floats.
 HEALTH_CODES: dict[str, int] = {
@@ -206,6 +214,7 @@ SCALAR_NAMES: tuple[str, ...] = (
     PROBE_COMPLETED,
     PROBE_SKIPPED,
     PROBE_FAILURES,
+    HEALTH_STOP_REASON,
 )
 PROBE_TEMPLATES: tuple[str, ...] = (
     PROBE_COMPONENT_NORM,
@@ -236,6 +245,8 @@ TAG_NAMES: tuple[str, ...] = (
     TAG_INF_LATCHED_HEADS,
     TAG_HEAD_NAMES,
     TAG_STATUS,
+    TAG_STOP_REASON,
+    TAG_SWEEP,
 )
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import GradmonConfig
+from gradmon_ray.telemetry.health_stop import HealthStopMonitor, HealthStopRules
 from gradmon_ray.tracking import MlflowSink, heads_in, latched_heads, progress_line, result_to_metrics
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,21 @@ class TrainingOutcome:
     """True when every iteration reached MLflow before the sink was closed."""
     probe_actor: str | None = None
     """Name of the GradientProbe actor of this run (None: probe off or not started)."""
+    stop_reason: str | None = None
+    """Set when a ``health_stop`` rule ended the run early (it still counts as FINISHED)."""
+
+
+@dataclass
+class ResumePoint:
+    """Where a resumed run starts: an RLlib checkpoint and the iterations already done."""
+
+    checkpoint_path: str
+    iterations_done: int
+    health_state: dict[str, int] = field(default_factory=dict)
+
+
+IterationReporter = Callable[[int, dict[str, float], Any, "HealthStopMonitor | None", "str | None"], None]
+"""``reporter(iteration, metrics, algo, health_monitor, stop_reason)``, after every iteration (Tune uses it)."""
 
 
 def ensure_ray(cfg: GradmonConfig) -> bool:
@@ -55,12 +71,17 @@ def run_training(
     *,
     progress: Callable[[str], None] | None = print,
     sink: MlflowSink | None = None,
+    reporter: IterationReporter | None = None,
+    resume: ResumePoint | None = None,
 ) -> TrainingOutcome:
     """Train ``cfg.iterations`` iterations; every iteration's telemetry goes to MLflow.
 
     Ray is started locally unless already running or ``resources.ray_address`` /
-    ``RAY_ADDRESS`` name a cluster.  The sink is closed (flushed, run ended as FINISHED or
-    FAILED) on the way out, whatever happens.
+    ``RAY_ADDRESS`` name a cluster.  A ``health_stop`` rule that fires ends the run early
+    (``outcome.stop_reason``, the MLflow tag ``gradmon.stop_reason`` and the metric
+    ``health/stop_reason``).  ``resume`` continues from a checkpoint (Tune's trial restarts).
+    The sink is closed (flushed, run ended as FINISHED or FAILED) on the way out, whatever
+    happens.
     """
     import ray
 
@@ -76,7 +97,11 @@ def run_training(
             tags={mn.TAG_STATUS: "running"},
             max_pending=cfg.mlflow.queue_size,
         )
-    outcome = TrainingOutcome(run_id=None, iterations_done=0)
+    outcome = TrainingOutcome(run_id=None, iterations_done=resume.iterations_done if resume else 0)
+    rules = HealthStopRules(**dataclasses.asdict(cfg.health_stop))
+    monitor = HealthStopMonitor(rules) if rules.any else None
+    if monitor is not None and resume is not None:
+        monitor.load_state_dict(resume.health_state)
     status = "FAILED"
     algo = None
     probe = None
@@ -86,14 +111,29 @@ def run_training(
         if outcome.probe_actor is not None:
             probe = _start_probe(cfg, outcome.probe_actor, sink)
         algo = ppo_config.build_algo()
-        for iteration in range(1, cfg.iterations + 1):
+        if resume is not None:
+            algo.restore_from_path(resume.checkpoint_path)  # learner state: weights, optimizer, telemetry
+        for iteration in range(outcome.iterations_done + 1, cfg.iterations + 1):
             result = algo.train()
             metrics = result_to_metrics(result)
-            sink.log_iteration(iteration, metrics, _latch_tags(metrics, iteration))
+            tags = _latch_tags(metrics, iteration)
+            decision = monitor.update(iteration, metrics) if monitor is not None else None
+            if decision is not None:
+                metrics[mn.HEALTH_STOP_REASON] = float(decision.code)
+                tags[mn.TAG_STOP_REASON] = f"iteration {iteration}: {decision.message}"
+                outcome.stop_reason = tags[mn.TAG_STOP_REASON]
+            sink.log_iteration(iteration, metrics, tags)
             outcome.iterations_done = iteration
             outcome.last_metrics = metrics
+            if reporter is not None:
+                reporter(iteration, metrics, algo, monitor, tags.get(mn.TAG_STOP_REASON))
             if progress is not None:
                 progress(progress_line(iteration, cfg.iterations, metrics))
+            if decision is not None:
+                logger.warning("gradmon: stopping early: %s", outcome.stop_reason)
+                if progress is not None:
+                    progress(f"stopped by health rule: {outcome.stop_reason}")
+                break
         if cfg.checkpoint_dir:
             outcome.checkpoint_path = str(algo.save_to_path(os.path.abspath(cfg.checkpoint_dir)))
         status = "FINISHED"
@@ -103,7 +143,8 @@ def run_training(
             algo.stop()
         if probe is not None:
             _stop_probe(probe)
-        sink.log_iteration(outcome.iterations_done, {}, {mn.TAG_STATUS: status.lower()})
+        final = "stopped" if status == "FINISHED" and outcome.stop_reason else status.lower()
+        sink.log_iteration(outcome.iterations_done, {}, {mn.TAG_STATUS: final})
         outcome.mlflow_complete = sink.close(status=status)
         outcome.run_id = sink.run_id
         if not outcome.mlflow_complete:

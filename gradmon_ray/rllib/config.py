@@ -57,6 +57,7 @@ def build_ppo_config(cfg: GradmonConfig, *, probe_actor: str | None = None) -> P
         "head_hiddens": list(cfg.model.head_hiddens),
         "value_hiddens": list(cfg.model.value_hiddens),
         "activation": cfg.model.activation,
+        "head_logit_scale": dict(cfg.model.head_logit_scale),
     }
     if cfg.model.head_names is not None:
         model_config["head_names"] = list(cfg.model.head_names)

@@ -101,7 +101,8 @@ class FactoredActorCritic(TorchRLModule, ValueFunctionAPI):
     ``model_config`` keys: ``trunk_hiddens`` (default ``[128, 128]``), ``head_hiddens``
     (``[]``: each head is one linear layer), ``value_hiddens`` (``[]``), ``activation``
     (``"tanh"``, ``"relu"`` or ``"silu"``), ``head_names`` (for MultiDiscrete/Discrete
-    spaces).  Observations must be a ``Box``; they are flattened per sample.
+    spaces), ``head_logit_scale`` (``{head: factor}``, multiplies that head's logits).
+    Observations must be a ``Box``; they are flattened per sample.
     """
 
     @override(TorchRLModule)
@@ -125,6 +126,15 @@ class FactoredActorCritic(TorchRLModule, ValueFunctionAPI):
             }
         )
         self.value_head = _mlp(embed_dim, list(cfg.get("value_hiddens", [])), 1, activation, out_gain=1.0)
+        # Per-head logit multipliers (default none): a diagnostic knob, e.g. to provoke an
+        # exploding head on purpose; the head's gradient scales with it.
+        scales = dict(cfg.get("head_logit_scale") or {})
+        unknown = sorted(set(scales) - set(self.head_layout.names))
+        if unknown:
+            raise ValueError(
+                f"model.head_logit_scale: unknown heads {unknown}; heads are {list(self.head_layout.names)}"
+            )
+        self._logit_scale = {name: float(v) for name, v in scales.items() if float(v) != 1.0}
         self.action_dist_cls = FactoredCategorical.for_heads(
             self.head_layout.names, self.head_layout.sizes, self.head_layout.action_format
         )
@@ -145,7 +155,10 @@ class FactoredActorCritic(TorchRLModule, ValueFunctionAPI):
         return self.trunk(obs.reshape(obs.shape[0], -1).float())
 
     def _logits(self, embeddings: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.heads[name](embeddings) for name in self.head_layout.names], dim=-1)
+        scale = self._logit_scale
+        return torch.cat(
+            [self.heads[name](embeddings) * scale.get(name, 1.0) for name in self.head_layout.names], dim=-1
+        )
 
     @override(RLModule)
     def _forward(self, batch: dict[str, Any], **kwargs: Any) -> dict[str, Any]:

@@ -51,6 +51,8 @@ class MlflowSink:
         run_id: write into this existing run instead of creating one (the probe actor does
             this); ``experiment`` and ``params`` are then ignored and ``close`` leaves the
             run's status alone, because the run belongs to someone else.
+        end_run: whether ``close`` ends the run (default: only a run this sink created); a
+            resumed Tune trial passes True for its own earlier run.
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class MlflowSink:
         max_pending: int = 1000,
         retry_backoff_s: float = 0.5,
         run_id: str | None = None,
+        end_run: bool | None = None,
     ) -> None:
         self.tracking_uri = tracking_uri
         self.experiment = experiment
@@ -81,7 +84,8 @@ class MlflowSink:
         self.written_iterations = 0
         self.last_error: str | None = None
         self.run_id: str | None = run_id
-        self._owns_run = run_id is None
+        self._owns_run = run_id is None if end_run is None else end_run
+        self._creates_run = run_id is None
         self._run_ready = threading.Event()
         self._thread = threading.Thread(target=self._worker, name="gradmon-mlflow-sink", daemon=True)
         self._thread.start()
@@ -168,7 +172,7 @@ class MlflowSink:
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(tracking_uri=self.tracking_uri)
-        if not self._owns_run:
+        if not self._creates_run:
             return client
         exp = client.get_experiment_by_name(self.experiment)
         exp_id = exp.experiment_id if exp is not None else client.create_experiment(self.experiment)

@@ -1,0 +1,342 @@
+"""Ray Tune sweeps over any config field, one MLflow child run per trial.
+
+A sweep file (``tune_configs/*_sweep.yaml``) names a base run config and a search space
+over dotted config fields::
+
+    base_config: default.yaml          # relative to the sweep file (or `base:` inline)
+    search_space:
+      ppo.lr: {loguniform: [1.0e-4, 1.0e-3]}
+      vgs.alpha: {choice: [0.05, 0.1, 0.3]}
+      model.trunk_hiddens: {grid: [[64, 64], [128, 128]]}
+    num_samples: 2
+
+Everything is validated before Ray starts: an unknown key, an unknown config field, a
+malformed search space or a value the run config would reject exits with status 2 and
+one line.  Each trial runs ``run_training`` (so the telemetry, the probe and the
+``health_stop`` rules are the same as ``gradmon-ray train``), writes an MLflow run nested
+under the sweep's parent run, reports every iteration to Tune, and checkpoints the
+algorithm (learner state, telemetry latches included) plus its MLflow run id and health
+streaks, so that Tune's ``FailureConfig`` retries resume the trial where it stopped and in
+the same MLflow run.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from gradmon_ray import metric_names as mn
+from gradmon_ray.config import ConfigError, GradmonConfig, _from_dict, apply_overrides, config_from_dict
+
+SEARCH_KINDS = ("choice", "grid", "uniform", "loguniform")
+TRIAL_STATE_FILE = "gradmon_trial.json"
+PARENT_RUN_TAG = "mlflow.parentRunId"  # MLflow's own tag: the UI nests runs under their parent
+
+
+@dataclass
+class SweepConfig:
+    """A sweep file."""
+
+    name: Union[str, None] = field(default=None, metadata={"doc": "Sweep name (Tune experiment and MLflow tag)."})
+    base_config: Union[str, None] = field(
+        default=None, metadata={"doc": "Run config YAML the trials start from (relative to the sweep file)."}
+    )
+    base: dict[str, Any] = field(
+        default_factory=dict, metadata={"doc": "Inline run config, applied after base_config."}
+    )
+    search_space: dict[str, Any] = field(
+        default_factory=dict, metadata={"doc": "Dotted config field -> {choice|grid|uniform|loguniform: [...]}."}
+    )
+    num_samples: int = field(default=1, metadata={"doc": "Samples of the search space (x grid size).", "min": 1})
+    metric: str = field(default=mn.EPISODE_RETURN_MEAN, metadata={"doc": "Metric that ranks trials."})
+    mode: Literal["max", "min"] = field(default="max", metadata={"doc": "Whether larger metric is better."})
+    max_concurrent_trials: int = field(default=1, metadata={"doc": "Trials running at once.", "min": 1})
+    max_failures: int = field(
+        default=2, metadata={"doc": "Retries of a failed trial, from its last checkpoint (-1: forever).", "min": -1}
+    )
+    checkpoint_every: int = field(default=1, metadata={"doc": "Checkpoint a trial every N iterations.", "min": 1})
+    storage_path: Union[str, None] = field(
+        default=None, metadata={"doc": "Where Tune keeps trial state (null: ./tune_results)."}
+    )
+
+
+@dataclass
+class TrialSummary:
+    """One trial's outcome."""
+
+    trial_id: str
+    status: str
+    run_id: str | None
+    iterations: int
+    metric: float | None
+    stop_reason: str | None
+    config: dict[str, Any]
+
+
+@dataclass
+class SweepOutcome:
+    """What ``run_sweep`` leaves behind."""
+
+    name: str
+    parent_run_id: str
+    trials: list[TrialSummary]
+    best: TrialSummary | None
+
+
+def load_sweep(path: str | Path) -> tuple[SweepConfig, dict[str, Any]]:
+    """Parse and validate a sweep file; returns it and the resolved base run config (as data)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("sweep", f"file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError("sweep", f"{p} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("sweep", f"{p} must hold a mapping at the top level")
+    sweep: SweepConfig = _from_dict(SweepConfig, data, "")
+    base: dict[str, Any] = {}
+    if sweep.base_config:
+        base_path = (p.parent / sweep.base_config).resolve()
+        if not base_path.is_file():
+            raise ConfigError("base_config", f"file not found: {base_path}")
+        base = yaml.safe_load(base_path.read_text()) or {}
+        if not isinstance(base, dict):
+            raise ConfigError("base_config", f"{base_path} must hold a mapping")
+    base = _merge(base, sweep.base)
+    config_from_dict(copy.deepcopy(base))  # the base itself must be a valid run config
+    if not sweep.search_space:
+        raise ConfigError("search_space", "is empty; give at least one field, e.g. {ppo.lr: {choice: [1e-4, 3e-4]}}")
+    for key, spec in sweep.search_space.items():
+        for value in _candidate_values(key, spec):
+            try:
+                config_from_dict(apply_overrides(copy.deepcopy(base), {key: value}))
+            except ConfigError as exc:
+                raise ConfigError(f"search_space.{key}", str(exc)) from None
+    if sweep.name is None:
+        sweep.name = p.stem
+    return sweep, base
+
+
+def _candidate_values(key: str, spec: Any) -> list[Any]:
+    """The values a search space entry can produce that the run config must accept."""
+    where = f"search_space.{key}"
+    if not isinstance(spec, dict):
+        return [spec]  # a constant
+    if len(spec) != 1 or next(iter(spec)) not in SEARCH_KINDS:
+        raise ConfigError(where, f"must be a constant or one of {{{' | '.join(SEARCH_KINDS)}: [...]}}, got {spec!r}")
+    kind, args = next(iter(spec.items()))
+    if not isinstance(args, list) or not args:
+        raise ConfigError(where, f"{kind} needs a non-empty list, got {args!r}")
+    if kind in ("choice", "grid"):
+        return list(args)
+    if len(args) != 2 or not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args):
+        raise ConfigError(where, f"{kind} needs [low, high] numbers, got {args!r}")
+    low, high = args
+    if not low < high:
+        raise ConfigError(where, f"{kind} needs low < high, got {args!r}")
+    if kind == "loguniform" and low <= 0:
+        raise ConfigError(where, f"loguniform needs 0 < low, got {args!r}")
+    return [float(low), float(high)]
+
+
+def tune_search_space(search_space: dict[str, Any]) -> dict[str, Any]:
+    """The Tune domains (``tune.choice`` etc.) of a validated search space."""
+    from ray import tune
+
+    makers = {
+        "choice": tune.choice,
+        "grid": tune.grid_search,
+        "uniform": lambda a: tune.uniform(*a),
+        "loguniform": lambda a: tune.loguniform(*a),
+    }
+    out = {}
+    for key, spec in search_space.items():
+        if isinstance(spec, dict):
+            kind, args = next(iter(spec.items()))
+            out[key] = makers[kind](args)
+        else:
+            out[key] = spec
+    return out
+
+
+def absolute_tracking_uri(uri: str) -> str:
+    """Tune runs trials in their own working directories: make a relative sqlite/file URI absolute."""
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + os.path.abspath(uri[len("sqlite:///") :])
+    if uri.startswith("file:") and not uri.startswith("file:/"):
+        return "file:" + os.path.abspath(uri[len("file:") :])
+    if "://" not in uri and not os.path.isabs(uri):
+        return os.path.abspath(uri)
+    return uri
+
+
+def run_sweep(sweep: SweepConfig, base: dict[str, Any], *, progress: Any = print) -> SweepOutcome:
+    """Run the sweep with Ray Tune; one nested MLflow run per trial under a parent run."""
+    import ray
+    from mlflow.tracking import MlflowClient
+    from ray import tune
+
+    from gradmon_ray.rllib.config import build_ppo_config
+    from gradmon_ray.train import ensure_ray
+
+    base_cfg = config_from_dict(copy.deepcopy(base))
+    uri = absolute_tracking_uri(base_cfg.mlflow.tracking_uri)
+    base = apply_overrides(copy.deepcopy(base), {"mlflow.tracking_uri": uri})
+    started_ray = ensure_ray(base_cfg)
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name(base_cfg.mlflow.experiment)
+    exp_id = experiment.experiment_id if experiment else client.create_experiment(base_cfg.mlflow.experiment)
+    name = sweep.name or "sweep"
+    parent = client.create_run(exp_id, run_name=name, tags={mn.TAG_SWEEP: name, mn.TAG_STATUS: "running"})
+    parent_id = parent.info.run_id
+    for key, spec in sweep.search_space.items():
+        client.log_param(parent_id, f"search_space.{key}", json.dumps(spec))
+    status = "FAILED"
+    try:
+        resources = _trial_resources(base_cfg, build_ppo_config)
+        tuner = tune.Tuner(
+            tune.with_resources(_trial, resources),
+            param_space={
+                **tune_search_space(sweep.search_space),
+                "__gradmon__": {
+                    "base": base,
+                    "parent_run_id": parent_id,
+                    "sweep": name,
+                    "every": sweep.checkpoint_every,
+                },
+            },
+            tune_config=tune.TuneConfig(
+                num_samples=sweep.num_samples,
+                metric=sweep.metric,
+                mode=sweep.mode,
+                max_concurrent_trials=sweep.max_concurrent_trials,
+            ),
+            run_config=tune.RunConfig(
+                name=f"{name}-{parent_id[:8]}",
+                storage_path=os.path.abspath(sweep.storage_path or "tune_results"),
+                failure_config=tune.FailureConfig(max_failures=sweep.max_failures),
+                checkpoint_config=tune.CheckpointConfig(num_to_keep=2),
+                verbose=0,
+            ),
+        )
+        grid = tuner.fit()
+        trials = [_summary(r, sweep.metric) for r in grid]
+        # A trial a health rule stopped is broken, whatever its metric said so far.
+        ranked = [t for t in trials if t.metric is not None and t.status == "finished"]
+        best = (max if sweep.mode == "max" else min)(ranked, key=lambda t: t.metric) if ranked else None
+        if best is not None:
+            client.log_metric(parent_id, f"best/{sweep.metric}", best.metric)
+            client.set_tag(parent_id, "gradmon.best_run_id", best.run_id or "")
+        if progress is not None:
+            for t in trials:
+                extra = f" | stopped: {t.stop_reason}" if t.stop_reason else ""
+                progress(
+                    f"trial {t.trial_id} {t.status} | {t.iterations} iterations | {sweep.metric} {t.metric}{extra}"
+                )
+        status = "FINISHED" if any(t.status == "finished" for t in trials) else "FAILED"
+        return SweepOutcome(name, parent_id, trials, best)
+    finally:
+        client.set_tag(parent_id, mn.TAG_STATUS, status.lower())
+        client.set_terminated(parent_id, status=status)
+        if started_ray:
+            ray.shutdown()
+
+
+def _trial_resources(cfg: GradmonConfig, build_ppo_config: Any) -> Any:
+    """RLlib's own resource request for the algorithm (+ a bundle for the probe actor)."""
+    from ray import tune
+    from ray.rllib.algorithms.ppo import PPO
+
+    request = PPO.default_resource_request(build_ppo_config(cfg))
+    bundles = [dict(b) for b in request.bundles]
+    if cfg.probe.gradient_analysis_every > 0:
+        bundles.append({"CPU": cfg.probe.num_cpus, **({"GPU": cfg.probe.num_gpus} if cfg.probe.num_gpus else {})})
+    return tune.PlacementGroupFactory(bundles, strategy=request.strategy)
+
+
+def _summary(result: Any, metric: str) -> TrialSummary:
+    metrics = result.metrics or {}
+    reason = metrics.get(mn.HEALTH_STOP_REASON)
+    config = {k: v for k, v in (result.config or {}).items() if k != "__gradmon__"}
+    status = "failed" if result.error else ("stopped" if reason else "finished")
+    return TrialSummary(
+        trial_id=str(metrics.get("trial_id", result.path)),
+        status=status,
+        run_id=metrics.get("mlflow_run_id"),
+        iterations=int(metrics.get("gradmon_iteration", 0)),
+        metric=metrics.get(metric),
+        stop_reason=metrics.get("stop_reason_text") or None,
+        config=config,
+    )
+
+
+def _trial(params: dict[str, Any]) -> None:
+    """One Tune trial: ``run_training`` with the sampled overrides, reporting to Tune."""
+    from ray import tune
+
+    from gradmon_ray.tracking import MlflowSink
+    from gradmon_ray.train import ResumePoint, run_training
+
+    meta = params["__gradmon__"]
+    overrides = {k: v for k, v in params.items() if k != "__gradmon__"}
+    cfg = config_from_dict(apply_overrides(copy.deepcopy(meta["base"]), overrides))
+    context = tune.get_context()
+    resume, run_id = None, None
+    checkpoint = tune.get_checkpoint()
+    if checkpoint is not None:
+        local = tempfile.mkdtemp(prefix="gradmon-resume-")
+        with checkpoint.as_directory() as directory:
+            shutil.copytree(directory, local, dirs_exist_ok=True)
+        state = json.loads((Path(local) / TRIAL_STATE_FILE).read_text())
+        resume = ResumePoint(str(Path(local) / "algo"), int(state["iterations_done"]), state.get("health", {}))
+        run_id = state["run_id"]
+    sink = MlflowSink(
+        cfg.mlflow.tracking_uri,
+        cfg.mlflow.experiment,
+        run_name=context.get_trial_name(),
+        params={**cfg.to_flat_dict(), **{f"trial.{k}": v for k, v in overrides.items()}},
+        tags={PARENT_RUN_TAG: meta["parent_run_id"], mn.TAG_SWEEP: meta["sweep"], mn.TAG_STATUS: "running"},
+        max_pending=cfg.mlflow.queue_size,
+        run_id=run_id,
+        end_run=True,
+    )
+    every = int(meta["every"])
+
+    def report(iteration: int, metrics: dict[str, float], algo: Any, monitor: Any, stop_reason: str | None) -> None:
+        stopping = stop_reason is not None
+        payload: dict[str, Any] = {**metrics, "gradmon_iteration": iteration, "mlflow_run_id": sink.wait_for_run(30)}
+        if stopping:
+            payload["stop_reason_text"] = stop_reason
+        ckpt = None
+        if iteration % every == 0 or iteration == cfg.iterations or stopping:
+            directory = tempfile.mkdtemp(prefix="gradmon-ckpt-")
+            algo.save_to_path(os.path.join(directory, "algo"))
+            state = {
+                "iterations_done": iteration,
+                "run_id": sink.run_id,
+                "health": monitor.state_dict() if monitor is not None else {},
+            }
+            (Path(directory) / TRIAL_STATE_FILE).write_text(json.dumps(state))
+            ckpt = tune.Checkpoint.from_directory(directory)
+        tune.report(payload, checkpoint=ckpt)
+
+    run_training(cfg, progress=None, sink=sink, reporter=report, resume=resume)
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out

@@ -1,0 +1,110 @@
+"""Gradient-health early stopping: end a run whose heads are broken (pure logic, no Ray).
+
+The seeds' "automated system" consumer: a head that has been ``dead`` (or ``exploding``)
+for N consecutive iterations, or whose NaN / Inf log-prob latch fired, will not recover by
+itself; a sweep should stop spending compute on it.  ``HealthStopMonitor.update`` reads one
+iteration's flattened metrics (the names in ``metric_names``) and returns the first rule
+that fires, or None.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gradmon_ray import metric_names as mn
+
+STOP_REASON_CODES: dict[str, int] = {"dead": 1, "exploding": 2, "nan_latch": 3, "inf_latch": 4}
+"""``health/stop_reason`` values (MLflow metrics are numbers); 0 = not stopped."""
+
+
+@dataclass(frozen=True)
+class HealthStopRules:
+    """Which rules are on.  ``*_iterations = 0`` turns that rule off."""
+
+    dead_iterations: int = 0
+    exploding_iterations: int = 0
+    nan_latch: bool = False
+    inf_latch: bool = False
+
+    @property
+    def any(self) -> bool:
+        """Whether any rule is on."""
+        return bool(self.dead_iterations or self.exploding_iterations or self.nan_latch or self.inf_latch)
+
+
+@dataclass(frozen=True)
+class StopDecision:
+    """Why a run should stop."""
+
+    rule: str
+    """A key of ``STOP_REASON_CODES``."""
+    head: str
+    iteration: int
+    message: str
+
+    @property
+    def code(self) -> int:
+        """The rule as a number (``STOP_REASON_CODES``)."""
+        return STOP_REASON_CODES[self.rule]
+
+
+class HealthStopMonitor:
+    """Counts consecutive dead / exploding iterations per head; checks the latches."""
+
+    def __init__(self, rules: HealthStopRules) -> None:
+        for name in ("dead_iterations", "exploding_iterations"):
+            if getattr(rules, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(rules, name)}")
+        self.rules = rules
+        self._streaks: dict[tuple[str, str], int] = {}
+
+    def update(self, iteration: int, metrics: Mapping[str, float]) -> StopDecision | None:
+        """Feed one iteration's metrics; the first rule that fires (latches first), else None.
+
+        An iteration without a head's health value (e.g. telemetry off) breaks no streak and
+        extends none.
+        """
+        for rule, template, enabled in (
+            ("nan_latch", mn.HEAD_NAN_LATCH, self.rules.nan_latch),
+            ("inf_latch", mn.HEAD_INF_LATCH, self.rules.inf_latch),
+        ):
+            if not enabled:
+                continue
+            for head in _heads(metrics, template):
+                if metrics[mn.head_metric(template, head)] >= 1.0:
+                    kind = "NaN" if rule == "nan_latch" else "Inf"
+                    return StopDecision(rule, head, iteration, f"head {head!r}: {kind} in its log-probs (latched)")
+        decision = None
+        for state, needed in (("dead", self.rules.dead_iterations), ("exploding", self.rules.exploding_iterations)):
+            code = mn.HEALTH_CODES[state]
+            for head in _heads(metrics, mn.HEAD_GRAD_HEALTH):
+                value = metrics[mn.head_metric(mn.HEAD_GRAD_HEALTH, head)]
+                if math.isnan(value):
+                    continue
+                key = (state, head)
+                self._streaks[key] = self._streaks.get(key, 0) + 1 if int(value) == code else 0
+                if needed and self._streaks[key] >= needed and decision is None:
+                    norm = metrics.get(mn.head_metric(mn.HEAD_GRAD_NORM, head), math.nan)
+                    decision = StopDecision(
+                        state,
+                        head,
+                        iteration,
+                        f"head {head!r} {state} for {self._streaks[key]} consecutive iterations (norm {norm:.4g})",
+                    )
+        return decision
+
+    def state_dict(self) -> dict[str, int]:
+        """Streak counters, ``"state/head" -> n`` (for checkpoints)."""
+        return {f"{state}/{head}": n for (state, head), n in self._streaks.items()}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Restore what ``state_dict`` wrote."""
+        self._streaks = {tuple(k.split("/", 1)): int(v) for k, v in state.items()}  # type: ignore[misc]
+
+
+def _heads(metrics: Mapping[str, float], template: str) -> list[str]:
+    prefix, _, suffix = template.partition("{head}")
+    heads = [k[len(prefix) : len(k) - len(suffix)] for k in metrics if k.startswith(prefix) and k.endswith(suffix)]
+    return [h for h in heads if h and "/" not in h]  # not e.g. latch/nan/<head>/first_iteration

@@ -1,0 +1,85 @@
+"""Sweep files: validated before Ray starts, one line and status 2 on bad input."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from gradmon_ray.cli import main
+from gradmon_ray.config import ConfigError
+from gradmon_ray.sweep import absolute_tracking_uri, load_sweep, tune_search_space
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _write(tmp_path, text: str) -> Path:
+    path = tmp_path / "sweep.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_shipped_sweeps_load():
+    for name in ("vgs_sweep", "heads_sweep"):
+        sweep, base = load_sweep(ROOT / "tune_configs" / f"{name}.yaml")
+        assert sweep.name == name and base["iterations"] == 20
+    sweep, _ = load_sweep(ROOT / "tune_configs" / "vgs_sweep.yaml")
+    assert set(sweep.search_space) == {"vgs.alpha", "vgs.beta", "ppo.lr"}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("serch_space: {}", "serch_space: unknown key; allowed keys here: name, base_config"),
+        ("search_space: {}", "search_space: is empty"),
+        ("search_space: {ppo.lrr: {choice: [1]}}", "search_space.ppo.lrr: ppo.lrr: unknown key"),
+        ("search_space: {ppo.lr: {choice: [-1.0]}}", "search_space.ppo.lr: ppo.lr: must be > 0.0, got -1.0"),
+        ("search_space: {ppo.lr: {uniform: [1]}}", "search_space.ppo.lr: uniform needs \\[low, high\\] numbers"),
+        ("search_space: {ppo.lr: {uniform: [0.1, 0.01]}}", "uniform needs low < high"),
+        ("search_space: {ppo.lr: {loguniform: [0.0, 0.01]}}", "loguniform needs 0 < low"),
+        ("search_space: {ppo.lr: {normal: [0, 1]}}", "must be a constant or one of \\{choice \\| grid"),
+        ("search_space: {ppo.lr: {choice: []}}", "choice needs a non-empty list"),
+        ("search_space: {model.activation: {grid: [tanh, gelu]}}", "model.activation: must be one of"),
+        ("mode: maximum\nsearch_space: {ppo.lr: 0.001}", "mode: must be one of 'max', 'min'"),
+        ("base: {ppo: {num_epochs: 0}}\nsearch_space: {ppo.lr: 0.001}", "ppo.num_epochs: must be >= 1"),
+        ("base_config: nope.yaml\nsearch_space: {ppo.lr: 0.001}", "base_config: file not found"),
+        ("- 1", "must hold a mapping"),
+    ],
+)
+def test_bad_sweep_files_name_the_field(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        load_sweep(_write(tmp_path, text))
+
+
+def test_cli_tune_bad_file_exits_2_with_one_line(tmp_path, capsys):
+    assert main(["tune", str(_write(tmp_path, "search_space: {ppo.lrr: {choice: [1]}}"))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("gradmon-ray: config error: search_space.ppo.lrr:")
+    assert main(["tune", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_search_space_becomes_tune_domains():
+    from ray import tune
+
+    space = tune_search_space(
+        {
+            "a": {"choice": [1, 2]},
+            "b": {"grid": [3, 4]},
+            "c": {"uniform": [0.0, 1.0]},
+            "d": {"loguniform": [1e-4, 1e-2]},
+            "e": 5,
+        }
+    )
+    assert isinstance(space["a"], tune.search.sample.Categorical) and space["a"].categories == [1, 2]
+    assert space["b"] == {"grid_search": [3, 4]}
+    assert (space["c"].lower, space["c"].upper) == (0.0, 1.0)
+    assert isinstance(space["d"].get_sampler(), tune.search.sample.LogUniform) and space["e"] == 5
+
+
+def test_relative_tracking_uris_become_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert absolute_tracking_uri("sqlite:///mlflow.db") == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert absolute_tracking_uri("sqlite:////abs/m.db") == "sqlite:////abs/m.db"
+    assert absolute_tracking_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+    assert absolute_tracking_uri("mlruns") == os.path.join(str(tmp_path), "mlruns")
