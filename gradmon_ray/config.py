@@ -405,19 +405,23 @@ def _resolve_regularizer(name: str, fn: str | None, weight: float, enabled: bool
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> GradmonConfig:
     """Load YAML (or defaults when ``path`` is None), apply dotted ``overrides``, validate."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError("--config", f"file not found: {p}")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError("--config", f"{p} is not valid YAML: {str(exc).splitlines()[0]}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError("--config", f"{p} must hold a mapping at the top level")
-        data = loaded or {}
+    data = read_yaml_mapping(path, "--config") if path is not None else {}
     return config_from_dict(apply_overrides(data, overrides or {}))
+
+
+def read_yaml_mapping(path: str | Path, field_path: str) -> dict[str, Any]:
+    """A YAML file's top-level mapping (an empty file is ``{}``); a missing file, bad YAML or
+    a non-mapping is a ``ConfigError`` on ``field_path``."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(field_path, f"file not found: {p}")
+    try:
+        loaded = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(field_path, f"{p} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(field_path, f"{p} must hold a mapping at the top level")
+    return loaded or {}
 
 
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -31,10 +31,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
 
-import yaml
-
 from gradmon_ray import metric_names as mn
-from gradmon_ray.config import ConfigError, GradmonConfig, _from_dict, apply_overrides, config_from_dict
+from gradmon_ray.config import (
+    ConfigError,
+    GradmonConfig,
+    _from_dict,
+    apply_overrides,
+    config_from_dict,
+    read_yaml_mapping,
+)
 
 SEARCH_KINDS = ("choice", "grid", "uniform", "loguniform")
 TRIAL_STATE_FILE = "gradmon_trial.json"
@@ -94,23 +99,9 @@ class SweepOutcome:
 def load_sweep(path: str | Path) -> tuple[SweepConfig, dict[str, Any]]:
     """Parse and validate a sweep file; returns it and the resolved base run config (as data)."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError("sweep", f"file not found: {p}")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError("sweep", f"{p} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise ConfigError("sweep", f"{p} must hold a mapping at the top level")
+    data = read_yaml_mapping(p, "sweep")
     sweep: SweepConfig = _from_dict(SweepConfig, data, "")
-    base: dict[str, Any] = {}
-    if sweep.base_config:
-        base_path = (p.parent / sweep.base_config).resolve()
-        if not base_path.is_file():
-            raise ConfigError("base_config", f"file not found: {base_path}")
-        base = yaml.safe_load(base_path.read_text()) or {}
-        if not isinstance(base, dict):
-            raise ConfigError("base_config", f"{base_path} must hold a mapping")
+    base = read_yaml_mapping((p.parent / sweep.base_config).resolve(), "base_config") if sweep.base_config else {}
     base = _merge(base, sweep.base)
     config_from_dict(copy.deepcopy(base))  # the base itself must be a valid run config
     if not sweep.search_space:
