@@ -1,0 +1,76 @@
+"""Helpers for end-to-end tests that drive real servers and CLIs in subprocesses.
+
+Every server is started in its own process group (``start_new_session=True``) so that
+``kill_group`` takes down its children too, even when a test fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+"""The virtualenv's bin directory: ``gradmon-ray``, ``ray`` and ``mlflow`` of this interpreter."""
+
+SMALL_TRAIN_ARGS = ["--iterations", "2", "--set", "ppo.train_batch_size=256", "--set", "ppo.minibatch_size=128"]
+SMALL_TRAIN_ARGS += ["--set", "ppo.num_epochs=1", "--set", "model.trunk_hiddens=[32]"]
+"""``gradmon-ray train`` arguments for a two-iteration, CI-sized run."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (from the ephemeral range)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(
+    url: str, timeout_s: float, headers: dict[str, str] | None = None, ok_codes: tuple[int, ...] = ()
+) -> None:
+    """Wait until ``url`` answers 2xx (or one of ``ok_codes``); re-raise the last error after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=2):
+                return
+        except urllib.error.HTTPError as err:
+            if err.code in ok_codes:
+                return
+            if time.monotonic() > deadline:
+                raise
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.5)
+
+
+def kill_group(proc: subprocess.Popen, grace_s: float = 20) -> None:
+    """SIGTERM the process group ``proc`` leads, SIGKILL whatever is left after ``grace_s``."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+    try:  # children that outlived the leader are still in its group
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    proc.wait(timeout=20)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without Ray address/auth variables, this venv's bin first on PATH."""
+    drop = ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env.update(extra)
+    return env
