@@ -33,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--iterations", type=int, help="training iterations (config: iterations)")
     train.add_argument("--num-learners", type=int, help="remote learner actors (config: resources.num_learners)")
     train.add_argument("--num-env-runners", type=int, help="EnvRunner actors (config: resources.num_env_runners)")
-    train.add_argument("--mlflow-uri", help="MLflow tracking URI (config: mlflow.tracking_uri)")
+    train.add_argument(
+        "--mlflow-uri", help="MLflow tracking URI (config: mlflow.tracking_uri; default $MLFLOW_TRACKING_URI)"
+    )
     train.add_argument("--experiment", help="MLflow experiment (config: mlflow.experiment)")
     train.add_argument("--run-name", help="MLflow run name (config: mlflow.run_name)")
     train.add_argument("--seed", type=int, help="seed (config: seed)")

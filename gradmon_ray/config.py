@@ -9,6 +9,7 @@ exits with status 2.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import types
 import typing
@@ -201,11 +202,24 @@ class HealthStopSection:
     inf_latch: bool = field(default=False, metadata=_meta("Stop as soon as any head's Inf log-prob latch fires."))
 
 
+EMBEDDED_TRACKING_URI = "sqlite:///mlflow.db"
+"""Where runs go when neither the config, ``--mlflow-uri`` nor ``MLFLOW_TRACKING_URI`` say otherwise."""
+
+
+def default_tracking_uri() -> str:
+    """MLflow's own convention first (``MLFLOW_TRACKING_URI``; cluster.yaml sets it on every node),
+    then the embedded sqlite store in the working directory."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or EMBEDDED_TRACKING_URI
+
+
 @dataclass
 class MlflowSection:
     """Where metrics go."""
 
-    tracking_uri: str = field(default="sqlite:///mlflow.db", metadata=_meta("MLflow tracking URI."))
+    tracking_uri: str = field(
+        default_factory=default_tracking_uri,
+        metadata=_meta("MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)."),
+    )
     experiment: str = field(default="gradmon-ray", metadata=_meta("MLflow experiment name."))
     run_name: Union[str, None] = field(default=None, metadata=_meta("MLflow run name (null: MLflow picks one)."))
     queue_size: int = field(default=1000, metadata=_meta("Iterations buffered before the oldest are dropped.", min=1))

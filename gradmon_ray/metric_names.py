@@ -160,6 +160,8 @@ TAG_STOP_REASON = "gradmon.stop_reason"
 """Why a health rule stopped the run, in words (head, rule, iteration)."""
 TAG_SWEEP = "gradmon.sweep"
 """On a sweep's parent run and its trials' runs: the sweep's name."""
+TAG_RESUMED_FROM = "gradmon.resumed_from_iteration"
+"""Set when a run continued from a checkpoint (a Tune trial restart): the last checkpointed iteration."""
 
 # Health bands (``classify_grad_norm``) as numbers, because MLflow metrics are floats.
 HEALTH_CODES: dict[str, int] = {
@@ -247,6 +249,7 @@ TAG_NAMES: tuple[str, ...] = (
     TAG_STATUS,
     TAG_STOP_REASON,
     TAG_SWEEP,
+    TAG_RESUMED_FROM,
 )
 
 

@@ -307,9 +307,11 @@ def _trial(params: dict[str, Any]) -> None:
         payload: dict[str, Any] = {**metrics, "gradmon_iteration": iteration, "mlflow_run_id": sink.wait_for_run(30)}
         if stopping:
             payload["stop_reason_text"] = stop_reason
-        ckpt = None
-        if iteration % every == 0 or iteration == cfg.iterations or stopping:
-            directory = tempfile.mkdtemp(prefix="gradmon-ckpt-")
+        if not (iteration % every == 0 or iteration == cfg.iterations or stopping):
+            tune.report(payload)
+            return
+        # tune.report copies the checkpoint into the trial's storage before it returns (Ray's own pattern).
+        with tempfile.TemporaryDirectory(prefix="gradmon-ckpt-") as directory:
             algo.save_to_path(os.path.join(directory, "algo"))
             state = {
                 "iterations_done": iteration,
@@ -317,10 +319,13 @@ def _trial(params: dict[str, Any]) -> None:
                 "health": monitor.state_dict() if monitor is not None else {},
             }
             (Path(directory) / TRIAL_STATE_FILE).write_text(json.dumps(state))
-            ckpt = tune.Checkpoint.from_directory(directory)
-        tune.report(payload, checkpoint=ckpt)
+            tune.report(payload, checkpoint=tune.Checkpoint.from_directory(directory))
 
-    run_training(cfg, progress=None, sink=sink, reporter=report, resume=resume)
+    try:
+        run_training(cfg, progress=None, sink=sink, reporter=report, resume=resume)
+    finally:
+        if resume is not None:
+            shutil.rmtree(Path(resume.checkpoint_path).parent, ignore_errors=True)
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

@@ -111,12 +111,15 @@ def run_training(
         if outcome.probe_actor is not None:
             probe = _start_probe(cfg, outcome.probe_actor, sink)
         algo = ppo_config.build_algo()
+        resumed_tags: dict[str, str] = {}
         if resume is not None:
             algo.restore_from_path(resume.checkpoint_path)  # learner state: weights, optimizer, telemetry
+            resumed_tags[mn.TAG_RESUMED_FROM] = str(resume.iterations_done)
         for iteration in range(outcome.iterations_done + 1, cfg.iterations + 1):
             result = algo.train()
             metrics = result_to_metrics(result)
-            tags = _latch_tags(metrics, iteration)
+            tags = {**_latch_tags(metrics, iteration), **resumed_tags}
+            resumed_tags = {}
             decision = monitor.update(iteration, metrics) if monitor is not None else None
             if decision is not None:
                 metrics[mn.HEALTH_STOP_REASON] = float(decision.code)

@@ -8,6 +8,8 @@ import pytest
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
+# Tests name their own MLflow stores; a developer's MLFLOW_TRACKING_URI must not leak into them.
+os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,18 @@ def test_defaults_are_valid_and_example_yaml_spells_every_default():
     assert load_config(ROOT / "tune_configs" / "default.yaml") == GradmonConfig()
 
 
+def test_tracking_uri_precedence_explicit_then_mlflow_env_then_embedded_store(monkeypatch, tmp_path):
+    assert GradmonConfig().mlflow.tracking_uri == "sqlite:///mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "")  # empty counts as unset
+    assert config_from_dict({}).mlflow.tracking_uri == "sqlite:///mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://10.0.0.5:5000")
+    assert config_from_dict({}).mlflow.tracking_uri == "http://10.0.0.5:5000"
+    assert load_config(ROOT / "tune_configs" / "default.yaml").mlflow.tracking_uri == "http://10.0.0.5:5000"
+    explicit = {"mlflow": {"tracking_uri": "sqlite:///x.db"}}
+    assert config_from_dict(explicit).mlflow.tracking_uri == "sqlite:///x.db"
+    assert load_config(None, {"mlflow.tracking_uri": "http://127.0.0.1:1"}).mlflow.tracking_uri == "http://127.0.0.1:1"
+
+
 @pytest.mark.parametrize(
     ("data", "field", "fragment"),
     [

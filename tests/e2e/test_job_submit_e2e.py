@@ -37,6 +37,7 @@ class HeadNode:
 
     dashboard: str
     token: str
+    tracking_uri: str
 
     def env(self, token: str | None = "own") -> dict[str, str]:
         """Environment for a Ray CLI call: the cluster's token, another token, or none at all."""
@@ -57,10 +58,12 @@ class HeadNode:
 
 
 @pytest.fixture(scope="module")
-def head_node() -> Iterator[HeadNode]:
+def head_node(tmp_path_factory) -> Iterator[HeadNode]:
     # A short temp dir: Ray's unix socket paths must stay under ~107 characters.
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")
     token = secrets.token_hex(32)
+    # As cluster.yaml does: every node's `ray start` carries MLFLOW_TRACKING_URI, so jobs need no flag.
+    tracking_uri = f"sqlite:///{tmp_path_factory.mktemp('cluster-mlflow') / 'mlflow.db'}"
     dashboard_port = free_port()
     cmd = [
         str(BIN / "ray"),
@@ -85,7 +88,7 @@ def head_node() -> Iterator[HeadNode]:
     with log.open("w") as out:
         proc = subprocess.Popen(
             cmd,
-            env=clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token),
+            env=clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, MLFLOW_TRACKING_URI=tracking_uri),
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -93,7 +96,7 @@ def head_node() -> Iterator[HeadNode]:
     try:
         # The job API answers 401 until we send the token: that is the server being up.
         wait_http(f"http://127.0.0.1:{dashboard_port}/api/version", 120, ok_codes=(401,))
-        yield HeadNode(dashboard=f"http://127.0.0.1:{dashboard_port}", token=token)
+        yield HeadNode(dashboard=f"http://127.0.0.1:{dashboard_port}", token=token, tracking_uri=tracking_uri)
     except Exception:
         print(log.read_text()[-4000:])
         raise
@@ -130,8 +133,7 @@ def working_dir(tmp_path: Path) -> Path:
     return wd
 
 
-def test_submitted_training_job_succeeds_and_writes_mlflow(head_node: HeadNode, working_dir: Path, tmp_path: Path):
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def test_submitted_training_job_succeeds_and_writes_mlflow(head_node: HeadNode, working_dir: Path):
     submit = head_node.ray(
         "job",
         "submit",
@@ -144,8 +146,6 @@ def test_submitted_training_job_succeeds_and_writes_mlflow(head_node: HeadNode, 
         "train",
         "--config",
         "job.yaml",
-        "--mlflow-uri",
-        store,
         timeout=JOB_TIMEOUT_S,
     )
     # Without --no-wait the CLI follows the job's logs and exits 1 when it fails.
@@ -156,7 +156,7 @@ def test_submitted_training_job_succeeds_and_writes_mlflow(head_node: HeadNode, 
     assert status.returncode == 0
     assert "succeeded" in (status.stdout + status.stderr).lower()
 
-    client = MlflowClient(store)
+    client = MlflowClient(head_node.tracking_uri)  # the node's MLFLOW_TRACKING_URI reached the job
     (run,) = client.search_runs([client.get_experiment_by_name("job").experiment_id])
     assert run.info.status == "FINISHED"
     assert "job_regs:bias_l1" in run.data.params["regularizers"]  # imported from the shipped working dir

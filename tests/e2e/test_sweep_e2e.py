@@ -7,6 +7,7 @@ from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.sweep import PARENT_RUN_TAG, SweepConfig, run_sweep
+from tests.fixtures.user_envs import CRASH_ONCE_COUNTDOWN
 
 pytestmark = pytest.mark.e2e
 
@@ -68,3 +69,56 @@ def test_health_stopper_ends_the_exploding_trial_and_spares_the_healthy_one(swee
     assert mn.HEALTH_STOP_REASON not in client.get_run(healthy.run_id).data.metrics
     assert outcome.best is healthy  # a stopped trial is never the best
     assert any("stopped: iteration" in line for line in lines)
+
+
+@pytest.fixture(scope="module")
+def crashed_sweep(ray_session, tmp_path_factory):
+    """One trial whose loss raises once in iteration 2 or 3 (a fault-injecting regularizer)."""
+    tmp = tmp_path_factory.mktemp("crash")
+    base = {
+        "iterations": ITERATIONS,
+        "seed": 0,
+        "ppo": {"train_batch_size": 256, "minibatch_size": 128, "num_epochs": 1},
+        "model": {"trunk_hiddens": [32]},
+        "vgs": {"enabled": True, "warmup_steps": 1},
+        "regularizers": [{"name": "crash", "fn": "tests.fixtures.user_envs:crash_once", "weight": 1.0}],
+        "mlflow": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}", "experiment": "crash"},
+    }
+    # Two or three minibatches per iteration: call 5 falls in iteration 2 or 3, after a checkpoint.
+    CRASH_ONCE_COUNTDOWN.write_text("4")
+    try:
+        config = SweepConfig(name="crash", search_space={"ppo.lr": 3e-4}, storage_path=str(tmp / "tune"))
+        outcome = run_sweep(config, base, progress=None)
+        crashed = not CRASH_ONCE_COUNTDOWN.exists()
+    finally:
+        CRASH_ONCE_COUNTDOWN.unlink(missing_ok=True)
+    return base, outcome, crashed
+
+
+def test_a_failed_trial_resumes_from_its_checkpoint_in_the_same_mlflow_run(crashed_sweep):
+    base, outcome, crashed = crashed_sweep
+    assert crashed  # the fault fired
+    (trial,) = outcome.trials
+    assert trial.status == "finished" and trial.iterations == ITERATIONS  # FailureConfig restarted it
+    client = MlflowClient(base["mlflow"]["tracking_uri"])
+    run = client.get_run(trial.run_id)
+    assert run.info.status == "FINISHED"
+    resumed_from = int(run.data.tags[mn.TAG_RESUMED_FROM])
+    assert 1 <= resumed_from < ITERATIONS
+
+    def history(name: str) -> dict[int, float]:
+        points = client.get_metric_history(trial.run_id, name)
+        steps = [p.step for p in points]
+        assert steps == sorted(set(steps)), f"{name}: duplicated steps {steps}"  # nothing logged twice
+        return {p.step: p.value for p in points}
+
+    norms = history(mn.head_metric(mn.HEAD_GRAD_NORM, "op"))
+    assert sorted(norms) == list(range(1, ITERATIONS + 1))  # no iteration missing either
+    # Telemetry state came back with the checkpoint, not from scratch:
+    assert history(mn.TELEMETRY_ITERATION) == {i: float(i) for i in range(1, ITERATIONS + 1)}
+    prev = history(mn.head_metric(mn.HEAD_GRAD_NORM_PREV, "op"))
+    assert prev[resumed_from + 1] == pytest.approx(norms[resumed_from])  # previous value restored
+    vgs_steps = history(mn.VGS_STEP_COUNT)
+    assert all(vgs_steps[i + 1] > vgs_steps[i] for i in range(1, ITERATIONS))  # VGS statistics kept counting
+    env_steps = history(mn.ENV_STEPS_SAMPLED_LIFETIME)
+    assert all(env_steps[i + 1] > env_steps[i] for i in range(1, ITERATIONS))
