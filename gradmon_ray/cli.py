@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from gradmon_ray.config import ConfigError, load_config
+from gradmon_ray.viz.runs import RunLookupError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -53,7 +54,54 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--mlflow-uri", help="MLflow tracking URI for the parent and trial runs")
     sweep.add_argument("--ray-address", help="Ray cluster address (default: local Ray or RAY_ADDRESS)")
     sweep.add_argument("--debug", action="store_true", help="show tracebacks")
+    watch = sub.add_parser("watch", help="live terminal panel of a run's per-head gradient health (from MLflow)")
+    which = watch.add_mutually_exclusive_group()
+    which.add_argument("--run-id", help="the MLflow run to follow")
+    which.add_argument("--experiment", help="follow the newest run of this experiment (default: gradmon-ray)")
+    _tracking_uri_flag(watch)
+    watch.add_argument("--interval", type=float, default=3.0, help="seconds between refreshes (default 3)")
+    watch.add_argument("--once", action="store_true", help="print one frame and exit (scripts, finished runs)")
+    watch.add_argument("--debug", action="store_true", help="show tracebacks")
+    report = sub.add_parser("report", help="write a run's plots and a Markdown summary to a directory")
+    report.add_argument("run_id", help="the MLflow run id")
+    report.add_argument("--out", default=None, help="output directory (default: gradmon-report-<run id>)")
+    _tracking_uri_flag(report)
+    report.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
+
+
+def _tracking_uri_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)"
+    )
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    from gradmon_ray.config import default_tracking_uri
+    from gradmon_ray.viz.runs import quick_failing_http
+
+    quick_failing_http()
+    return MlflowClient(tracking_uri=args.tracking_uri or default_tracking_uri())
+
+
+def _watch(args: argparse.Namespace) -> int:
+    from gradmon_ray.viz.panel import watch
+
+    if args.interval <= 0:
+        raise ConfigError("--interval", f"must be > 0 seconds, got {args.interval}")
+    watch(_client(args), run_id=args.run_id, experiment=args.experiment, interval_s=args.interval, once=args.once)
+    return EXIT_OK
+
+
+def _report(args: argparse.Namespace) -> int:
+    from gradmon_ray.viz.report import write_report
+
+    out = args.out or f"gradmon-report-{args.run_id}"
+    files = write_report(_client(args), args.run_id, out)
+    print(f"gradmon-ray: wrote {len(files)} files to {out}: " + ", ".join(f.name for f in files), flush=True)
+    return EXIT_OK
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -124,10 +172,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _train(args)
         if args.command == "tune":
             return _tune(args)
+        if args.command == "watch":
+            return _watch(args)
+        if args.command == "report":
+            return _report(args)
         raise AssertionError(args.command)
     except ConfigError as exc:
         print(f"gradmon-ray: config error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except RunLookupError as exc:
+        print(f"gradmon-ray: {exc}", file=sys.stderr)
+        return EXIT_FAILED if exc.unreachable else EXIT_USAGE
     except KeyboardInterrupt:
         print("gradmon-ray: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -297,6 +297,7 @@ def _trial(params: dict[str, Any]) -> None:
         params={**cfg.to_flat_dict(), **{f"trial.{k}": v for k, v in overrides.items()}},
         tags={PARENT_RUN_TAG: meta["parent_run_id"], mn.TAG_SWEEP: meta["sweep"], mn.TAG_STATUS: "running"},
         max_pending=cfg.mlflow.queue_size,
+        plots_every=cfg.mlflow.plots_every,
         run_id=run_id,
         end_run=True,
     )

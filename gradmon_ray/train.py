@@ -96,6 +96,7 @@ def run_training(
             params=cfg.to_flat_dict(),
             tags={mn.TAG_STATUS: "running"},
             max_pending=cfg.mlflow.queue_size,
+            plots_every=cfg.mlflow.plots_every,
         )
     outcome = TrainingOutcome(run_id=None, iterations_done=resume.iterations_done if resume else 0)
     rules = HealthStopRules(**dataclasses.asdict(cfg.health_stop))

@@ -53,6 +53,9 @@ class MlflowSink:
             run's status alone, because the run belongs to someone else.
         end_run: whether ``close`` ends the run (default: only a run this sink created); a
             resumed Tune trial passes True for its own earlier run.
+        plots_every: every this many iterations, and once more when the sink closes, draw the
+            run's plots (``gradmon_ray.viz``) from what MLflow holds and log them as artifacts
+            under ``plots/``; on this sink's thread, never the caller's. 0: no plots.
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class MlflowSink:
         retry_backoff_s: float = 0.5,
         run_id: str | None = None,
         end_run: bool | None = None,
+        plots_every: int = 0,
     ) -> None:
         self.tracking_uri = tracking_uri
         self.experiment = experiment
@@ -78,6 +82,9 @@ class MlflowSink:
         self._backoff0 = retry_backoff_s
         self._cond = threading.Condition()
         self._closing = False
+        self._plots_every = plots_every
+        self.plot_failures = 0
+        self.plotted_artifacts: list[str] = []
         self._final_status: str = "FINISHED"
         self.dropped_iterations = 0
         self.failed_writes = 0
@@ -153,8 +160,12 @@ class MlflowSink:
                                 self._pending.popleft()
                         self.written_iterations += len(batch)
                     backoff = self._backoff0
+                    if self._plots_every and any(item.step % self._plots_every == 0 for item in batch):
+                        self._draw_plots(client)
                     continue
                 if closing:
+                    if self._plots_every:
+                        self._draw_plots(client)
                     if self._owns_run:
                         client.set_terminated(self.run_id, status=self._final_status)
                     return
@@ -166,6 +177,17 @@ class MlflowSink:
                 with self._cond:
                     self._cond.wait(backoff)
                 backoff = min(backoff * 2, 30.0)
+
+    def _draw_plots(self, client: Any) -> None:
+        # Outside the write-retry loop: a plot that cannot be drawn is counted, never retried.
+        try:
+            from gradmon_ray.viz.report import log_plots
+
+            self.plotted_artifacts = log_plots(client, self.run_id)
+        except Exception as exc:
+            self.plot_failures += 1
+            if self.plot_failures == 1:
+                logger.warning("gradmon MLflow sink: plots not written (%s: %s)", type(exc).__name__, exc)
 
     def _create_run(self) -> Any:
         from mlflow.entities import Param

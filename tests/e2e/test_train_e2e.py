@@ -11,11 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
+from rich.console import Console
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.envs import HEAD_NAMES, FactoredOpsEnv
 from gradmon_ray.train import run_training
+from gradmon_ray.viz.panel import watch
+from gradmon_ray.viz.plots import HEATMAP_FILE, LINES_FILE, norm_matrix
+from gradmon_ray.viz.report import PLOTS_ARTIFACT_DIR
+from gradmon_ray.viz.runs import load_history
 
 pytestmark = pytest.mark.e2e
 
@@ -123,3 +128,27 @@ def test_cli_train_on_embedded_defaults(tmp_path):
     for head in ALL_HEADS:
         history = client.get_metric_history(run.info.run_id, mn.head_metric(mn.HEAD_GRAD_NORM, head))
         assert len(history) == 3 and all(math.isfinite(m.value) for m in history)
+
+
+def test_plots_are_artifacts_of_the_real_run_and_match_its_metrics(trained, tmp_path):
+    cfg, outcome, _ = trained
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    arts = sorted(a.path for a in client.list_artifacts(outcome.run_id, PLOTS_ARTIFACT_DIR))
+    assert arts == sorted(f"{PLOTS_ARTIFACT_DIR}/{name}" for name in (HEATMAP_FILE, LINES_FILE))  # no probe ran
+    local = Path(client.download_artifacts(outcome.run_id, f"{PLOTS_ARTIFACT_DIR}/{HEATMAP_FILE}", str(tmp_path)))
+    assert local.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and local.stat().st_size > 10_000
+    heads, steps, matrix = norm_matrix(load_history(client, outcome.run_id))
+    assert sorted(heads) == sorted(ALL_HEADS) and steps == list(range(1, 11))
+    for i, head in enumerate(heads):
+        logged = client.get_metric_history(outcome.run_id, mn.head_metric(mn.HEAD_GRAD_NORM, head))
+        assert list(matrix[i]) == [m.value for m in sorted(logged, key=lambda m: m.step)]
+
+
+def test_watch_once_shows_every_head_of_the_real_run(trained):
+    cfg, outcome, _ = trained
+    console = Console(record=True, width=220, color_system=None)
+    snap = watch(MlflowClient(cfg.mlflow.tracking_uri), run_id=outcome.run_id, once=True, console=console)
+    text = console.export_text()
+    assert snap.iteration == 10 and set(snap.heads) == set(ALL_HEADS) and snap.heads[-1] == "value"
+    assert all(head in text for head in ALL_HEADS) and "missing" not in text
+    assert "iteration 10" in text and "env steps 10000" in text

@@ -1,0 +1,156 @@
+"""``gradmon-ray report RUN_ID``: the run's plots plus a short Markdown summary, for offline reading.
+
+``log_plots`` is the same drawing for a live run: the MLflow sink calls it on its background
+thread every ``mlflow.plots_every`` iterations and at the end of the run.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gradmon_ray import metric_names as mn
+from gradmon_ray.telemetry.head_norms import classify_grad_norm, worst_head
+from gradmon_ray.viz.plots import write_plots
+from gradmon_ray.viz.runs import ProbeView, RunHistory, latest_probe, load_history
+
+SUMMARY_FILE = "summary.md"
+PLOTS_ARTIFACT_DIR = "plots"
+"""Where the sink puts the PNGs inside the run's artifacts."""
+
+
+@dataclass
+class HeadSummary:
+    """One head over the whole run."""
+
+    head: str
+    last: float
+    band: str
+    low: float
+    high: float
+    dead_iterations: int
+    exploding_iterations: int
+    nan_first: int | None
+    inf_first: int | None
+
+
+def _first_latched(series: dict[int, float]) -> int | None:
+    return min((step for step, value in series.items() if value > 0), default=None)
+
+
+def head_summaries(history: RunHistory) -> list[HeadSummary]:
+    """Per-head summary, worst head first (``worst_head``'s ordering applied repeatedly)."""
+    rows: dict[str, HeadSummary] = {}
+    for head in history.heads:
+        series = history.series.get(mn.head_metric(mn.HEAD_GRAD_NORM, head), {})
+        if not series:
+            continue
+        values = [series[s] for s in sorted(series)]
+        finite = [v for v in values if not math.isnan(v)]
+        bands = [classify_grad_norm(v) for v in values]
+        rows[head] = HeadSummary(
+            head=head,
+            last=values[-1],
+            band=bands[-1],
+            low=min(finite) if finite else math.nan,
+            high=max(finite) if finite else math.nan,
+            dead_iterations=bands.count("dead"),
+            exploding_iterations=bands.count("exploding"),
+            nan_first=_first_latched(history.series.get(mn.head_metric(mn.HEAD_NAN_LATCH, head), {})),
+            inf_first=_first_latched(history.series.get(mn.head_metric(mn.HEAD_INF_LATCH, head), {})),
+        )
+    ordered = []
+    remaining = {h: r.last for h, r in rows.items()}
+    while remaining:
+        head, _ = worst_head(remaining)
+        ordered.append(rows[head])
+        del remaining[head]
+    return ordered
+
+
+def _range(history: RunHistory, name: str) -> tuple[float, float] | None:
+    values = [v for v in history.series.get(name, {}).values() if math.isfinite(v)]
+    return (min(values), max(values)) if values else None
+
+
+def summary_markdown(history: RunHistory, probe: ProbeView, run_name: str = "") -> str:
+    """The report's Markdown: worst heads, latches, VGS scale range, noise scale, latest probe."""
+    steps = history.head_steps()
+    lines = [f"# gradmon-ray report: {run_name or history.run_id}", ""]
+    lines.append(f"- run id: `{history.run_id}`")
+    lines.append(f"- iterations with telemetry: {len(steps)}" + (f" ({steps[0]}..{steps[-1]})" if steps else ""))
+    lines.append(f"- status: {history.tags.get(mn.TAG_STATUS, 'unknown')}")
+    if reason := history.tags.get(mn.TAG_STOP_REASON):
+        lines.append(f"- stopped by a health rule: {reason}")
+    lines += ["", "## Heads, worst first", ""]
+    lines.append("| head | last norm | band | min | max | dead iters | exploding iters | NaN latch | Inf latch |")
+    lines.append("|---|---:|---|---:|---:|---:|---:|---|---|")
+    summaries = head_summaries(history)
+    for r in summaries:
+        nan = f"iteration {r.nan_first}" if r.nan_first is not None else "—"
+        inf = f"iteration {r.inf_first}" if r.inf_first is not None else "—"
+        lines.append(
+            f"| {r.head} | {r.last:.4g} | {r.band} | {r.low:.4g} | {r.high:.4g} | {r.dead_iterations} "
+            f"| {r.exploding_iterations} | {nan} | {inf} |"
+        )
+    latched = [r for r in summaries if r.nan_first is not None or r.inf_first is not None]
+    lines += ["", "## Latched heads", ""]
+    if latched:
+        for r in latched:
+            kinds = [f"NaN from iteration {r.nan_first}"] if r.nan_first is not None else []
+            kinds += [f"Inf from iteration {r.inf_first}"] if r.inf_first is not None else []
+            lines.append(f"- {r.head}: " + ", ".join(kinds))
+    else:
+        lines.append("None: no head's log-probs were ever NaN or Inf.")
+    lines += ["", "## VGS and noise scale", ""]
+    vgs = _range(history, mn.VGS_SCALING_FACTOR)
+    lines.append(f"- VGS scaling factor: {vgs[0]:.4g} .. {vgs[1]:.4g}" if vgs else "- VGS: not enabled in this run")
+    noise_series = history.series.get(mn.GLOBAL_NOISE_SCALE, {})
+    noise = [noise_series[s] for s in sorted(noise_series) if math.isfinite(noise_series[s])]
+    if noise:
+        lines.append(f"- gradient noise scale (global): median {statistics.median(noise):.4g}, last {noise[-1]:.4g}")
+    else:
+        lines.append("- gradient noise scale: not measured (needs two or more learners)")
+    lines += ["", "## Latest gradient probe", ""]
+    if probe.norms:
+        lines.append(f"Iteration {probe.step}; gradient norm per bucket and component (signed share):")
+        lines.append("")
+        lines.append("| bucket | " + " | ".join(probe.components) + " |")
+        lines.append("|---|" + "---:|" * len(probe.components))
+        for bucket in probe.buckets:
+            cells = []
+            for component in probe.components:
+                norm = probe.norms[bucket].get(component, math.nan)
+                share = probe.shares.get(bucket, {}).get(component)
+                cells.append(f"{norm:.4g}" + (f" ({share:+.0%})" if share is not None else ""))
+            lines.append(f"| {bucket} | " + " | ".join(cells) + " |")
+    else:
+        lines.append("No probe ran (probe.gradient_analysis_every: 0).")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(client: Any, run_id: str, out_dir: str | Path) -> list[Path]:
+    """Plots and ``summary.md`` for ``run_id`` in ``out_dir``; returns the files written."""
+    history = load_history(client, run_id)
+    probe = latest_probe(client, run_id, history.latest)
+    out = Path(out_dir)
+    files = write_plots(history, probe, out)
+    run_name = history.tags.get("mlflow.runName", "")
+    (out / SUMMARY_FILE).write_text(summary_markdown(history, probe, run_name))
+    return [*files, out / SUMMARY_FILE]
+
+
+def log_plots(client: Any, run_id: str) -> list[str]:
+    """Draw the run's plots from what MLflow holds and log them as artifacts under ``plots/``."""
+    history = load_history(client, run_id)
+    probe = latest_probe(client, run_id, history.latest)
+    if not history.head_steps() and not probe.norms:
+        return []  # nothing to draw yet
+    with tempfile.TemporaryDirectory(prefix="gradmon-plots-") as directory:
+        files = write_plots(history, probe, directory)
+        client.log_artifacts(run_id, directory, artifact_path=PLOTS_ARTIFACT_DIR)
+    return [f"{PLOTS_ARTIFACT_DIR}/{f.name}" for f in files]

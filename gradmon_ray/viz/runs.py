@@ -1,0 +1,220 @@
+"""Reading a gradmon-ray run back from MLflow: which run, its latest values, its histories.
+
+Everything the panel, the plots and the report show comes from here, so they all agree with
+what MLflow stores.  Lookup problems become ``RunLookupError`` with a one-line message
+(unknown run, unknown experiment, unreachable server) instead of MLflow's tracebacks.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gradmon_ray import metric_names as mn
+
+VALUE_HEAD = "value"
+"""The value head is reported next to the action heads (its own column, last)."""
+
+# grad_norm/<bucket>/<component>: exactly one level below the bucket.
+_PROBE_COMPONENT = re.compile(r"^grad_norm/(?P<bucket>bucket_\d+)/(?P<component>[^/]+)$")
+_PROBE_SHARE = re.compile(r"^grad_norm/(?P<bucket>bucket_\d+)/share/(?P<component>[^/]+)$")
+_NOT_COMPONENTS = {"reward_std_mean", "num_groups", "num_episodes", "num_steps"}
+
+
+class RunLookupError(Exception):
+    """A run or experiment that does not exist (``unreachable`` False), or a tracking server
+    that does not answer (``unreachable`` True)."""
+
+    def __init__(self, message: str, *, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
+
+
+def quick_failing_http() -> None:
+    """Make MLflow's REST client fail in seconds, not after minutes of retries, unless the user
+    chose otherwise (``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` / ``..._TIMEOUT``). For interactive tools only."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+
+
+def _unreachable(tracking_uri: str, exc: Exception) -> RunLookupError:
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return RunLookupError(f"cannot read MLflow at {tracking_uri}: {first[:200]}", unreachable=True)
+
+
+def resolve_run(client: Any, *, run_id: str | None = None, experiment: str | None = None) -> Any:
+    """The MLflow run to show: ``run_id``, else the newest run of ``experiment``."""
+    from mlflow.exceptions import MlflowException
+
+    uri = client.tracking_uri if hasattr(client, "tracking_uri") else "the tracking server"
+    try:
+        if run_id is not None:
+            try:
+                return client.get_run(run_id)
+            except MlflowException as exc:
+                if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                    raise RunLookupError(f"no run with id {run_id!r} at {uri}") from None
+                raise
+        name = experiment or "gradmon-ray"
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise RunLookupError(f"no experiment named {name!r} at {uri}")
+        runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=1)
+        if not runs:
+            raise RunLookupError(f"experiment {name!r} at {uri} has no runs yet")
+        return runs[0]
+    except RunLookupError:
+        raise
+    except Exception as exc:
+        raise _unreachable(uri, exc) from None
+
+
+def run_heads(metrics: Mapping[str, float], tags: Mapping[str, str]) -> list[str]:
+    """Reported heads in the learner's order (the ``gradmon.head_names`` tag), value head last."""
+    from gradmon_ray.tracking.results import heads_in  # imports torch: not at CLI start-up
+
+    tagged = [h for h in tags.get(mn.TAG_HEAD_NAMES, "").split(",") if h]
+    heads = tagged or heads_in(metrics)
+    return [h for h in heads if h != VALUE_HEAD] + ([VALUE_HEAD] if VALUE_HEAD in heads else [])
+
+
+@dataclass
+class ProbeView:
+    """The latest probe: per bucket, each component's gradient norm and signed share."""
+
+    step: int | None
+    norms: dict[str, dict[str, float]] = field(default_factory=dict)
+    shares: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def buckets(self) -> list[str]:
+        return sorted(self.norms, key=lambda b: int(b.split("_")[1]))
+
+    @property
+    def components(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for bucket in self.buckets:
+            seen.update(dict.fromkeys(self.norms[bucket]))
+        return list(seen)
+
+
+def probe_view(metrics: Mapping[str, float], step: int | None = None) -> ProbeView:
+    """Bucket x component norms and shares from a run's latest metrics (empty when no probe ran)."""
+    view = ProbeView(step=step)
+    for key, value in metrics.items():
+        if (m := _PROBE_COMPONENT.match(key)) and m["component"] not in _NOT_COMPONENTS:
+            view.norms.setdefault(m["bucket"], {})[m["component"]] = value
+        elif m := _PROBE_SHARE.match(key):
+            view.shares.setdefault(m["bucket"], {})[m["component"]] = value
+    return view
+
+
+def latest_probe(client: Any, run_id: str, metrics: Mapping[str, float]) -> ProbeView:
+    """The latest probe's view, with the iteration it was taken at."""
+    probe = probe_view(metrics)
+    if probe.norms:
+        bucket = probe.buckets[0]
+        name = mn.probe_metric(mn.PROBE_COMPONENT_NORM, bucket, component=next(iter(probe.norms[bucket])))
+        try:
+            probe.step = max((m.step for m in client.get_metric_history(run_id, name)), default=None)
+        except Exception as exc:
+            raise _unreachable(getattr(client, "tracking_uri", "MLflow"), exc) from None
+    return probe
+
+
+@dataclass
+class RunSnapshot:
+    """A run's latest values: what one frame of ``gradmon-ray watch`` shows."""
+
+    run_id: str
+    run_name: str
+    status: str
+    metrics: dict[str, float]
+    tags: dict[str, str]
+    heads: list[str]
+    iteration: int | None
+    probe: ProbeView
+
+    def head_value(self, template: str, head: str) -> float | None:
+        return self.metrics.get(mn.head_metric(template, head))
+
+
+def snapshot(client: Any, run: Any) -> RunSnapshot:
+    """One ``get_run`` worth of data (MLflow keeps each metric's value at its highest step)."""
+    metrics = dict(run.data.metrics)
+    tags = dict(run.data.tags)
+    heads = run_heads(metrics, tags)
+    iteration = None
+    if heads:
+        try:
+            history = client.get_metric_history(run.info.run_id, mn.head_metric(mn.HEAD_GRAD_NORM, heads[0]))
+            iteration = max((m.step for m in history), default=None)
+        except Exception as exc:
+            raise _unreachable(getattr(client, "tracking_uri", "MLflow"), exc) from None
+    probe = latest_probe(client, run.info.run_id, metrics)
+    return RunSnapshot(
+        run_id=run.info.run_id,
+        run_name=run.info.run_name or run.info.run_id,
+        status=run.info.status,
+        metrics=metrics,
+        tags=tags,
+        heads=heads,
+        iteration=iteration,
+        probe=probe,
+    )
+
+
+@dataclass
+class RunHistory:
+    """Metric histories of one run: ``series[name][step] = value``."""
+
+    run_id: str
+    heads: list[str]
+    series: dict[str, dict[int, float]]
+    latest: dict[str, float]
+    tags: dict[str, str]
+
+    def steps(self, name: str) -> list[int]:
+        return sorted(self.series.get(name, {}))
+
+    def head_steps(self) -> list[int]:
+        """Every iteration at which any head's norm was logged."""
+        steps: set[int] = set()
+        for head in self.heads:
+            steps.update(self.series.get(mn.head_metric(mn.HEAD_GRAD_NORM, head), {}))
+        return sorted(steps)
+
+
+HISTORY_SCALARS: tuple[str, ...] = (
+    mn.VGS_SCALING_FACTOR,
+    mn.GLOBAL_NOISE_SCALE,
+    mn.EPISODE_RETURN_MEAN,
+    mn.SKIPPED_UPDATES_TOTAL,
+    mn.GLOBAL_GRAD_NORM,
+)
+"""Run-level series the plots and the report read besides the per-head ones."""
+
+
+def load_history(client: Any, run_id: str, extra: Iterable[str] = ()) -> RunHistory:
+    """Per-head norms, latches and noise scales, plus ``HISTORY_SCALARS`` and ``extra``."""
+    run = resolve_run(client, run_id=run_id)
+    try:
+        latest = dict(run.data.metrics)
+        tags = dict(run.data.tags)
+        heads = run_heads(latest, tags)
+        names = [
+            mn.head_metric(t, h)
+            for h in heads
+            for t in (mn.HEAD_GRAD_NORM, mn.HEAD_NAN_LATCH, mn.HEAD_INF_LATCH, mn.HEAD_NOISE_SCALE)
+        ]
+        names += [*HISTORY_SCALARS, *extra]
+        series = {}
+        for name in names:
+            if name in latest:
+                series[name] = {m.step: m.value for m in client.get_metric_history(run_id, name)}
+    except Exception as exc:
+        raise _unreachable(getattr(client, "tracking_uri", "MLflow"), exc) from None
+    return RunHistory(run_id=run_id, heads=heads, series=series, latest=latest, tags=tags)

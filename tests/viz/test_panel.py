@@ -1,0 +1,144 @@
+"""`gradmon-ray watch --once` against a real MLflow store with known values."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from mlflow.tracking import MlflowClient
+from rich.console import Console
+
+from gradmon_ray import metric_names as mn
+from gradmon_ray.cli import main
+from gradmon_ray.viz.panel import BAR_WIDTH, mini_bar, watch
+from tests.e2e.processes import free_port
+from tests.viz.known_run import HEADS, make_known_run
+
+
+@pytest.fixture
+def known(tmp_path):
+    return make_known_run(f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+
+def _frame(known, **kwargs) -> str:
+    console = Console(record=True, width=220, color_system=None, force_terminal=False)
+    watch(MlflowClient(known.tracking_uri), once=True, console=console, **kwargs)
+    return console.export_text()
+
+
+def _row(text: str, name: str) -> list[str]:
+    """The cells of one panel row, in column (head) order."""
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("│") and ln.split("│")[1].strip() == name]
+    return [cell.strip() for cell in line.split("│")[2:-1]]
+
+
+def test_every_head_has_a_column_with_its_values_arrows_states_and_latches(known):
+    text = _frame(known, run_id=known.run_id)
+    (header,) = [ln for ln in text.splitlines() if ln.startswith("┃") and ln.split("┃")[2].strip() == "op"]
+    assert [c.strip() for c in header.split("┃")[2:-1]] == HEADS  # 8 action heads, then value
+    assert _row(text, "grad norm") == [
+        "0.700 ↗",
+        "0.005 →",
+        "7.000 ↘",
+        "0.050 →",
+        "3.000 →",
+        "nan →",
+        "1.000 →",
+        "1.500 →",
+        "0.800 →",
+    ]
+    assert _row(text, "state") == [
+        "healthy",
+        "dead",
+        "exploding",
+        "weak",
+        "elevated",
+        "missing",
+        "healthy",
+        "healthy",
+        "healthy",
+    ]
+    assert _row(text, "NaN latch") == ["○"] * 6 + ["●", "○", "○"]  # a6
+    assert _row(text, "Inf latch") == ["○"] * 7 + ["●", "○"]  # a7
+    assert _row(text, "noise scale") == ["12.5"] + ["—"] * 8
+    assert _row(text, "log bar") == [mini_bar(v) for v in (0.7, 0.005, 7.0, 0.05, 3.0, None, 1.0, 1.5, 0.8)]
+    assert "iteration 3" in text and "env steps 3072" in text and "return -0.250" in text
+    assert "VGS scale 0.5" in text and "skipped updates 2" in text
+    assert "latest probe (iteration 2)" in text
+    (b1,) = [ln for ln in text.splitlines() if "bucket_1" in ln]
+    assert "0.3 (+90%)" in b1 and "0.02 (+10%)" in b1
+
+
+def test_experiment_follows_its_newest_run(known):
+    newer = make_known_run(known.tracking_uri, with_probe=False)
+    text = _frame(known, experiment=known.experiment)
+    assert "probe: no probe results" in text  # the second, probe-less run
+    assert newer.run_id != known.run_id
+
+
+@pytest.mark.parametrize(
+    ("norm", "cells"),
+    [(None, 0), (1e-4, 1), (1e-5, 1), (1e-1, 5), (1.0, 7), (100.0, 10), (1e9, 10), (float("inf"), 10)],
+)
+def test_mini_bar_is_log_scaled_from_1e_minus_4_to_1e2(norm, cells):
+    bar = mini_bar(norm)
+    assert len(bar) == BAR_WIDTH and bar.count("█") == cells
+
+
+def test_mini_bar_zero_norm_is_an_empty_bar():
+    assert mini_bar(0.0) == "░" * BAR_WIDTH
+
+
+def test_cli_watch_once_prints_one_frame_and_exits_0(known, capsys):
+    assert main(["watch", "--once", "--run-id", known.run_id, "--tracking-uri", known.tracking_uri]) == 0
+    out = capsys.readouterr().out
+    assert all(head in out for head in HEADS) and "exploding" in out
+
+
+def test_cli_watch_unknown_run_exits_2_with_one_line(known, capsys):
+    assert main(["watch", "--once", "--run-id", "0" * 32, "--tracking-uri", known.tracking_uri]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"gradmon-ray: no run with id '{'0' * 32}' at {known.tracking_uri}"
+
+
+def test_cli_watch_unknown_experiment_exits_2(known, capsys):
+    assert main(["watch", "--once", "--experiment", "nope", "--tracking-uri", known.tracking_uri]) == 2
+    assert "no experiment named 'nope'" in capsys.readouterr().err
+
+
+def test_cli_watch_unreachable_server_fails_fast_with_one_line(capsys):
+    uri = f"http://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    assert main(["watch", "--once", "--experiment", "x", "--tracking-uri", uri]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"gradmon-ray: cannot read MLflow at {uri}")
+    assert time.monotonic() - started < 30
+
+
+def test_cli_watch_rejects_a_bad_interval(capsys):
+    assert main(["watch", "--interval", "0"]) == 2
+    assert "--interval: must be > 0" in capsys.readouterr().err
+
+
+def test_live_watch_refreshes_until_the_run_ends(tmp_path):
+    """A RUNNING run: the panel picks up a new iteration, and the loop ends when the run does."""
+    uri = f"sqlite:///{tmp_path / 'live.db'}"
+    client = MlflowClient(uri)
+    run = client.create_run(client.create_experiment("live"))
+    run_id = run.info.run_id
+    name = mn.head_metric(mn.HEAD_GRAD_NORM, "op")
+    client.log_metric(run_id, name, 0.5, step=1)
+    refreshes = []
+
+    def tick() -> bool:  # called once per refresh, before sleeping
+        refreshes.append(1)
+        if len(refreshes) == 1:
+            client.log_metric(run_id, name, 0.9, step=2)
+        elif len(refreshes) == 2:
+            client.set_terminated(run_id)
+        return len(refreshes) > 5  # safety net; the run's end must stop it first
+
+    console = Console(record=True, width=120, color_system=None)
+    last = watch(client, run_id=run_id, interval_s=0.05, console=console, should_stop=tick)
+    assert last.status == "FINISHED" and last.iteration == 2 and len(refreshes) == 2
+    assert last.metrics[name] == 0.9
