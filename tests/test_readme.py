@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray.cli import build_parser
+from gradmon_ray.viz.plots import HEATMAP_FILE, LINES_FILE, PROBE_FILE
+from gradmon_ray.viz.report import PLOTS_ARTIFACT_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -53,7 +57,32 @@ def test_every_metric_and_tag_name_is_in_the_readme_table():
         assert f"`{tag}`" in README, tag
 
 
+ARTIFACTS = [f"{PLOTS_ARTIFACT_DIR}/{name}" for name in (HEATMAP_FILE, LINES_FILE, PROBE_FILE)]
+
+
 def test_readme_table_has_no_stale_rows():
     documented = set(re.findall(r"^\| `([^`]+)` \|", README, re.M))
-    known = set(ALL_METRICS)
+    known = set(ALL_METRICS) | set(ARTIFACTS)
     assert documented <= known, documented - known
+
+
+def test_every_plot_artifact_is_documented():
+    documented = set(re.findall(r"^\| `([^`]+)` \|", README, re.M))
+    assert set(ARTIFACTS) <= documented
+
+
+def test_every_gradmon_ray_command_in_the_readme_parses():
+    """Copy-pasted README commands must not die on a usage error (placeholders are fine)."""
+    parser = build_parser()
+    commands, in_block = [], False
+    for raw in README.splitlines():
+        if raw.startswith("```"):
+            in_block = not in_block
+            continue
+        line = raw.split(" #")[0].strip()
+        if in_block and line.startswith("gradmon-ray ") and "..." not in line:
+            commands.append(line)
+    assert len(commands) >= 8, commands
+    for line in commands:
+        args = parser.parse_args(shlex.split(line)[1:])
+        assert args.command in {"train", "tune", "watch", "report"}, line
