@@ -1,0 +1,97 @@
+"""Security invariants of the repository itself (issue [7/7], item 9), checked on every file we ship.
+
+- Ray token authentication is never switched off (``RAY_AUTH_MODE`` is never set to disabled)
+  in code, docs, configs or cluster.yaml.
+- Nothing we start listens on all interfaces (no wildcard address in code or commands).
+- YAML is only read with ``yaml.safe_load``; no pickle/eval/exec in the package.
+- ``torch.load`` (if ever used) passes ``weights_only=True``.
+- The only code a config can load is a dotted import path for a regularizer or an env class.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SKIP_DIRS = {".venv", ".ci-venv", ".git", "build", "dist", ".pytest_cache", ".ruff_cache", ".hypothesis", "mlruns"}
+DISABLED = "RAY_AUTH_MODE=" + "disabled"  # spelled in two parts so this file does not match itself
+ALL_INTERFACES = "0.0.0." + "0"
+
+
+def _files(*suffixes: str) -> list[Path]:
+    out = []
+    for directory, subdirs, names in os.walk(ROOT):
+        subdirs[:] = sorted(d for d in subdirs if d not in SKIP_DIRS and not d.endswith(".egg-info"))
+        out += [Path(directory) / n for n in sorted(names) if Path(n).suffix in suffixes]
+    return out
+
+
+SHIPPED_TEXT = [*_files(".py", ".md", ".yaml", ".yml", ".toml", ".sh"), ROOT / ".ci" / "run"]
+PACKAGE = [p for p in _files(".py") if p.relative_to(ROOT).parts[0] == "gradmon_ray"]
+
+
+def test_the_file_lists_are_not_empty():
+    assert len(PACKAGE) > 20 and ROOT / "cluster.yaml" in SHIPPED_TEXT and ROOT / "README.md" in SHIPPED_TEXT
+
+
+@pytest.mark.parametrize("path", SHIPPED_TEXT, ids=lambda p: str(p.relative_to(ROOT)))
+def test_token_auth_is_never_disabled(path):
+    assert DISABLED not in path.read_text(errors="replace")
+
+
+def _code_lines(path: Path) -> list[str]:
+    """Non-comment lines of Python files and YAML/shell commands (prose may name the wildcard address)."""
+    lines = path.read_text(errors="replace").splitlines()
+    return [ln for ln in lines if not ln.lstrip().startswith("#")]
+
+
+@pytest.mark.parametrize(
+    "path", [*_files(".py", ".yaml", ".yml", ".sh"), ROOT / ".ci" / "run"], ids=lambda p: str(p.relative_to(ROOT))
+)
+def test_nothing_listens_on_all_interfaces(path):
+    offending = [ln for ln in _code_lines(path) if ALL_INTERFACES in ln and "not " + ALL_INTERFACES not in ln]
+    assert not offending, offending
+
+
+def _calls(path: Path) -> list[ast.Call]:
+    return [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)]
+
+
+def _name(call: ast.Call) -> str:
+    return ast.unparse(call.func)
+
+
+@pytest.mark.parametrize("path", _files(".py"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_yaml_is_safe_loaded_and_torch_load_is_weights_only(path):
+    for call in _calls(path):
+        name = _name(call)
+        assert name not in ("yaml.load", "yaml.unsafe_load", "yaml.full_load"), f"{path}: {name}"
+        if name == "torch.load":
+            kw = {k.arg: ast.unparse(k.value) for k in call.keywords}
+            assert kw.get("weights_only") == "True", f"{path}: torch.load without weights_only=True"
+
+
+@pytest.mark.parametrize("path", PACKAGE, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_pickle_eval_or_exec_in_the_package(path):
+    text = path.read_text()
+    assert not re.search(r"^\s*(import pickle|from pickle|import dill)", text, re.M), path
+    assert not any(_name(c) in ("eval", "exec", "pickle.load", "pickle.loads") for c in _calls(path)), path
+
+
+def test_the_only_code_loaded_from_config_is_a_regularizer_or_env_import_path():
+    sites = sorted(
+        (str(p.relative_to(ROOT)), ast.unparse(c.args[0]) if c.args else "")
+        for p in PACKAGE
+        for c in _calls(p)
+        if _name(c) in ("importlib.import_module", "__import__")
+    )
+    assert sites == [
+        ("gradmon_ray/probe/regularizers.py", "module_name"),  # regularizers[].fn: "pkg.module:function"
+        ("gradmon_ray/rllib/__init__.py", "_EXPORTS[name]"),  # fixed table of our own modules (lazy exports)
+        ("gradmon_ray/rllib/config.py", "module_name"),  # env.id: "pkg.module:Class"
+    ]
