@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import yaml
 
 from gradmon_ray.config import ConfigError, load_config
+from gradmon_ray.tracking.spill import SpillFormatError
 from gradmon_ray.viz.runs import RunLookupError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -67,7 +69,24 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", default=None, help="output directory (default: gradmon-report-<run id>)")
     _tracking_uri_flag(report)
     report.add_argument("--debug", action="store_true", help="show tracebacks")
+    replay = sub.add_parser("replay", help="write a spill file (iterations MLflow could not take) into MLflow")
+    replay.add_argument("spill_file", help="a .jsonl file from mlflow.spill_dir")
+    replay.add_argument("--tracking-uri", help="MLflow tracking URI (default: the one the run was writing to)")
+    replay.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from gradmon_ray.tracking.spill import replay_spill
+
+    result = replay_spill(args.spill_file, args.tracking_uri)
+    made = "created run" if result.created_run else "run"
+    print(
+        f"gradmon-ray: replayed {result.iterations} iterations ({result.metrics} metric points) into {made} "
+        f"{result.run_id}" + (f", ended {result.status}" if result.status else ""),
+        flush=True,
+    )
+    return EXIT_OK
 
 
 def _tracking_uri_flag(parser: argparse.ArgumentParser) -> None:
@@ -80,9 +99,7 @@ def _client(args: argparse.Namespace) -> Any:
     from mlflow.tracking import MlflowClient
 
     from gradmon_ray.config import default_tracking_uri
-    from gradmon_ray.viz.runs import quick_failing_http
 
-    quick_failing_http()
     return MlflowClient(tracking_uri=args.tracking_uri or default_tracking_uri())
 
 
@@ -146,6 +163,14 @@ def _train(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _fail_fast_mlflow_http(timeout_s: int) -> None:
+    """MLflow's REST client retries 7 times with backoff (minutes per call). ``watch``/``report``
+    should fail in seconds; the training sink retries with its own backoff and spills what it
+    cannot deliver, so MLflow's retries would only delay it. A user's own settings win."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(timeout_s))
+
+
 def _tune(args: argparse.Namespace) -> int:
     from gradmon_ray.config import apply_overrides, config_from_dict
     from gradmon_ray.sweep import load_sweep, run_sweep
@@ -168,6 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
     try:
+        _fail_fast_mlflow_http(10 if args.command in ("train", "tune") else 5)
         if args.command == "train":
             return _train(args)
         if args.command == "tune":
@@ -176,9 +202,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _watch(args)
         if args.command == "report":
             return _report(args)
+        if args.command == "replay":
+            return _replay(args)
         raise AssertionError(args.command)
     except ConfigError as exc:
         print(f"gradmon-ray: config error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except SpillFormatError as exc:
+        print(f"gradmon-ray: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except RunLookupError as exc:
         print(f"gradmon-ray: {exc}", file=sys.stderr)

@@ -223,6 +223,10 @@ class MlflowSection:
     experiment: str = field(default="gradmon-ray", metadata=_meta("MLflow experiment name."))
     run_name: Union[str, None] = field(default=None, metadata=_meta("MLflow run name (null: MLflow picks one)."))
     queue_size: int = field(default=1000, metadata=_meta("Iterations buffered before the oldest are dropped.", min=1))
+    spill_dir: str = field(
+        default="gradmon-spill",
+        metadata=_meta("Where iterations MLflow could not take are kept (replay: gradmon-ray replay FILE)."),
+    )
     plots_every: int = field(
         default=10,
         metadata=_meta("Log the gradient-health plots as artifacts every N iterations and at the end (0: off).", min=0),

@@ -14,6 +14,7 @@ from gradmon_ray import metric_names as mn
 from gradmon_ray.config import GradmonConfig
 from gradmon_ray.telemetry.health_stop import HealthStopMonitor, HealthStopRules
 from gradmon_ray.tracking import MlflowSink, heads_in, latched_heads, progress_line, result_to_metrics
+from gradmon_ray.tracking.spill import default_spill_path
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,8 @@ class TrainingOutcome:
     """Name of the GradientProbe actor of this run (None: probe off or not started)."""
     stop_reason: str | None = None
     """Set when a ``health_stop`` rule ended the run early (it still counts as FINISHED)."""
+    spill_path: str | None = None
+    """Iterations MLflow could not take, kept locally (``gradmon-ray replay``); None when nothing was."""
 
 
 @dataclass
@@ -97,6 +100,7 @@ def run_training(
             tags={mn.TAG_STATUS: "running"},
             max_pending=cfg.mlflow.queue_size,
             plots_every=cfg.mlflow.plots_every,
+            spill_path=default_spill_path(cfg.mlflow.spill_dir, cfg.mlflow.run_name),
         )
     outcome = TrainingOutcome(run_id=None, iterations_done=resume.iterations_done if resume else 0)
     rules = HealthStopRules(**dataclasses.asdict(cfg.health_stop))
@@ -151,12 +155,16 @@ def run_training(
         sink.log_iteration(outcome.iterations_done, {}, {mn.TAG_STATUS: final})
         outcome.mlflow_complete = sink.close(status=status)
         outcome.run_id = sink.run_id
+        outcome.spill_path = str(sink.spill_path) if sink.spill_path is not None else None
         if not outcome.mlflow_complete:
             logger.warning(
-                "MLflow at %s did not receive everything (dropped %d iterations, last error: %s)",
+                "MLflow at %s did not receive everything (%d iterations kept in %s, %d lost; last error: %s)%s",
                 sink.tracking_uri,
+                sink.spilled_iterations,
+                outcome.spill_path,
                 sink.dropped_iterations,
                 sink.last_error,
+                f"; replay with: gradmon-ray replay {outcome.spill_path}" if outcome.spill_path else "",
             )
         if started_ray:
             ray.shutdown()

@@ -1,6 +1,26 @@
-"""Where telemetry goes: the asynchronous MLflow sink and RLlib-result flattening."""
+"""Where telemetry goes: the asynchronous MLflow sink, its spill file, and RLlib-result flattening.
 
-from gradmon_ray.tracking.mlflow_sink import MlflowSink
-from gradmon_ray.tracking.results import heads_in, latched_heads, progress_line, result_to_metrics
+Exports are resolved lazily (PEP 562) so that the CLI can import ``tracking.spill`` without
+pulling in torch through ``results``.
+"""
 
-__all__ = ["MlflowSink", "heads_in", "latched_heads", "progress_line", "result_to_metrics"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "MlflowSink": "gradmon_ray.tracking.mlflow_sink",
+    "heads_in": "gradmon_ray.tracking.results",
+    "latched_heads": "gradmon_ray.tracking.results",
+    "progress_line": "gradmon_ray.tracking.results",
+    "result_to_metrics": "gradmon_ray.tracking.results",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,7 +18,10 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from gradmon_ray.tracking.spill import SpillWriter
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,9 @@ class MlflowSink:
         plots_every: every this many iterations, and once more when the sink closes, draw the
             run's plots (``gradmon_ray.viz``) from what MLflow holds and log them as artifacts
             under ``plots/``; on this sink's thread, never the caller's. 0: no plots.
+        spill_path: where iterations MLflow cannot take go instead of being lost: those pushed
+            out of a full buffer, and those still pending when ``close`` gives up. Created only
+            when needed; ``gradmon-ray replay`` writes it into MLflow later. None: they are dropped.
     """
 
     def __init__(
@@ -71,6 +77,7 @@ class MlflowSink:
         run_id: str | None = None,
         end_run: bool | None = None,
         plots_every: int = 0,
+        spill_path: str | Path | None = None,
     ) -> None:
         self.tracking_uri = tracking_uri
         self.experiment = experiment
@@ -82,6 +89,24 @@ class MlflowSink:
         self._backoff0 = retry_backoff_s
         self._cond = threading.Condition()
         self._closing = False
+        self._abandoned = False  # close() timed out: the worker must stop, leftovers were spilled
+        self._terminated = False
+        self.spilled_iterations = 0
+        self._spill = (
+            SpillWriter(
+                spill_path,
+                {
+                    "tracking_uri": tracking_uri,
+                    "experiment": experiment,
+                    "run_name": run_name,
+                    "run_id": run_id,
+                    "params": dict(self._params),
+                    "tags": dict(self._start_tags),
+                },
+            )
+            if spill_path is not None
+            else None
+        )
         self._plots_every = plots_every
         self.plot_failures = 0
         self.plotted_artifacts: list[str] = []
@@ -101,12 +126,14 @@ class MlflowSink:
     def log_iteration(self, step: int, metrics: Mapping[str, float], tags: Mapping[str, str] | None = None) -> None:
         """Queue one iteration's metrics (and tags); returns immediately."""
         item = _Pending(int(step), int(time.time() * 1000), {k: float(v) for k, v in metrics.items()}, dict(tags or {}))
+        overflow: list[_Pending] = []
         with self._cond:
             self._pending.append(item)
             while len(self._pending) > self._max_pending:
-                self._pending.popleft()
-                self.dropped_iterations += 1
+                overflow.append(self._pending.popleft())
             self._cond.notify()
+        if overflow:  # only while MLflow is unreachable for more than max_pending iterations
+            self._spill_or_drop(overflow)
 
     def wait_for_run(self, timeout_s: float) -> str | None:
         """The run id once the run exists (None if it could not be created in time)."""
@@ -135,7 +162,40 @@ class MlflowSink:
             self._cond.notify()
         self._thread.join(timeout_s)
         with self._cond:
-            return not self._thread.is_alive() and not self._pending and self.run_id is not None
+            leftover = list(self._pending) if self._thread.is_alive() or self._pending else []
+            if self._thread.is_alive():
+                self._abandoned = True
+                self._pending.clear()
+                self._cond.notify()
+        if leftover:
+            self._spill_or_drop(leftover)
+        if self._spill is not None:
+            self._spill.write_trailer(self.run_id, None if self._terminated or not self._owns_run else status)
+        return (
+            not leftover
+            and self._terminated_or_attached()
+            and self.spilled_iterations == 0
+            and not self.dropped_iterations
+        )
+
+    @property
+    def spill_path(self) -> Path | None:
+        """The spill file, if anything was spilled."""
+        return self._spill.path if self._spill is not None and self._spill.lines_written else None
+
+    def _terminated_or_attached(self) -> bool:
+        return self.run_id is not None and (self._terminated or not self._owns_run)
+
+    def _spill_or_drop(self, items: list[_Pending]) -> None:
+        if self._spill is not None:
+            try:
+                self.spilled_iterations += self._spill.write_iterations(
+                    ((i.step, i.timestamp_ms, i.metrics, i.tags) for i in items), self.run_id
+                )
+                return
+            except OSError as exc:
+                logger.warning("gradmon MLflow sink: cannot write spill file %s (%s)", self._spill.path, exc)
+        self.dropped_iterations += len(items)
 
     # --- consumer side (background thread) ------------------------------------------------
     def _worker(self) -> None:
@@ -150,14 +210,19 @@ class MlflowSink:
                 with self._cond:
                     while not self._pending and not self._closing:
                         self._cond.wait()
+                    if self._abandoned:
+                        return
                     batch = list(self._pending)
                     closing = self._closing
                 if batch:
                     self._write(client, batch)
                     with self._cond:
-                        for _ in batch:
-                            if self._pending:
-                                self._pending.popleft()
+                        # By identity: the producer may have pushed some of these out (and spilled
+                        # them) while we wrote, so "the first len(batch)" would drop newer ones.
+                        written = {id(item) for item in batch}
+                        remaining = [item for item in self._pending if id(item) not in written]
+                        self._pending.clear()
+                        self._pending.extend(remaining)
                         self.written_iterations += len(batch)
                     backoff = self._backoff0
                     if self._plots_every and any(item.step % self._plots_every == 0 for item in batch):
@@ -168,6 +233,7 @@ class MlflowSink:
                         self._draw_plots(client)
                     if self._owns_run:
                         client.set_terminated(self.run_id, status=self._final_status)
+                        self._terminated = True
                     return
             except Exception as exc:  # never let the writer die; training must not notice
                 self.failed_writes += 1
@@ -175,7 +241,10 @@ class MlflowSink:
                 logger.warning("gradmon MLflow sink: write failed (%s); retrying in %.1fs", self.last_error, backoff)
                 # While closing we keep retrying until close()'s timeout gives up on us.
                 with self._cond:
-                    self._cond.wait(backoff)
+                    if self._abandoned:
+                        return
+                    # While closing, retry every second so a server that comes back in time gets it all.
+                    self._cond.wait(min(backoff, 1.0) if self._closing else backoff)
                 backoff = min(backoff * 2, 30.0)
 
     def _draw_plots(self, client: Any) -> None:

@@ -7,7 +7,6 @@ what MLflow stores.  Lookup problems become ``RunLookupError`` with a one-line m
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -31,13 +30,6 @@ class RunLookupError(Exception):
     def __init__(self, message: str, *, unreachable: bool = False) -> None:
         super().__init__(message)
         self.unreachable = unreachable
-
-
-def quick_failing_http() -> None:
-    """Make MLflow's REST client fail in seconds, not after minutes of retries, unless the user
-    chose otherwise (``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` / ``..._TIMEOUT``). For interactive tools only."""
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
 
 
 def _unreachable(tracking_uri: str, exc: Exception) -> RunLookupError:

@@ -5,12 +5,19 @@ The server runs in its own process group and is torn down even when a test fails
 
 from __future__ import annotations
 
+import statistics
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray.cli import main
+from gradmon_ray.config import config_from_dict
+from gradmon_ray.tracking.spill import read_spill
+from gradmon_ray.train import run_training
 from tests.e2e.processes import BIN, SMALL_TRAIN_ARGS, clean_env, free_port, kill_group, wait_http
 
 pytestmark = pytest.mark.e2e
@@ -60,3 +67,92 @@ def test_cli_train_against_a_real_mlflow_server(mlflow_server):
     assert run.info.status == "FINISHED"
     history = client.get_metric_history(run.info.run_id, mn.head_metric(mn.HEAD_GRAD_NORM, "op"))
     assert [m.step for m in history] == [1, 2]
+
+
+def _start_server(port: int, store: Path) -> subprocess.Popen:
+    log = (store / f"server-{time.monotonic_ns()}.log").open("w")  # read when a test fails
+    return subprocess.Popen(
+        [
+            str(BIN / "mlflow"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{store / 'server.db'}",
+            "--default-artifact-root",
+            str(store / "art"),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def test_tracking_server_killed_and_restarted_mid_run(ray_session, tmp_path, monkeypatch):
+    """Training never waits for MLflow; what the server missed is delivered later or spilled and replayed."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # what `gradmon-ray train` sets
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    port, iterations, kill_after, restart_after = free_port(), 12, 4, 9
+    uri = f"http://127.0.0.1:{port}"
+    servers = [_start_server(port, tmp_path)]
+    wait_http(f"{uri}/health", 90)
+    cfg = config_from_dict(
+        {
+            "iterations": iterations,
+            "seed": 0,
+            "ppo": {"train_batch_size": 256, "minibatch_size": 128, "num_epochs": 1},
+            "model": {"trunk_hiddens": [32]},
+            # a 2-iteration buffer overflows during a 5-iteration outage: those go to the spill file
+            "mlflow": {"tracking_uri": uri, "experiment": "outage", "queue_size": 2, "plots_every": 0},
+        }
+    )
+    cfg.mlflow.spill_dir = str(tmp_path / "spill")
+    ends: list[float] = []
+
+    def progress(line: str) -> None:
+        ends.append(time.monotonic())
+        if line.startswith(f"iter {kill_after}/"):
+            kill_group(servers[0], grace_s=0)
+        elif line.startswith(f"iter {restart_after}/"):
+            servers.append(_start_server(port, tmp_path))  # not waited for: training goes on
+        elif line.startswith(f"iter {iterations}/"):
+            # After the timed iterations: let the server finish starting (slow on a loaded 2-core
+            # box), so that what is still buffered is delivered by close() rather than spilled.
+            wait_http(f"{uri}/health", 120)
+
+    try:
+        start = time.monotonic()
+        outcome = run_training(cfg, progress=progress)  # must not raise
+    finally:
+        for server in servers:
+            kill_group(server, grace_s=5)
+    times = [b - a for a, b in zip([start, *ends[:-1]], ends, strict=True)]
+    before = times[1:kill_after]  # iteration 1 builds and warms up
+    outage = times[kill_after : restart_after - 1]  # iterations after the kill, before the restart
+    assert outcome.iterations_done == iterations
+    assert statistics.median(outage) <= 1.2 * statistics.median(before), (before, outage)
+
+    # Everything the server missed is either delivered after its return or in the spill file.
+    servers = [_start_server(port, tmp_path)]
+    try:
+        wait_http(f"{uri}/health", 90)
+        client = MlflowClient(uri)
+        name = mn.head_metric(mn.HEAD_GRAD_NORM, "op")
+        delivered = {m.step for m in client.get_metric_history(outcome.run_id, name)}
+        assert outcome.spill_path is not None, "a 5-iteration outage with a 2-iteration buffer must spill"
+        _, spilled_lines, trailer = read_spill(outcome.spill_path)
+        spilled = {r["step"] for r in spilled_lines if name in r["metrics"]}
+        assert spilled and delivered | spilled == set(range(1, iterations + 1)), (delivered, spilled)
+        assert {1, 2, 3, iterations} <= delivered  # before the outage, and after the server came back
+        assert trailer is not None
+        # ... and the replay completes the history: each iteration exactly once.
+        assert main(["replay", outcome.spill_path]) == 0
+        history = client.get_metric_history(outcome.run_id, name)
+        assert sorted(m.step for m in history) == list(range(1, iterations + 1))
+        assert client.get_run(outcome.run_id).info.status == "FINISHED"
+    finally:
+        kill_group(servers[0], grace_s=5)
