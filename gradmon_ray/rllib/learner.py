@@ -89,7 +89,9 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
     ``probe`` (``{"actor_name", "every"}``: rank 0 hands the GradientProbe actor the
     pre-update weights and the batch every ``every`` iterations), and
     ``fault_injection`` (tests only: ``{"nan_logits": {"rank", "head", "iteration"}}`` makes
-    that head's logits NaN on that rank in that iteration).
+    that head's logits NaN on that rank in that iteration; ``{"grad": [{"rank", "head",
+    "iteration", "value"}]}`` writes ``value`` (``"nan"`` or ``"inf"``) into one element of the
+    head's first parameter's gradient on that rank, before DDP's all-reduce).
     """
 
     @override(PPOTorchLearner)
@@ -142,11 +144,33 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         if probe_settings.get("every", 0) > 0 and self._global_rank() == 0:
             # Rank 0's shard stands for the batch: the other shards come from the same policy.
             self._probe = ProbeClient(probe_settings["actor_name"], int(probe_settings["every"]))
+        self._install_grad_faults(groups)
         self._vgs: VarianceGradientScaler | None = None
         if vgs_settings.pop("enabled", False):
             # One scale for the whole module, computed from gradients that DDP has already
             # averaged: every replica sees identical inputs and so applies an identical scale.
             self._vgs = VarianceGradientScaler(self._norm_plan.params, **vgs_settings)
+
+    def _install_grad_faults(self, groups: dict[str, list[torch.nn.Parameter]]) -> None:
+        """Fault injection (tests): a tensor hook per poisoned head, armed per iteration.
+
+        A tensor hook on a leaf runs before gradient accumulation, so before DDP's all-reduce:
+        the poisoned element reaches every replica the way a real local overflow would.
+        """
+        for fault in self._fault_injection.get("grad", ()):
+            if fault["value"] not in ("nan", "inf"):
+                raise ValueError(f"fault_injection.grad.value must be 'nan' or 'inf', got {fault['value']!r}")
+            if fault["rank"] != self._global_rank():
+                continue
+
+            def poison(grad: torch.Tensor, fault: dict[str, Any] = fault) -> torch.Tensor:
+                if self._tracker.iteration + 1 != fault["iteration"]:
+                    return grad
+                poisoned = grad.clone()
+                poisoned.view(-1)[0] = float(fault["value"])
+                return poisoned
+
+            groups[fault["head"]][0].register_hook(poison)
 
     @staticmethod
     def _global_rank() -> int:

@@ -97,3 +97,87 @@ def test_nan_on_one_rank_latches_everywhere_and_replicas_are_checked(ray_session
             algo.train()
     finally:
         algo.stop()
+
+
+def _replica_state(learner) -> dict:
+    """Parameters and Adam moments: finite? and a digest to compare replicas bit for bit."""
+    digest, finite = hashlib.sha256(), True
+    tensors = [p.detach() for p in learner.module["default_policy"].unwrapped().parameters()]
+    for state in learner.get_optimizer().state.values():
+        tensors += [state["exp_avg"], state["exp_avg_sq"], state["step"].reshape(1)]
+    for t in tensors:
+        finite &= bool(t.isfinite().all())
+        digest.update(t.cpu().numpy().tobytes())
+    tele = learner.last_telemetry
+    return {
+        "rank": learner.collective.rank,
+        "digest": digest.hexdigest(),
+        "finite": finite,
+        "nan_latched": [h for h, v in tele.nan_latched.items() if v],
+        "inf_latched": [h for h, v in tele.inf_latched.items() if v],
+        "skipped": tele.skipped,
+        "minibatches": tele.minibatches,
+        "steps": sorted({int(s["step"]) for s in learner.get_optimizer().state.values()}),
+    }
+
+
+def test_nan_and_inf_in_one_parameter_gradient_on_one_rank_skip_the_update_on_both(ray_session):
+    """Issue #8 fault 1b: a non-finite gradient element on ONE learner (before DDP's all-reduce).
+
+    Expected on both replicas in that iteration: the gradient NaN (or Inf) count says so, every
+    minibatch update is skipped, the log-prob latches stay clear (the log-probs were fine),
+    parameters and Adam moments stay finite and identical, and the next iteration trains again.
+    """
+    cfg = config_from_dict(
+        {
+            "seed": 6,
+            "resources": {"num_learners": 2, "num_env_runners": 1},
+            "ppo": {"train_batch_size": 400, "minibatch_size": 100, "num_epochs": 2},
+            "model": {"trunk_hiddens": [32, 32]},
+            "distributed": {"replica_check_every": 1},
+        }
+    )
+    ppo = build_ppo_config(cfg)
+    ppo.learner_config_dict["gradmon"]["fault_injection"] = {
+        "grad": [
+            {"rank": 1, "head": "slot", "iteration": 2, "value": "nan"},
+            {"rank": 0, "head": "op", "iteration": 3, "value": "inf"},
+        ]
+    }
+    algo = ppo.build_algo()
+
+    def states() -> list[dict]:
+        return sorted((r.get() for r in algo.learner_group.foreach_learner(_replica_state)), key=lambda d: d["rank"])
+
+    try:
+        logged = [algo.train()["learners"]["default_policy"]]
+        before = states()
+        assert before[0]["skipped"] == 0 and before[0]["digest"] == before[1]["digest"]
+        for iteration, (count_name, other_name) in (
+            (2, (mn.NAN_GRAD_COUNT, mn.INF_GRAD_COUNT)),
+            (3, (mn.INF_GRAD_COUNT, mn.NAN_GRAD_COUNT)),
+        ):
+            logged.append(algo.train()["learners"]["default_policy"])
+            after = states()
+            m = after[0]["minibatches"]
+            assert m == 4  # each learner's shard: 200 rows / 100 per minibatch x 2 epochs
+            for d in after:
+                assert d["skipped"] == m, (iteration, d)  # skipped on BOTH replicas
+                assert d["nan_latched"] == [] and d["inf_latched"] == []  # log-probs were finite
+                assert d["finite"]
+                assert d["digest"] == before[0]["digest"]  # nothing moved: params, moments, step counts
+            assert logged[-1][count_name] == m  # one poisoned element per minibatch, counted once (not per replica)
+            assert logged[-1][other_name] == 0
+            assert logged[-1][mn.SKIPPED_UPDATES] == m and logged[-1][mn.REPLICA_CHECKSUM_OK] == 1.0
+        for _ in range(2):  # iterations 4-5: clean again, training resumes on both replicas
+            logged.append(algo.train()["learners"]["default_policy"])
+        after = states()
+        assert after[0]["digest"] == after[1]["digest"] != before[0]["digest"]
+        assert after[0]["steps"] == [before[0]["steps"][0] + 2 * after[0]["minibatches"]]
+        assert all(d["finite"] and d["skipped"] == 0 for d in after)
+        assert logged[-1][mn.NAN_GRAD_COUNT] == 0 and logged[-1][mn.SKIPPED_UPDATES] == 0
+        assert logged[-1][mn.SKIPPED_UPDATES_TOTAL] == 2 * m
+        for head in ("op", "slot", "value"):
+            assert math.isfinite(logged[-1][mn.head_metric(mn.HEAD_GRAD_NORM, head)])
+    finally:
+        algo.stop()
