@@ -23,6 +23,9 @@ from typing import Any
 
 import torch
 
+GENERATOR_STATE_KEY = "upgd_generator_state"
+"""Key of the noise generator's state in ``UPGD.state_dict()``."""
+
 
 class UPGD(torch.optim.Optimizer):
     """First-order global UPGD.
@@ -50,6 +53,26 @@ class UPGD(torch.optim.Optimizer):
             raise ValueError("UPGD needs lr >= 0, weight_decay >= 0, sigma >= 0 and 0 <= beta_utility < 1")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, beta_utility=beta_utility, sigma=sigma))
         self._generator = generator
+
+    def state_dict(self) -> dict[str, Any]:
+        """``Optimizer.state_dict()`` plus the noise generator's state.
+
+        Without it a restored run would replay the noise from the seed and stop being the
+        continuation of the checkpointed one (break/resume equivalence).
+        """
+        state = super().state_dict()
+        if self._generator is not None:
+            state[GENERATOR_STATE_KEY] = self._generator.get_state()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Inverse of ``state_dict``; a state without a generator entry keeps the current one."""
+        state_dict = dict(state_dict)
+        generator_state = state_dict.pop(GENERATOR_STATE_KEY, None)
+        super().load_state_dict(state_dict)
+        if generator_state is not None and self._generator is not None:
+            # RLlib round-trips optimizer state through numpy (and the learner's device).
+            self._generator.set_state(torch.as_tensor(generator_state, dtype=torch.uint8).cpu())
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

@@ -85,3 +85,27 @@ def test_reduces_a_least_squares_loss():
 def test_bad_hyperparameters():
     with pytest.raises(ValueError, match="beta_utility"):
         UPGD([torch.nn.Parameter(torch.zeros(1))], beta_utility=1.0)
+
+
+def test_state_dict_carries_the_noise_generator_so_a_restored_optimizer_continues_the_same_noise():
+    def make(seed: int) -> tuple[torch.nn.Parameter, UPGD]:
+        w = torch.nn.Parameter(torch.zeros(5))
+        return w, UPGD([w], lr=0.5, weight_decay=0.0, sigma=1.0, generator=torch.Generator().manual_seed(seed))
+
+    def step(w: torch.nn.Parameter, opt: UPGD) -> None:
+        w.grad = torch.zeros(5)  # zero gradient: the update is the noise alone, 2 lr (1 - 0.5) sigma xi
+        opt.step()
+
+    w, opt = make(3)
+    step(w, opt)
+    step(w, opt)
+    saved, w_saved = opt.state_dict(), w.detach().clone()
+    step(w, opt)  # the third draw comes from the generator state in `saved`
+
+    w2, opt2 = make(99)  # another seed: only the loaded state can make the draws match
+    with torch.no_grad():
+        w2.copy_(w_saved)
+    opt2.load_state_dict(saved)
+    step(w2, opt2)
+    torch.testing.assert_close(w2.detach(), w.detach(), rtol=0, atol=0)
+    assert not torch.equal(w2.detach(), w_saved)
