@@ -95,6 +95,13 @@ class ResourcesSection:
     num_gpus_per_learner: float = field(default=0.0, metadata=_meta("GPUs per learner (0: CPU).", min=0.0))
     ray_address: Union[str, None] = field(default=None, metadata=_meta("Ray cluster address (null: start local Ray)."))
     num_cpus: Union[int, None] = field(default=None, metadata=_meta("CPUs for a local Ray (null: Ray detects).", min=1))
+    env_runner_restart_delay_s: float = field(
+        default=5.0,
+        metadata=_meta("Wait before restarting a crashed EnvRunner (RLlib's own default: 60 s).", min=0.0),
+    )
+    max_env_runner_restarts: int = field(
+        default=1000, metadata=_meta("EnvRunner restarts allowed over the run before it fails.", min=0)
+    )
 
 
 @dataclass

@@ -55,6 +55,10 @@ REPLICA_CHECKSUM_OK = "update/replica_checksum_ok"
 (logged every ``distributed.replica_check_every`` iterations with 2+ learners; a mismatch
 stops training with ReplicaDivergenceError)."""
 
+LEARNERS_UPDATED = "update/trained"
+"""1 when the learners trained this iteration; 0 when they had nothing to train on (e.g. every
+EnvRunner down and being restarted): such an iteration logs no gradient telemetry at all."""
+
 # --- training progress (copied from RLlib's result dict) --------------------------
 EPISODE_RETURN_MEAN = "env/episode_return_mean"
 EPISODE_LEN_MEAN = "env/episode_len_mean"
@@ -65,6 +69,10 @@ ENTROPY = "loss/entropy"
 MEAN_KL = "loss/mean_kl"
 TOTAL_LOSS = "loss/total"
 ITERATION_TIME_S = "perf/iteration_time_s"
+ENV_RUNNERS_HEALTHY = "env/runners_healthy"
+"""Remote EnvRunners healthy at the end of the iteration (RLlib's fault-tolerance count)."""
+ENV_RUNNER_RESTARTS = "env/runner_restarts"
+"""EnvRunner restarts since the start of the algorithm (RLlib restarts crashed EnvRunners)."""
 
 # --- Variance Gradient Scaler (seed 002's names, exactly) -------------------------
 VGS_STOCHASTIC_VAR_P10 = "vgs/stochastic_var_p10"
@@ -196,6 +204,7 @@ SCALAR_NAMES: tuple[str, ...] = (
     SKIPPED_UPDATES,
     SKIPPED_UPDATES_TOTAL,
     TELEMETRY_ITERATION,
+    LEARNERS_UPDATED,
     REPLICA_CHECKSUM_OK,
     EPISODE_RETURN_MEAN,
     EPISODE_LEN_MEAN,
@@ -206,6 +215,8 @@ SCALAR_NAMES: tuple[str, ...] = (
     MEAN_KL,
     TOTAL_LOSS,
     ITERATION_TIME_S,
+    ENV_RUNNERS_HEALTHY,
+    ENV_RUNNER_RESTARTS,
     *VGS_DEVICE_METRICS,
     *VGS_HOST_METRICS,
     PROBE_DURATION_S,

@@ -117,15 +117,18 @@ def run_training(
             probe = _start_probe(cfg, outcome.probe_actor, sink)
         algo = ppo_config.build_algo()
         resumed_tags: dict[str, str] = {}
+        named_heads = resume is not None  # the head-names tag is set once, by the first trained iteration
         if resume is not None:
             algo.restore_from_path(resume.checkpoint_path)  # learner state: weights, optimizer, telemetry
             resumed_tags[mn.TAG_RESUMED_FROM] = str(resume.iterations_done)
         for iteration in range(outcome.iterations_done + 1, cfg.iterations + 1):
             result = algo.train()
             metrics = result_to_metrics(result)
-            tags = {**_latch_tags(metrics, iteration), **resumed_tags}
+            tags = {**_latch_tags(metrics, named_heads), **resumed_tags}
+            named_heads = named_heads or mn.TAG_HEAD_NAMES in tags
             resumed_tags = {}
-            decision = monitor.update(iteration, metrics) if monitor is not None else None
+            trained = metrics[mn.LEARNERS_UPDATED] > 0  # no update: no telemetry to judge the heads by
+            decision = monitor.update(iteration, metrics) if monitor is not None and trained else None
             if decision is not None:
                 metrics[mn.HEALTH_STOP_REASON] = float(decision.code)
                 tags[mn.TAG_STOP_REASON] = f"iteration {iteration}: {decision.message}"
@@ -219,8 +222,9 @@ def _stop_probe(probe: Any) -> None:
     ray.kill(probe)
 
 
-def _latch_tags(metrics: dict[str, float], iteration: int) -> dict[str, str]:
-    tags = {mn.TAG_HEAD_NAMES: ",".join(heads_in(metrics))} if iteration == 1 else {}
+def _latch_tags(metrics: dict[str, float], heads_named: bool) -> dict[str, str]:
+    heads = heads_in(metrics)
+    tags = {mn.TAG_HEAD_NAMES: ",".join(heads)} if heads and not heads_named else {}
     for kind, tag in (("nan", mn.TAG_NAN_LATCHED_HEADS), ("inf", mn.TAG_INF_LATCHED_HEADS)):
         heads = latched_heads(metrics, kind)
         if heads:

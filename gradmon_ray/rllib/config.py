@@ -66,6 +66,12 @@ def build_ppo_config(cfg: GradmonConfig, *, probe_actor: str | None = None) -> P
         .framework("torch")
         .environment(env=resolve_env(cfg.env.id), env_config=dict(cfg.env.config))
         .env_runners(num_env_runners=res.num_env_runners, num_envs_per_env_runner=res.num_envs_per_env_runner)
+        .fault_tolerance(
+            # A crashed EnvRunner is replaced and sampling goes on; the learners never notice.
+            restart_failed_env_runners=True,
+            max_num_env_runner_restarts=res.max_env_runner_restarts,
+            delay_between_env_runner_restarts_s=res.env_runner_restart_delay_s,
+        )
         .learners(
             num_learners=res.num_learners,
             num_gpus_per_learner=res.num_gpus_per_learner,

@@ -24,6 +24,8 @@ _RLLIB_PATHS: dict[str, tuple[str, ...]] = {
     mn.MEAN_KL: ("learners", "{module}", "mean_kl_loss"),
     mn.TOTAL_LOSS: ("learners", "{module}", "total_loss"),
     mn.ITERATION_TIME_S: ("time_this_iter_s",),
+    mn.ENV_RUNNERS_HEALTHY: ("fault_tolerance", "num_healthy_workers"),
+    mn.ENV_RUNNER_RESTARTS: ("fault_tolerance", "num_remote_worker_restarts"),
 }
 _HEAD_FROM_NORM = re.compile(r"^grad/head/(?P<head>[^/]+)/norm$")
 
@@ -44,20 +46,34 @@ def _as_float(value: Any) -> float | None:
         return None
 
 
+def learners_updated(result: Mapping[str, Any]) -> bool:
+    """Whether the learners trained in this iteration.
+
+    False when they had no batch, e.g. while the only EnvRunner is down and being restarted:
+    RLlib then still returns a result, with NaN in every learner metric (empty windows).
+    """
+    trained = _as_float(_lookup(result, ("learners", "__all_modules__", "num_env_steps_trained"), ""))
+    return trained is not None and math.isfinite(trained) and trained > 0
+
+
 def result_to_metrics(result: Mapping[str, Any], module_id: str = DEFAULT_MODULE_ID) -> dict[str, float]:
     """Gradmon's telemetry (as the learner logged it) plus the progress metrics, as floats.
 
     A progress metric RLlib did not report this iteration (e.g. no episode finished yet)
-    is left out rather than invented.
+    is left out rather than invented; so is every learner metric of an iteration in which
+    the learners did not train (``update/trained`` is then 0).
     """
-    out: dict[str, float] = {}
-    learner = _lookup(result, ("learners", "{module}"), module_id) or {}
+    updated = learners_updated(result)
+    out: dict[str, float] = {mn.LEARNERS_UPDATED: float(updated)}
+    learner = (_lookup(result, ("learners", "{module}"), module_id) or {}) if updated else {}
     for key, value in learner.items():
         if isinstance(key, str) and key.startswith(_GRADMON_PREFIXES):
             number = _as_float(value)
             if number is not None:
                 out[key] = number
     for name, path in _RLLIB_PATHS.items():
+        if path[0] == "learners" and not updated:
+            continue
         number = _as_float(_lookup(result, path, module_id))
         if number is not None and not (name == mn.EPISODE_RETURN_MEAN and math.isnan(number)):
             out[name] = number
@@ -90,7 +106,12 @@ def progress_line(iteration: int, total: int, metrics: Mapping[str, float]) -> s
         f"return {ret:.3f}" if ret is not None else "return n/a",
     ]
     heads = heads_in(metrics)
-    if heads:
+    if metrics.get(mn.LEARNERS_UPDATED) == 0.0:
+        healthy = metrics.get(mn.ENV_RUNNERS_HEALTHY)
+        parts.append(
+            "no update: nothing to train on" + (f" ({int(healthy)} EnvRunners healthy)" if healthy is not None else "")
+        )
+    elif heads:
         norms = {h: metrics[mn.head_metric(mn.HEAD_GRAD_NORM, h)] for h in heads}
         worst, band = worst_head(norms)
         parts.append(f"worst head {worst} {norms[worst]:.3f} ({band})")

@@ -9,7 +9,11 @@ from gradmon_ray.tracking import heads_in, latched_heads, progress_line, result_
 def _result(**learner):
     return {
         "env_runners": {"episode_return_mean": 1.5, "episode_len_mean": 16.0, "num_env_steps_sampled_lifetime": 2048},
-        "learners": {"default_policy": {"policy_loss": -0.1, "vf_loss": 0.3, "entropy": 9.0, "not_ours": 5, **learner}},
+        "learners": {
+            "default_policy": {"policy_loss": -0.1, "vf_loss": 0.3, "entropy": 9.0, "not_ours": 5, **learner},
+            "__all_modules__": {"num_env_steps_trained": 4096.0},
+        },
+        "fault_tolerance": {"num_healthy_workers": 2, "num_remote_worker_restarts": 0},
         "time_this_iter_s": 1.25,
     }
 
@@ -22,6 +26,7 @@ def test_result_to_metrics_keeps_ours_and_maps_progress():
         "grad/head/op/norm": 0.5,
         "latch/nan/op": 1.0,
         "update/skipped": 0.0,
+        mn.LEARNERS_UPDATED: 1.0,
         mn.EPISODE_RETURN_MEAN: 1.5,
         mn.EPISODE_LEN_MEAN: 16.0,
         mn.ENV_STEPS_SAMPLED_LIFETIME: 2048.0,
@@ -29,7 +34,33 @@ def test_result_to_metrics_keeps_ours_and_maps_progress():
         mn.VF_LOSS: 0.3,
         mn.ENTROPY: 9.0,
         mn.ITERATION_TIME_S: 1.25,
+        mn.ENV_RUNNERS_HEALTHY: 2.0,
+        mn.ENV_RUNNER_RESTARTS: 0.0,
     }
+
+
+def test_an_iteration_without_an_update_logs_no_learner_metrics():
+    """What RLlib returns while its only EnvRunner is being restarted: NaN learner windows."""
+    nan = float("nan")
+    result = _result(**{"grad/head/op/norm": nan, "update/telemetry_iteration": nan, "update/skipped": nan})
+    result["learners"]["__all_modules__"]["num_env_steps_trained"] = nan
+    result["fault_tolerance"] = {"num_healthy_workers": 0, "num_remote_worker_restarts": 0}
+    metrics = result_to_metrics(result)
+    assert metrics == {
+        mn.LEARNERS_UPDATED: 0.0,
+        mn.EPISODE_RETURN_MEAN: 1.5,
+        mn.EPISODE_LEN_MEAN: 16.0,
+        mn.ENV_STEPS_SAMPLED_LIFETIME: 2048.0,
+        mn.ITERATION_TIME_S: 1.25,
+        mn.ENV_RUNNERS_HEALTHY: 0.0,
+        mn.ENV_RUNNER_RESTARTS: 0.0,
+    }
+    assert progress_line(4, 9, metrics) == (
+        "iter 4/9 | env steps 2048 | return 1.500 | "
+        "no update: nothing to train on (0 EnvRunners healthy) | latched: none"
+    )
+    del result["learners"]["__all_modules__"]  # no learner results at all: the same
+    assert result_to_metrics(result)[mn.LEARNERS_UPDATED] == 0.0
 
 
 def test_missing_return_is_left_out_not_invented():

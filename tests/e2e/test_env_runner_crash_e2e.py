@@ -1,0 +1,76 @@
+"""Issue #8 fault 6: an EnvRunner crashes inside ``env.step``; RLlib restarts it, telemetry goes on.
+
+Real PPO on the shared local Ray instance.  The env is the built-in one behind a wrapper that
+crashes once, after a set number of steps, while the single remote EnvRunner is sampling the
+second iteration: by SIGKILL of the EnvRunner's process (a segfaulting simulator) or by an
+exception out of ``step``.  Until the restarted EnvRunner is back RLlib returns iterations
+with nothing trained; those must not be logged as (NaN) telemetry or judged by the health
+rules.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from gradmon_ray import metric_names as mn
+from gradmon_ray.config import config_from_dict
+from gradmon_ray.train import run_training
+
+pytestmark = pytest.mark.e2e
+
+ITERATIONS = 12
+BATCH = 256
+
+
+@pytest.mark.parametrize("mode", ["kill", "raise"])
+def test_a_crashed_env_runner_is_restarted_and_telemetry_continues(ray_session, tmp_path, mode):
+    crash_file = tmp_path / "crash"
+    crash_file.write_text(str(BATCH + 40))  # the crash falls inside iteration 2's sampling
+    cfg = config_from_dict(
+        {
+            "iterations": ITERATIONS,
+            "seed": 2,
+            "env": {
+                "id": "tests.fixtures.user_envs:CrashingFactoredOps",
+                "config": {"crash_file": str(crash_file), "crash_mode": mode},
+            },
+            "resources": {"num_env_runners": 1, "env_runner_restart_delay_s": 0.0},
+            "ppo": {"train_batch_size": BATCH, "minibatch_size": 128, "num_epochs": 1},
+            "model": {"trunk_hiddens": [32]},
+            "health_stop": {"dead_iterations": 1},  # a NaN/missing norm judged as 'dead' would stop the run
+            "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "crash"},
+        }
+    )
+    lines: list[str] = []
+    outcome = run_training(cfg, progress=lines.append)
+
+    assert not crash_file.exists()  # the fault fired
+    assert outcome.iterations_done == ITERATIONS and outcome.stop_reason is None and outcome.mlflow_complete
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    run = client.get_run(outcome.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags[mn.TAG_STATUS] == "finished"
+
+    def history(name: str) -> dict[int, float]:
+        return {p.step: p.value for p in client.get_metric_history(outcome.run_id, name)}
+
+    trained = history(mn.LEARNERS_UPDATED)
+    assert sorted(trained) == list(range(1, ITERATIONS + 1))
+    idle = [step for step, value in trained.items() if value == 0.0]
+    busy = [step for step, value in trained.items() if value == 1.0]
+    assert idle and idle[0] == 2, trained  # the crash cost iteration 2 (and a few more while it restarts)
+    assert busy[-1] == ITERATIONS and len(busy) >= 3 and max(busy) > max(idle)  # training came back
+    assert history(mn.ENV_RUNNER_RESTARTS)[ITERATIONS] == 1.0
+    assert history(mn.ENV_RUNNERS_HEALTHY)[ITERATIONS] == 1.0
+    assert history(mn.ENV_RUNNERS_HEALTHY)[2] == 0.0
+
+    # Telemetry exactly at the trained iterations, finite, its own clock counting only updates.
+    assert sorted(history(mn.TELEMETRY_ITERATION).items()) == [(s, float(i)) for i, s in enumerate(busy, 1)]
+    for head in ("op", "slot", "value"):
+        norms = history(mn.head_metric(mn.HEAD_GRAD_NORM, head))
+        assert sorted(norms) == busy and all(math.isfinite(v) and v > 0 for v in norms.values()), head
+    steps = history(mn.ENV_STEPS_SAMPLED_LIFETIME)
+    assert steps[ITERATIONS] == len(busy) * BATCH  # the restarted EnvRunner sampled every trained batch
+    assert any("no update: nothing to train on" in line for line in lines)
