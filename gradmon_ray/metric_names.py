@@ -170,6 +170,11 @@ TAG_SWEEP = "gradmon.sweep"
 """On a sweep's parent run and its trials' runs: the sweep's name."""
 TAG_RESUMED_FROM = "gradmon.resumed_from_iteration"
 """Set when a run continued from a checkpoint (a Tune trial restart): the last checkpointed iteration."""
+TAG_RESUMED_STATE_DIGEST = "gradmon.resumed_state_digest"
+"""SHA-256 of the learner's gradmon state right after the restore; equal to the checkpoint's, or the run stops."""
+TAG_RECOMPUTED_ITERATIONS = "gradmon.recomputed_iterations"
+"""Iterations (``a-b``) trained again after a resume that the failed attempt had already logged:
+their MLflow points are the failed attempt's, kept once, never duplicated."""
 
 # Health bands (``classify_grad_norm``) as numbers, because MLflow metrics are floats.
 HEALTH_CODES: dict[str, int] = {
@@ -261,6 +266,8 @@ TAG_NAMES: tuple[str, ...] = (
     TAG_STOP_REASON,
     TAG_SWEEP,
     TAG_RESUMED_FROM,
+    TAG_RESUMED_STATE_DIGEST,
+    TAG_RECOMPUTED_ITERATIONS,
 )
 
 

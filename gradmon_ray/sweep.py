@@ -68,6 +68,7 @@ class SweepConfig:
         default=2, metadata={"doc": "Retries of a failed trial, from its last checkpoint (-1: forever).", "min": -1}
     )
     checkpoint_every: int = field(default=1, metadata={"doc": "Checkpoint a trial every N iterations.", "min": 1})
+    keep_checkpoints: int = field(default=2, metadata={"doc": "Latest checkpoints kept per trial.", "min": 1})
     storage_path: Union[str, None] = field(
         default=None, metadata={"doc": "Where Tune keeps trial state (null: ./tune_results)."}
     )
@@ -215,7 +216,7 @@ def run_sweep(sweep: SweepConfig, base: dict[str, Any], *, progress: Any = print
                 name=f"{name}-{parent_id[:8]}",
                 storage_path=os.path.abspath(sweep.storage_path or "tune_results"),
                 failure_config=tune.FailureConfig(max_failures=sweep.max_failures),
-                checkpoint_config=tune.CheckpointConfig(num_to_keep=2),
+                checkpoint_config=tune.CheckpointConfig(num_to_keep=sweep.keep_checkpoints),
                 verbose=0,
             ),
         )
@@ -276,7 +277,7 @@ def _trial(params: dict[str, Any]) -> None:
 
     from gradmon_ray.tracking import MlflowSink
     from gradmon_ray.tracking.spill import default_spill_path
-    from gradmon_ray.train import ResumePoint, run_training
+    from gradmon_ray.train import ResumePoint, last_logged_iteration, learner_state_digest, run_training
 
     meta = params["__gradmon__"]
     overrides = {k: v for k, v in params.items() if k != "__gradmon__"}
@@ -289,8 +290,14 @@ def _trial(params: dict[str, Any]) -> None:
         with checkpoint.as_directory() as directory:
             shutil.copytree(directory, local, dirs_exist_ok=True)
         state = json.loads((Path(local) / TRIAL_STATE_FILE).read_text())
-        resume = ResumePoint(str(Path(local) / "algo"), int(state["iterations_done"]), state.get("health", {}))
         run_id = state["run_id"]
+        resume = ResumePoint(
+            str(Path(local) / "algo"),
+            int(state["iterations_done"]),
+            state.get("health", {}),
+            state_digest=state.get("state_digest"),
+            logged_through=last_logged_iteration(cfg.mlflow.tracking_uri, run_id),
+        )
     sink = MlflowSink(
         cfg.mlflow.tracking_uri,
         cfg.mlflow.experiment,
@@ -320,6 +327,7 @@ def _trial(params: dict[str, Any]) -> None:
                 "iterations_done": iteration,
                 "run_id": sink.run_id,
                 "health": monitor.state_dict() if monitor is not None else {},
+                "state_digest": learner_state_digest(algo),
             }
             (Path(directory) / TRIAL_STATE_FILE).write_text(json.dumps(state))
             tune.report(payload, checkpoint=tune.Checkpoint.from_directory(directory))

@@ -48,6 +48,32 @@ class ResumePoint:
     checkpoint_path: str
     iterations_done: int
     health_state: dict[str, int] = field(default_factory=dict)
+    state_digest: str | None = None
+    """``learner_state_digest`` when the checkpoint was written: the restore is checked against it."""
+    logged_through: int = 0
+    """Last iteration the failed attempt logged to MLflow: iterations up to it are not logged again."""
+
+
+class CheckpointStateMismatchError(RuntimeError):
+    """The learner's restored gradmon state differs from the one written with the checkpoint."""
+
+
+def learner_state_digest(algo: Any) -> str:
+    """SHA-256 of the first (rank-0) learner's gradmon state (``GradmonPPOTorchLearner.gradmon_state_digest``)."""
+    results = algo.learner_group.foreach_learner(lambda learner: learner.gradmon_state_digest())
+    return next(iter(results)).get()  # a list (local learner) or RemoteCallResults; .get() re-raises
+
+
+def last_logged_iteration(tracking_uri: str, run_id: str) -> int:
+    """The last step of ``run_id``'s ``update/trained`` history in MLflow (0: none, or unreadable)."""
+    from mlflow.tracking import MlflowClient
+
+    try:
+        history = MlflowClient(tracking_uri).get_metric_history(run_id, mn.LEARNERS_UPDATED)
+    except Exception as exc:  # MLflow down: at worst some iterations get a second point
+        logger.warning("could not read run %s's history (%s): recomputed iterations may be logged twice", run_id, exc)
+        return 0
+    return max((point.step for point in history), default=0)
 
 
 IterationReporter = Callable[[int, dict[str, float], Any, "HealthStopMonitor | None", "str | None"], None]
@@ -121,19 +147,34 @@ def run_training(
         if resume is not None:
             algo.restore_from_path(resume.checkpoint_path)  # learner state: weights, optimizer, telemetry
             resumed_tags[mn.TAG_RESUMED_FROM] = str(resume.iterations_done)
+            restored = learner_state_digest(algo)
+            if resume.state_digest is not None and restored != resume.state_digest:
+                raise CheckpointStateMismatchError(
+                    f"the learner's gradmon state after restoring {resume.checkpoint_path} (sha256 {restored[:12]}) is "
+                    f"not the one written with it (sha256 {resume.state_digest[:12]}); not continuing the run from it"
+                )
+            resumed_tags[mn.TAG_RESUMED_STATE_DIGEST] = restored
+            if resume.logged_through > resume.iterations_done:
+                resumed_tags[mn.TAG_RECOMPUTED_ITERATIONS] = f"{resume.iterations_done + 1}-{resume.logged_through}"
+        logged_through = resume.logged_through if resume is not None else 0
         for iteration in range(outcome.iterations_done + 1, cfg.iterations + 1):
             result = algo.train()
             metrics = result_to_metrics(result)
-            tags = {**_latch_tags(metrics, named_heads), **resumed_tags}
+            tags = _latch_tags(metrics, named_heads)
             named_heads = named_heads or mn.TAG_HEAD_NAMES in tags
-            resumed_tags = {}
+            if iteration > logged_through:  # the first iteration MLflow has not seen carries the resume tags
+                tags.update(resumed_tags)
+                resumed_tags = {}
             trained = metrics[mn.LEARNERS_UPDATED] > 0  # no update: no telemetry to judge the heads by
             decision = monitor.update(iteration, metrics) if monitor is not None and trained else None
             if decision is not None:
                 metrics[mn.HEALTH_STOP_REASON] = float(decision.code)
                 tags[mn.TAG_STOP_REASON] = f"iteration {iteration}: {decision.message}"
                 outcome.stop_reason = tags[mn.TAG_STOP_REASON]
-            sink.log_iteration(iteration, metrics, tags)
+            if iteration > logged_through:
+                sink.log_iteration(iteration, metrics, tags)
+            elif decision is not None:  # recomputed and already logged, but the stop must be recorded
+                sink.log_iteration(iteration, {mn.HEALTH_STOP_REASON: metrics[mn.HEALTH_STOP_REASON]}, tags)
             outcome.iterations_done = iteration
             outcome.last_metrics = metrics
             if reporter is not None:

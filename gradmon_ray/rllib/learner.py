@@ -56,6 +56,7 @@ from gradmon_ray.telemetry import (
     VarianceGradientScaler,
     logp_nonfinite_flags,
 )
+from gradmon_ray.telemetry.state_digest import state_digest
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ NOISE_STATE_KEY = "gradmon_noise_scale"
 
 PROBE_STATE_KEY = "gradmon_probe"
 """Key of the probe bookkeeping (iteration count, probe counters) inside ``Learner.get_state()``."""
+
+GRADMON_STATE_KEYS = (TELEMETRY_STATE_KEY, VGS_STATE_KEY, NOISE_STATE_KEY, PROBE_STATE_KEY)
+"""Everything gradmon adds to the learner's checkpointed state."""
 
 LEARNER_CONFIG_KEY = "gradmon"
 """Key in ``AlgorithmConfig.learner_config_dict`` holding the gradmon learner settings."""
@@ -525,6 +529,11 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         out = {mn.head_metric(mn.HEAD_NOISE_SCALE, h): v for h, v in scales.items() if h != "global"}
         out[mn.GLOBAL_NOISE_SCALE] = scales["global"]
         return out
+
+    def gradmon_state_digest(self) -> str:
+        """SHA-256 of this learner's gradmon state (latches, prev values, counters, VGS, noise, probe)."""
+        state = self.get_state(components=list(GRADMON_STATE_KEYS))
+        return state_digest({k: v for k, v in state.items() if k in GRADMON_STATE_KEYS})
 
     def telemetry_state(self) -> dict[str, Any]:
         """The persistent telemetry state (latches, prev values, counters)."""
