@@ -125,6 +125,12 @@ class VgsSection:
         default=1e-8, metadata=_meta("Added to the squared mean in the normalisation.", exclusive_min=0.0)
     )
     warmup_steps: int = field(default=100, metadata=_meta("Optimizer steps before scaling starts.", min=0))
+    accept_old_checkpoint: bool = field(
+        default=False,
+        metadata=_meta(
+            "Let restore_from take a checkpoint whose VGS state is the old spatial format (statistics reset)."
+        ),
+    )
     aggregation_method: Literal["p90", "mean", "weighted_mean"] = field(
         default="p90", metadata=_meta("How per-parameter variances become one number.")
     )
@@ -247,6 +253,13 @@ class GradmonConfig:
     iterations: int = field(default=20, metadata=_meta("Training iterations.", min=1))
     seed: Union[int, None] = field(default=0, metadata=_meta("Seed for RLlib and the envs (null: random).", min=0))
     checkpoint_dir: Union[str, None] = field(default=None, metadata=_meta("Save a checkpoint here at the end."))
+    restore_from: Union[str, None] = field(
+        default=None,
+        metadata=_meta(
+            "Start from this checkpoint (a checkpoint_dir of an earlier run with the same model): weights, "
+            "optimizer, telemetry and VGS state. Checked before anything starts."
+        ),
+    )
     env: EnvSection = field(default_factory=EnvSection)
     model: ModelSection = field(default_factory=ModelSection)
     ppo: PPOSection = field(default_factory=PPOSection)

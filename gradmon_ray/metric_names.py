@@ -170,6 +170,8 @@ TAG_SWEEP = "gradmon.sweep"
 """On a sweep's parent run and its trials' runs: the sweep's name."""
 TAG_RESUMED_FROM = "gradmon.resumed_from_iteration"
 """Set when a run continued from a checkpoint (a Tune trial restart): the last checkpointed iteration."""
+TAG_RESTORED_FROM = "gradmon.restored_from"
+"""The ``restore_from`` checkpoint a run started from."""
 TAG_RESUMED_STATE_DIGEST = "gradmon.resumed_state_digest"
 """SHA-256 of the learner's gradmon state right after the restore; equal to the checkpoint's, or the run stops."""
 TAG_RECOMPUTED_ITERATIONS = "gradmon.recomputed_iterations"
@@ -268,6 +270,7 @@ TAG_NAMES: tuple[str, ...] = (
     TAG_RESUMED_FROM,
     TAG_RESUMED_STATE_DIGEST,
     TAG_RECOMPUTED_ITERATIONS,
+    TAG_RESTORED_FROM,
 )
 
 

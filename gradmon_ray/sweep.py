@@ -178,11 +178,16 @@ def run_sweep(sweep: SweepConfig, base: dict[str, Any], *, progress: Any = print
     from ray import tune
 
     from gradmon_ray.rllib.config import build_ppo_config
+    from gradmon_ray.rllib.preflight import preflight
     from gradmon_ray.train import ensure_ray
 
     base_cfg = config_from_dict(copy.deepcopy(base))
+    preflight(base_cfg)  # env, model, restore_from: refused before Ray starts or any run exists
     uri = absolute_tracking_uri(base_cfg.mlflow.tracking_uri)
-    base = apply_overrides(copy.deepcopy(base), {"mlflow.tracking_uri": uri})
+    fixed: dict[str, Any] = {"mlflow.tracking_uri": uri}
+    if base_cfg.restore_from:  # trials run in their own working directories
+        fixed["restore_from"] = os.path.abspath(base_cfg.restore_from)
+    base = apply_overrides(copy.deepcopy(base), fixed)
     started_ray = ensure_ray(base_cfg)
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name(base_cfg.mlflow.experiment)

@@ -116,6 +116,10 @@ def run_training(
 
     from gradmon_ray.rllib.config import build_ppo_config, probe_actor_name_of
 
+    if sink is None:  # a sweep checks its base config before it creates any run
+        from gradmon_ray.rllib.preflight import preflight
+
+        preflight(cfg)  # env, model and restore_from: a bad input fails before Ray or MLflow start
     started_ray = ensure_ray(cfg)
     if sink is None:
         sink = MlflowSink(
@@ -156,6 +160,9 @@ def run_training(
             resumed_tags[mn.TAG_RESUMED_STATE_DIGEST] = restored
             if resume.logged_through > resume.iterations_done:
                 resumed_tags[mn.TAG_RECOMPUTED_ITERATIONS] = f"{resume.iterations_done + 1}-{resume.logged_through}"
+        elif cfg.restore_from:
+            algo.restore_from_path(os.path.abspath(cfg.restore_from))
+            resumed_tags[mn.TAG_RESTORED_FROM] = os.path.abspath(cfg.restore_from)
         logged_through = resume.logged_through if resume is not None else 0
         for iteration in range(outcome.iterations_done + 1, cfg.iterations + 1):
             result = algo.train()

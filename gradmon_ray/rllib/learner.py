@@ -113,6 +113,7 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
             raise ValueError(f"optimizer must be 'adam' or 'upgd', got {self._optimizer_name!r}")
         self._upgd_settings = dict(settings.get("upgd", {}))
         vgs_settings = dict(settings.get("vgs", {}))
+        vgs_settings.pop("accept_old_checkpoint", None)  # checked before training (rllib.preflight)
         self._replica_check_every = int(settings.get("replica_check_every", 10))
         self._fault_injection = dict(settings.get("fault_injection", {}))
         self._regularizers = [resolve_regularizer(**dict(r)) for r in settings.get("regularizers", ())]

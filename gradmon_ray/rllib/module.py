@@ -19,6 +19,12 @@ from torch import nn
 from gradmon_ray.rllib.distribution import ActionFormat, FactoredCategorical
 
 VALUE_HEAD = "value"
+
+
+class ModelConfigError(ValueError):
+    """The model config does not fit the env's spaces (head names, action or observation space)."""
+
+
 """Name under which the value head's gradient norm is reported."""
 
 _ACTIVATIONS: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "relu": nn.ReLU, "silu": nn.SiLU}
@@ -45,34 +51,36 @@ def resolve_heads(action_space: gym.Space, head_names: Sequence[str] | None = No
         names = tuple(sorted(action_space.spaces))
         bad = [k for k in names if not isinstance(action_space[k], gym.spaces.Discrete)]
         if bad:
-            raise ValueError(f"FactoredActorCritic: every Dict action component must be Discrete; not: {bad}")
+            raise ModelConfigError(f"FactoredActorCritic: every Dict action component must be Discrete; not: {bad}")
         if head_names is not None and sorted(head_names) != list(names):
-            raise ValueError(f"model.head_names {list(head_names)} do not match the Dict action keys {list(names)}")
+            raise ModelConfigError(
+                f"model.head_names {list(head_names)} do not match the Dict action keys {list(names)}"
+            )
         layout = HeadLayout(names, tuple(int(action_space[k].n) for k in names), "dict")
     elif isinstance(action_space, gym.spaces.MultiDiscrete):
         if action_space.nvec.ndim != 1:
-            raise ValueError("FactoredActorCritic: MultiDiscrete action spaces must be 1-D")
+            raise ModelConfigError("FactoredActorCritic: MultiDiscrete action spaces must be 1-D")
         sizes = tuple(int(n) for n in action_space.nvec)
         names = tuple(head_names) if head_names is not None else tuple(f"head_{i}" for i in range(len(sizes)))
         if len(names) != len(sizes):
-            raise ValueError(
+            raise ModelConfigError(
                 f"model.head_names has {len(names)} names, the MultiDiscrete space has {len(sizes)} components"
             )
         layout = HeadLayout(names, sizes, "multi_discrete")
     elif isinstance(action_space, gym.spaces.Discrete):
         names = tuple(head_names) if head_names is not None else ("action",)
         if len(names) != 1:
-            raise ValueError("model.head_names must have exactly one name for a Discrete action space")
+            raise ModelConfigError("model.head_names must have exactly one name for a Discrete action space")
         layout = HeadLayout(names, (int(action_space.n),), "discrete")
     else:
-        raise ValueError(
+        raise ModelConfigError(
             "FactoredActorCritic supports Dict-of-Discrete, MultiDiscrete and Discrete action spaces, "
             f"got {action_space}"
         )
     if len(set(layout.names)) != len(layout.names):
-        raise ValueError(f"head names must be unique, got {list(layout.names)}")
+        raise ModelConfigError(f"head names must be unique, got {list(layout.names)}")
     if VALUE_HEAD in layout.names:
-        raise ValueError(f"an action head may not be called {VALUE_HEAD!r}: that name reports the value head")
+        raise ModelConfigError(f"an action head may not be called {VALUE_HEAD!r}: that name reports the value head")
     return layout
 
 
@@ -111,9 +119,9 @@ class FactoredActorCritic(TorchRLModule, ValueFunctionAPI):
         self.head_layout = resolve_heads(self.action_space, cfg.get("head_names"))
         activation = cfg.get("activation", "tanh")
         if activation not in _ACTIVATIONS:
-            raise ValueError(f"model.activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+            raise ModelConfigError(f"model.activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
         if not isinstance(self.observation_space, gym.spaces.Box):
-            raise ValueError(f"FactoredActorCritic needs a Box observation space, got {self.observation_space}")
+            raise ModelConfigError(f"FactoredActorCritic needs a Box observation space, got {self.observation_space}")
         obs_dim = int(np.prod(self.observation_space.shape))
         trunk_hiddens = list(cfg.get("trunk_hiddens", [128, 128]))
         self.trunk = _mlp(obs_dim, trunk_hiddens, None, activation)
@@ -131,7 +139,7 @@ class FactoredActorCritic(TorchRLModule, ValueFunctionAPI):
         scales = dict(cfg.get("head_logit_scale") or {})
         unknown = sorted(set(scales) - set(self.head_layout.names))
         if unknown:
-            raise ValueError(
+            raise ModelConfigError(
                 f"model.head_logit_scale: unknown heads {unknown}; heads are {list(self.head_layout.names)}"
             )
         self._logit_scale = {name: float(v) for name, v in scales.items() if float(v) != 1.0}

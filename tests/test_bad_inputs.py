@@ -1,0 +1,198 @@
+"""Issue #8 fault 7: bad inputs, table-driven, through the real CLI entry point.
+
+Every case must exit 2 with ONE line on stderr that names the problem, print no traceback,
+and leave no MLflow store behind (no half-made run): the checks run before Ray or MLflow
+start.  The restore cases use a real checkpoint written by real RLlib training.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gradmon_ray.cli import main
+from gradmon_ray.config import config_from_dict
+from gradmon_ray.rllib import build_ppo_config
+from gradmon_ray.rllib.preflight import LEARNER_SUBDIR, check_restore_point
+
+SMALL = {
+    "iterations": 1,
+    "ppo": {"train_batch_size": 128, "minibatch_size": 64, "num_epochs": 1},
+    "model": {"trunk_hiddens": [16]},
+    "vgs": {"enabled": True, "warmup_steps": 1},
+    "resources": {"num_env_runners": 0},
+}
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
+    for key, value in extra.items():
+        out[key] = (
+            _merge(out.get(key, {}), value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(ray_session, tmp_path_factory):
+    """A real algorithm checkpoint of SMALL after one iteration, and a copy whose VGS state is
+    rewritten into the seed's old spatial format (no per-parameter statistics)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    algo = build_ppo_config(config_from_dict(_merge(SMALL, {}))).build_algo()
+    try:
+        algo.train()
+        good = Path(algo.save_to_path(str(root / "good")))
+    finally:
+        algo.stop()
+    old = root / "old_vgs"
+    shutil.copytree(good, old)
+    state_file = old / LEARNER_SUBDIR / "state.pkl"
+    with state_file.open("rb") as f:  # our own checkpoint, written a moment ago
+        state = pickle.load(f)
+    vgs = state["gradmon_vgs"]
+    state["gradmon_vgs"] = {k: vgs[k] for k in ("enabled", "beta", "alpha", "eps", "warmup_steps", "step_count")}
+    state["gradmon_vgs"].update(grad_mean_ema=0.0, grad_var_ema=1e-4, grad_norm_ema=0.5, grad_max_ema=0.1)
+    with state_file.open("wb") as f:
+        pickle.dump(state, f)
+    return {"good": good, "old_vgs": old, "empty": Path(tmp_path_factory.mktemp("not_a_checkpoint"))}
+
+
+# (case id, config overrides, extra CLI args, expected stderr fragment)
+CASES = [
+    ("unknown-top-key", {"iterationz": 3}, [], "iterationz: unknown key"),
+    ("unknown-nested-key", {"ppo": {"lrr": 1e-3}}, [], "ppo.lrr: unknown key"),
+    ("wrong-type-int", {"iterations": "ten"}, [], "iterations:"),
+    ("wrong-type-list", {"model": {"trunk_hiddens": 64}}, [], "model.trunk_hiddens:"),
+    ("negative-size", {"ppo": {"minibatch_size": -1}}, [], "ppo.minibatch_size: must be >= 1"),
+    ("zero-size", {"ppo": {"train_batch_size": 0}}, [], "ppo.train_batch_size: must be >= 1"),
+    ("zero-width", {"model": {"trunk_hiddens": [0]}}, [], "model.trunk_hiddens"),
+    ("nan-lr", {"ppo": {"lr": float("nan")}}, [], "ppo.lr:"),
+    ("inf-gamma", {"ppo": {"gamma": float("inf")}}, [], "ppo.gamma:"),
+    (
+        "minibatch-over-batch",
+        {"ppo": {"minibatch_size": 256}},
+        [],
+        "ppo.minibatch_size: must be <= ppo.train_batch_size",
+    ),
+    ("bad-activation", {"model": {"activation": "gelu"}}, [], "model.activation"),
+    ("bad-optimizer", {"optimizer": "sgd"}, [], "optimizer"),
+    ("vgs-beta-one", {"vgs": {"beta": 1.0}}, [], "vgs.beta"),
+    ("bad-backend", {"distributed": {"backend": "mpi"}}, [], "distributed.backend"),
+    ("zero-buckets", {"probe": {"num_buckets": 0}}, [], "probe.num_buckets"),
+    ("zero-queue", {"mlflow": {"queue_size": 0}}, [], "mlflow.queue_size"),
+    ("negative-gpus", {"resources": {"num_gpus_per_learner": -1}}, [], "resources.num_gpus_per_learner"),
+    ("negative-logit-scale", {"model": {"head_logit_scale": {"op": -1.0}}}, [], "model.head_logit_scale.op"),
+    ("regularizer-reserved-name", {"regularizers": [{"name": "value", "fn": "l2"}]}, [], "regularizers[0].name"),
+    ("regularizer-missing-fn", {"regularizers": [{"name": "r", "fn": "nope.mod:fn"}]}, [], "regularizers[0].fn"),
+    (
+        "head-names-not-in-action-space",
+        {"model": {"head_names": ["a", "b"]}},
+        [],
+        "model.head_names: ['a', 'b'] do not match the Dict action keys",
+    ),
+    (
+        "logit-scale-unknown-head",
+        {"model": {"head_logit_scale": {"nohead": 2.0}}},
+        [],
+        "model.head_logit_scale: unknown heads ['nohead']",
+    ),
+    (
+        "unsupported-action-space",
+        {"env": {"id": "tests.fixtures.user_envs:ContinuousActionEnv"}},
+        [],
+        "supports Dict-of-Discrete, MultiDiscrete and Discrete action spaces",
+    ),
+    ("env-not-importable", {"env": {"id": "nope.module:Env"}}, [], "env.id: cannot import 'nope.module:Env'"),
+    (
+        "env-constructor-fails",
+        {"env": {"id": "tests.fixtures.user_envs:BrokenEnv"}},
+        [],
+        "env: cannot create env 'tests.fixtures.user_envs:BrokenEnv': FileNotFoundError: simulator binary",
+    ),
+    ("cli-iterations-zero", {}, ["--iterations", "0"], "iterations: must be >= 1"),
+    ("cli-set-without-value", {}, ["--set", "ppo.lr"], "--set: expected KEY=VALUE"),
+    ("cli-set-bad-yaml", {}, ["--set", "ppo.lr=[1,"], "ppo.lr: value '[1,' is not valid YAML"),
+    ("restore-missing-dir", {"restore_from": "/nonexistent/ckpt"}, [], "restore_from: no such checkpoint directory"),
+    ("restore-not-a-checkpoint", {"restore_from": "@empty"}, [], "is not an RLlib algorithm checkpoint"),
+    (
+        "restore-different-model",
+        {"restore_from": "@good", "model": {"trunk_hiddens": [32]}},
+        [],
+        "does not fit this config's model: size mismatch for trunk.0.weight",
+    ),
+    ("restore-old-vgs-format", {"restore_from": "@old_vgs"}, [], "old-format (spatial) VGS state"),
+]
+
+
+@pytest.fixture
+def restore_env():
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.mark.parametrize(("overrides", "extra", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_exits_2_with_one_line_and_no_mlflow_run(
+    overrides, extra, expected, checkpoints, tmp_path, capsys, restore_env
+):
+    data = _merge(SMALL, overrides)
+    if str(data.get("restore_from", "")).startswith("@"):
+        data["restore_from"] = str(checkpoints[data["restore_from"][1:]])
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(data))
+    store = tmp_path / "mlflow.db"
+    rc = main(["train", "--config", str(config), "--mlflow-uri", f"sqlite:///{store}", *extra])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith("gradmon-ray: config error: "), err
+    assert expected in err, err
+    assert "Traceback" not in err
+    assert not store.exists()  # no MLflow run, not even an empty store
+
+
+def test_the_table_is_at_least_25_cases():
+    assert len(CASES) >= 25 and len({c[0] for c in CASES}) == len(CASES)
+
+
+def test_unreadable_yaml_and_non_mapping_yaml(tmp_path, capsys, restore_env):
+    for text, expected in (("ppo: [1, 2", "is not valid YAML"), ("- 1\n- 2\n", "must hold a mapping")):
+        config = tmp_path / "run.yaml"
+        config.write_text(text)
+        assert main(["train", "--config", str(config), "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and expected in err, err
+    assert not (tmp_path / "m.db").exists()
+
+
+def test_a_fitting_checkpoint_passes_and_an_old_vgs_state_passes_when_accepted(checkpoints):
+    check_restore_point(config_from_dict(_merge(SMALL, {"restore_from": str(checkpoints["good"])})))
+    accepted = {"restore_from": str(checkpoints["old_vgs"]), "vgs": {"accept_old_checkpoint": True}}
+    check_restore_point(config_from_dict(_merge(SMALL, accepted)))
+    vgs_off = {"restore_from": str(checkpoints["old_vgs"]), "vgs": {"enabled": False}}
+    check_restore_point(config_from_dict(_merge(SMALL, vgs_off)))  # VGS off: its state is irrelevant
+
+
+def test_restore_from_continues_the_checkpointed_run(checkpoints, tmp_path):
+    """A real run from the checkpoint: the learner's own clock, VGS steps and weights carry on."""
+    from mlflow.tracking import MlflowClient
+
+    from gradmon_ray import metric_names as mn
+    from gradmon_ray.train import run_training
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = config_from_dict(
+        _merge(SMALL, {"restore_from": str(checkpoints["good"]), "mlflow": {"tracking_uri": uri, "experiment": "r"}})
+    )
+    outcome = run_training(cfg, progress=None)
+    run = MlflowClient(uri).get_run(outcome.run_id)
+    assert run.data.tags[mn.TAG_RESTORED_FROM] == str(checkpoints["good"])
+    assert run.data.metrics[mn.TELEMETRY_ITERATION] == 2.0  # iteration 1 came from the checkpoint
+    assert run.data.metrics[mn.VGS_STEP_COUNT] > 2  # the checkpoint's steps plus this iteration's
+    assert not math.isnan(run.data.metrics[mn.head_metric(mn.HEAD_GRAD_NORM_PREV, "op")])  # prev value restored
