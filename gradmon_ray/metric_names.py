@@ -48,6 +48,11 @@ SKIPPED_UPDATES = "update/skipped"
 """Minibatch updates skipped this iteration because a gradient was NaN/Inf."""
 SKIPPED_UPDATES_TOTAL = "update/skipped_total"
 """Skipped minibatch updates since the start of the run (restored from checkpoints)."""
+SCALER_SKIPPED_UPDATES = "update/scaler_skipped"
+"""Mixed precision only: minibatch updates the grad scaler skipped this iteration (overflow at its
+scale; the scaler then backs off). Not counted in ``update/skipped``, never a latch."""
+GRAD_SCALE = "update/grad_scale"
+"""Mixed precision only: the grad scaler's loss scale at the iteration's last minibatch."""
 TELEMETRY_ITERATION = "update/telemetry_iteration"
 """The learner's own 1-based count of training iterations (the latches' clock)."""
 REPLICA_CHECKSUM_OK = "update/replica_checksum_ok"
@@ -211,6 +216,8 @@ SCALAR_NAMES: tuple[str, ...] = (
     SKIPPED_UPDATES,
     SKIPPED_UPDATES_TOTAL,
     TELEMETRY_ITERATION,
+    SCALER_SKIPPED_UPDATES,
+    GRAD_SCALE,
     LEARNERS_UPDATED,
     REPLICA_CHECKSUM_OK,
     EPISODE_RETURN_MEAN,

@@ -100,9 +100,9 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
 
     @override(PPOTorchLearner)
     def build(self) -> None:
-        if self.config._torch_grad_scaler_class is not None or self.config._torch_lr_scheduler_classes:
+        if self.config._torch_lr_scheduler_classes:
             raise ValueError(
-                "GradmonPPOTorchLearner does not support _torch_grad_scaler_class or _torch_lr_scheduler_classes; "
+                "GradmonPPOTorchLearner does not support _torch_lr_scheduler_classes; "
                 "use lr schedules via config.training(lr=[[t0, lr0], ...]) instead"
             )
         settings = dict(self.config.learner_config_dict.get(LEARNER_CONFIG_KEY, {}))
@@ -124,6 +124,11 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         if len(module_ids) != 1:
             raise ValueError(f"GradmonPPOTorchLearner trains exactly one RLModule, got {module_ids}")
         self._module_id: ModuleID = module_ids[0]
+        # Mixed precision (config.experimental(_torch_grad_scaler_class=...)): RLlib scales the
+        # loss; we unscale right after backward so every statistic sees the true gradients.
+        self._grad_scaler = self._grad_scalers[self._module_id] if self._grad_scalers is not None else None
+        # [minibatches the scaler skipped (overflow at its scale), scale of the last minibatch]
+        self._scaler_acc = torch.zeros(2, dtype=torch.float64, device=self._device)
         rl_module = self.module[self._module_id].unwrapped()
         if not hasattr(rl_module, "head_parameter_groups"):
             raise TypeError(
@@ -237,6 +242,9 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
                 index = torch.tensor([slot_of.get(id(p), num_slots) for p in params], device=local.device)
                 index_cache[key] = index
             squares = torch.stack(torch._foreach_norm(bucket.gradients())).double() ** 2
+            scaler = self._grad_scaler
+            if scaler is not None:  # DDP reduces the still-scaled gradients: unscale the squares
+                squares = squares / scaler._get_scale_async().double() ** 2
             local[: num_slots + 1].index_add_(0, index, squares)
             local[num_slots + 1 :].add_(squares.sum())
             return allreduce_hook(None, bucket)
@@ -348,6 +356,10 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         config: PPOConfig | None = None,
         module_gradients_dict: ParamDict,
     ) -> ParamDict:
+        if self._grad_scaler is not None:
+            for optimizer in self._optimizer_parameters:
+                # In place, on the device; records found_inf for scaler.step (no host sync).
+                self._grad_scaler.unscale_(optimizer)
         # TELE-320/310/300/301 are read here: after backward (and DDP's all-reduce), before clipping.
         norms = self._norm_plan.compute()
         self._pending_norms = norms
@@ -382,7 +394,10 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         if norms is None:  # e.g. a module with all parameters frozen
             norms = self._norm_plan.compute()
         found_nonfinite = norms.found_nonfinite
-        for optimizer in self._optimizer_parameters:
+        if self._grad_scaler is not None:
+            self._step_with_scaler(found_nonfinite)
+            found_nonfinite = torch.zeros_like(found_nonfinite)  # the scaler's skip, counted apart
+        for optimizer in self._optimizer_parameters if self._grad_scaler is None else ():
             # Per param group, not `defaults`: loading another optimizer's state can change it.
             if all(group.get("fused") for group in optimizer.param_groups):
                 optimizer.found_inf = found_nonfinite  # read by the fused kernel, as from GradScaler
@@ -397,6 +412,21 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
             self._accumulator.add_minibatch(norms, nan_flags, inf_flags, found_nonfinite)
         self._pending_norms = None
         self._pending_logp_flags = None
+
+    def _step_with_scaler(self, found_nonfinite: torch.Tensor) -> None:
+        """``GradScaler.step`` (skips on the found_inf its ``unscale_`` recorded) and ``update``.
+
+        With a scaler, non-finite gradients are what an overflow at the current scale looks
+        like: the scaler skips the step and backs off.  They count as scaler skips
+        (``update/scaler_skipped``), not as ``update/skipped``, and never touch the log-prob
+        latches; the NaN/Inf element counts still report what the unscaled gradients held.
+        """
+        scaler = self._grad_scaler
+        for optimizer in self._optimizer_parameters:
+            scaler.step(optimizer)  # fused Adam reads found_inf on the device; others sync once
+        self._scaler_acc[0].add_(found_nonfinite)
+        self._scaler_acc[1].copy_(scaler._get_scale_async().reshape(()))
+        scaler.update()
 
     @override(PPOLearner)
     def after_gradient_based_update(self, *, timesteps: dict[str, Any]) -> None:
@@ -418,6 +448,8 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         if self._vgs is not None:
             metrics.update(zip(mn.VGS_DEVICE_METRICS, lanes["vgs"].tolist(), strict=True))
             metrics.update(self._vgs.host_metrics())
+        if self._grad_scaler is not None:
+            metrics[mn.SCALER_SKIPPED_UPDATES], metrics[mn.GRAD_SCALE] = (float(v) for v in lanes["scaler"])
         if checksum_ok is not None:
             metrics[mn.REPLICA_CHECKSUM_OK] = float(checksum_ok)
         self._log_metrics_dict(metrics)
@@ -502,7 +534,9 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
             else torch.zeros(2, dtype=torch.float64, device=self._device)
         )
         vgs = self._vgs.metrics_tensor() if self._vgs is not None else None
-        local = digits if vgs is None else torch.cat([vgs.double(), digits])
+        scaler = self._scaler_acc if self._grad_scaler is not None else self._scaler_acc[:0]
+        local = torch.cat([scaler, digits]) if vgs is None else torch.cat([scaler, vgs.double(), digits])
+        self._scaler_acc[0].zero_()
         lanes, reduced_extra, local_host = self._accumulator.drain(
             reduced_extra=torch.cat([digits, self._noise_acc]),
             local_extra=local,
@@ -512,7 +546,10 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         )
         self._noise_acc.zero_()
         checksum_ok = bool(np.array_equal(reduced_extra[:2], k * local_host[-2:])) if check else None
-        return {"telemetry": lanes, "vgs": local_host[:-2], "noise": reduced_extra[2:]}, checksum_ok
+        n_scaler = scaler.numel()
+        lanes_out = {"telemetry": lanes, "vgs": local_host[n_scaler:-2], "noise": reduced_extra[2:]}
+        lanes_out["scaler"] = local_host[:n_scaler]
+        return lanes_out, checksum_ok
 
     def _noise_scale_metrics(self, noise: np.ndarray, minibatches: int) -> dict[str, float]:
         """B_simple per head and global from the reduced noise lanes of one iteration."""
