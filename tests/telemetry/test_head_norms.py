@@ -85,6 +85,27 @@ def test_plan_inf_only_head_norm_is_inf():
     assert result.inf_count.item() == 1 and result.nan_count.item() == 0
 
 
+def test_plan_finite_elements_whose_squares_overflow_count_nothing():
+    """|g| = 3e38 is finite in float32 but its square is not: the global norm is Inf, so the
+    CPU path counts, and the exact count is 0 NaN / 0 Inf (nothing to skip for)."""
+    p = _param(0, 0, grad=[3e38, 1.0])
+    result = GradientNormPlan({"h": [p]}, [p]).compute()
+    assert math.isinf(result.global_norm.item())
+    assert result.nan_count.item() == 0 and result.inf_count.item() == 0
+    assert result.found_nonfinite.item() == 0.0
+
+
+def test_plan_counts_are_tensors_on_the_grads_device_in_both_paths(hand_built_heads):
+    groups, trunk = hand_built_heads
+    all_params = [p for ps in groups.values() for p in ps] + trunk
+    finite = GradientNormPlan(groups, all_params).compute()
+    groups["a"][0].grad = torch.tensor([float("nan"), 1.0])
+    broken = GradientNormPlan(groups, all_params).compute()
+    for result in (finite, broken):
+        for t in (result.nan_count, result.inf_count, result.found_nonfinite):
+            assert isinstance(t, torch.Tensor) and t.dim() == 0 and t.dtype == torch.float32
+
+
 def test_plan_rejects_overlapping_or_unknown_params():
     p = _param(0, grad=[1])
     with pytest.raises(ValueError, match="two heads"):
