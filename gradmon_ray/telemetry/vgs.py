@@ -329,8 +329,9 @@ class VarianceGradientScaler:
         spatial = torch.where(
             self._spatial_steps > 0, self._spatial_ema / correction, torch.zeros_like(self._spatial_ema)
         )
-        # order: norm, mean, var, max (the seed's metric order)
-        spatial = spatial[[2, 0, 1, 3]]
+        # order: norm, mean, var, max (the seed's metric order); scalar views, since a list
+        # index is copied host->device first, which synchronises on CUDA
+        spatial = torch.stack([spatial[2], spatial[0], spatial[1], spatial[3]])
         head = torch.nan_to_num(torch.cat([quantiles, mean.reshape(1)]), nan=0.0).clamp(max=MAX_NORMALIZED_VARIANCE)
         return torch.cat(
             [head, spatial, self.normalized_variance_tensor().reshape(1), self.scaling_factor_tensor().reshape(1)]
