@@ -220,3 +220,57 @@ def test_cuda_and_cpu_learners_report_the_same_norms_for_the_same_step():
         assert on_gpu[name] == pytest.approx(on_cpu[name], rel=1e-3), head
     assert on_gpu[mn.GLOBAL_GRAD_NORM] == pytest.approx(on_cpu[mn.GLOBAL_GRAD_NORM], rel=1e-3)
     assert on_gpu[mn.NAN_GRAD_COUNT] == on_cpu[mn.NAN_GRAD_COUNT] == 0.0
+
+
+@pytest.mark.parametrize("scaler", [False, True], ids=["fp32", "grad-scaler"])
+def test_gradient_hooks_of_a_real_update_run_under_sync_debug_error(scaler):
+    """gradmon's per-minibatch gradient hooks, wrapped in ``"error"`` mode inside a real update.
+
+    ``postprocess_gradients_for_module`` (unscale, norms, noise lanes, VGS, clipping) and
+    ``apply_gradients`` (fused skip-on-NaN step, accumulator) are gradmon's code from end to end,
+    so any synchronising call in them raises and fails the update.
+    """
+    import functools
+
+    from ray.rllib.core import DEFAULT_MODULE_ID
+
+    from gradmon_ray.config import config_from_dict
+    from gradmon_ray.rllib.standalone import env_spaces, local_ppo_config, sample_episodes, train_batch, update
+
+    cfg = config_from_dict(
+        {
+            "ppo": {"train_batch_size": 512, "minibatch_size": 64, "num_epochs": 2},
+            "resources": {"num_gpus_per_learner": 1},
+            "vgs": {"enabled": True, "warmup_steps": 0},
+        }
+    )
+    config = local_ppo_config(cfg)
+    if scaler:
+        config = config.experimental(
+            _torch_grad_scaler_class=functools.partial(torch.amp.GradScaler, "cuda", init_scale=1024.0)
+        )
+    learner = config.build_learner(spaces={DEFAULT_MODULE_ID: env_spaces(cfg)})
+    batch = train_batch(learner, sample_episodes(cfg, learner, 512))
+    update(learner, batch, cfg)  # the first update builds cached index tensors
+    calls = {"postprocess_gradients_for_module": 0, "apply_gradients": 0}
+
+    def strict(name: str):
+        hook = getattr(learner, name)
+
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        setattr(learner, name, wrapped)
+
+    for name in calls:
+        strict(name)
+    update(learner, batch, cfg)
+    minibatches = learner.last_telemetry.minibatches
+    assert minibatches >= 12
+    assert calls == {"postprocess_gradients_for_module": minibatches, "apply_gradients": minibatches}
+    assert learner.last_telemetry.skipped == 0
