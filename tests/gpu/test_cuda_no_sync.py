@@ -149,31 +149,42 @@ def test_the_sync_recorder_sees_a_planted_item_call():
     assert [(owner, "_deliberate_sync" in site) for owner, site, _ in syncs] == [("gradmon", True)]
 
 
-@pytest.mark.parametrize("features", ["telemetry", "telemetry+vgs", "telemetry+vgs+scaler"])
-def test_gradmon_adds_no_host_sync_per_minibatch_to_a_learner_update(features):
+def _warm_cuda_learner(minibatch_size: int, *, vgs: bool, scaler: bool):
+    """A CUDA learner, a real batch and its config, after one warm-up update (which builds the
+    cached index tensors).  ``scaler``: RLlib's mixed-precision hook with a real CUDA GradScaler."""
     import functools
-    from collections import Counter
 
     from ray.rllib.core import DEFAULT_MODULE_ID
 
     from gradmon_ray.config import config_from_dict
     from gradmon_ray.rllib.standalone import env_spaces, local_ppo_config, sample_episodes, train_batch, update
 
-    def gradmon_syncs(minibatch_size: int) -> tuple[Counter, int]:
-        cfg = config_from_dict(
-            {
-                "ppo": {"train_batch_size": 512, "minibatch_size": minibatch_size, "num_epochs": 2},
-                "resources": {"num_gpus_per_learner": 1},
-                "vgs": {"enabled": "vgs" in features, "warmup_steps": 0},
-            }
+    cfg = config_from_dict(
+        {
+            "ppo": {"train_batch_size": 512, "minibatch_size": minibatch_size, "num_epochs": 2},
+            "resources": {"num_gpus_per_learner": 1},
+            "vgs": {"enabled": vgs, "warmup_steps": 0},
+        }
+    )
+    config = local_ppo_config(cfg)
+    if scaler:
+        config = config.experimental(
+            _torch_grad_scaler_class=functools.partial(torch.amp.GradScaler, "cuda", init_scale=1024.0)
         )
-        config = local_ppo_config(cfg)
-        if "scaler" in features:  # RLlib's mixed-precision hook with a real CUDA GradScaler
-            scaler = functools.partial(torch.amp.GradScaler, "cuda", init_scale=1024.0)
-            config = config.experimental(_torch_grad_scaler_class=scaler)
-        learner = config.build_learner(spaces={DEFAULT_MODULE_ID: env_spaces(cfg)})
-        batch = train_batch(learner, sample_episodes(cfg, learner, 512))
-        update(learner, batch, cfg)  # the first update builds cached index tensors
+    learner = config.build_learner(spaces={DEFAULT_MODULE_ID: env_spaces(cfg)})
+    batch = train_batch(learner, sample_episodes(cfg, learner, 512))
+    update(learner, batch, cfg)
+    return learner, batch, cfg
+
+
+@pytest.mark.parametrize("features", ["telemetry", "telemetry+vgs", "telemetry+vgs+scaler"])
+def test_gradmon_adds_no_host_sync_per_minibatch_to_a_learner_update(features):
+    from collections import Counter
+
+    from gradmon_ray.rllib.standalone import update
+
+    def gradmon_syncs(minibatch_size: int) -> tuple[Counter, int]:
+        learner, batch, cfg = _warm_cuda_learner(minibatch_size, vgs="vgs" in features, scaler="scaler" in features)
         syncs = _record_syncs(lambda: update(learner, batch, cfg))
         minibatches = learner.last_telemetry.minibatches
         in_hooks = [s for s in syncs if s[0] == "gradmon" and s[2]]
@@ -230,28 +241,9 @@ def test_gradient_hooks_of_a_real_update_run_under_sync_debug_error(scaler):
     ``apply_gradients`` (fused skip-on-NaN step, accumulator) are gradmon's code from end to end,
     so any synchronising call in them raises and fails the update.
     """
-    import functools
+    from gradmon_ray.rllib.standalone import update
 
-    from ray.rllib.core import DEFAULT_MODULE_ID
-
-    from gradmon_ray.config import config_from_dict
-    from gradmon_ray.rllib.standalone import env_spaces, local_ppo_config, sample_episodes, train_batch, update
-
-    cfg = config_from_dict(
-        {
-            "ppo": {"train_batch_size": 512, "minibatch_size": 64, "num_epochs": 2},
-            "resources": {"num_gpus_per_learner": 1},
-            "vgs": {"enabled": True, "warmup_steps": 0},
-        }
-    )
-    config = local_ppo_config(cfg)
-    if scaler:
-        config = config.experimental(
-            _torch_grad_scaler_class=functools.partial(torch.amp.GradScaler, "cuda", init_scale=1024.0)
-        )
-    learner = config.build_learner(spaces={DEFAULT_MODULE_ID: env_spaces(cfg)})
-    batch = train_batch(learner, sample_episodes(cfg, learner, 512))
-    update(learner, batch, cfg)  # the first update builds cached index tensors
+    learner, batch, cfg = _warm_cuda_learner(64, vgs=True, scaler=scaler)
     calls = {"postprocess_gradients_for_module": 0, "apply_gradients": 0}
 
     def strict(name: str):
