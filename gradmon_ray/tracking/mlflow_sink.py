@@ -240,12 +240,27 @@ class MlflowSink:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 logger.warning("gradmon MLflow sink: write failed (%s); retrying in %.1fs", self.last_error, backoff)
                 # While closing we keep retrying until close()'s timeout gives up on us.
-                with self._cond:
-                    if self._abandoned:
-                        return
-                    # While closing, retry every second so a server that comes back in time gets it all.
-                    self._cond.wait(min(backoff, 1.0) if self._closing else backoff)
+                if not self._sleep_before_retry(backoff):
+                    return
                 backoff = min(backoff * 2, 30.0)
+
+    def _sleep_before_retry(self, backoff_s: float) -> bool:
+        """Wait out the backoff; False when ``close`` has abandoned the worker.
+
+        New iterations do not cut the wait short (they only join the buffer): otherwise every
+        iteration of an outage would cost a failed request, and the retries would compete with
+        training for the CPU. ``close`` does: from then on we retry every second, so a server
+        that comes back in time gets everything.
+        """
+        start = time.monotonic()
+        with self._cond:
+            while not self._abandoned:
+                wait_s = min(backoff_s, 1.0) if self._closing else backoff_s
+                remaining = start + wait_s - time.monotonic()
+                if remaining <= 0:
+                    return True
+                self._cond.wait(remaining)
+            return False
 
     def _draw_plots(self, client: Any) -> None:
         # Outside the write-retry loop: a plot that cannot be drawn is counted, never retried.

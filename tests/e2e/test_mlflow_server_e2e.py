@@ -9,13 +9,16 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.cli import main
 from gradmon_ray.config import config_from_dict
+from gradmon_ray.tracking import MlflowSink
 from gradmon_ray.tracking.spill import read_spill
 from gradmon_ray.train import run_training
 from tests.e2e.processes import BIN, SMALL_TRAIN_ARGS, clean_env, free_port, kill_group, wait_http
@@ -92,26 +95,52 @@ def _start_server(port: int, store: Path) -> subprocess.Popen:
     )
 
 
+def _warm_up(uri: str) -> None:
+    """One real write, so that the server's lazy start-up work is not billed to the no-fault iterations."""
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("warm-up")).info.run_id
+    client.log_batch(run_id, metrics=[Metric(f"m/{i}", 1.0, 0, 1) for i in range(200)])
+    client.set_terminated(run_id)
+
+
 def test_tracking_server_killed_and_restarted_mid_run(ray_session, tmp_path, monkeypatch):
-    """Training never waits for MLflow; what the server missed is delivered later or spilled and replayed."""
+    """Training never waits for MLflow; what the server missed is delivered later or spilled and replayed.
+
+    Issue #8's bar: iteration time during the outage within 1.2x of the no-fault median. Seven
+    iterations on each side, timed without the test's own kill and restart (which run in the
+    progress callback, on the training thread), keep the medians steady on a loaded 2-core box.
+    The time the training thread spends inside the sink is measured too: that is the direct
+    form of "never blocks", and it does not depend on how noisy the machine is.
+    """
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # what `gradmon-ray train` sets
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-    port, iterations, kill_after, restart_after = free_port(), 12, 4, 9
+    port, iterations, kill_after, restart_after = free_port(), 20, 8, 16
     uri = f"http://127.0.0.1:{port}"
     servers = [_start_server(port, tmp_path)]
     wait_http(f"{uri}/health", 90)
+    _warm_up(uri)
     cfg = config_from_dict(
         {
             "iterations": iterations,
             "seed": 0,
             "ppo": {"train_batch_size": 256, "minibatch_size": 128, "num_epochs": 1},
             "model": {"trunk_hiddens": [32]},
-            # a 2-iteration buffer overflows during a 5-iteration outage: those go to the spill file
+            # a 2-iteration buffer overflows during a 7-iteration outage: those go to the spill file
             "mlflow": {"tracking_uri": uri, "experiment": "outage", "queue_size": 2, "plots_every": 0},
         }
     )
     cfg.mlflow.spill_dir = str(tmp_path / "spill")
-    ends: list[float] = []
+    in_sink: list[float] = []  # seconds the training thread spent in each log_iteration call
+    log_iteration = MlflowSink.log_iteration
+
+    def timed_log_iteration(self: MlflowSink, *args: Any, **kwargs: Any) -> None:
+        t0 = time.perf_counter()
+        log_iteration(self, *args, **kwargs)
+        in_sink.append(time.perf_counter() - t0)
+
+    monkeypatch.setattr(MlflowSink, "log_iteration", timed_log_iteration)
+    ends: list[float] = []  # when each iteration's progress line arrived
+    resumes: list[float] = []  # when the callback handed the thread back to training
 
     def progress(line: str) -> None:
         ends.append(time.monotonic())
@@ -123,6 +152,7 @@ def test_tracking_server_killed_and_restarted_mid_run(ray_session, tmp_path, mon
             # After the timed iterations: let the server finish starting (slow on a loaded 2-core
             # box), so that what is still buffered is delivered by close() rather than spilled.
             wait_http(f"{uri}/health", 120)
+        resumes.append(time.monotonic())
 
     try:
         start = time.monotonic()
@@ -130,11 +160,14 @@ def test_tracking_server_killed_and_restarted_mid_run(ray_session, tmp_path, mon
     finally:
         for server in servers:
             kill_group(server, grace_s=5)
-    times = [b - a for a, b in zip([start, *ends[:-1]], ends, strict=True)]
-    before = times[1:kill_after]  # iteration 1 builds and warms up
-    outage = times[kill_after : restart_after - 1]  # iterations after the kill, before the restart
     assert outcome.iterations_done == iterations
-    assert statistics.median(outage) <= 1.2 * statistics.median(before), (before, outage)
+    times = [end - begin for begin, end in zip([start, *resumes[:-1]], ends, strict=True)]
+    no_fault = times[1:kill_after]  # iteration 1 builds and warms up
+    outage = times[kill_after : restart_after - 1]  # after the kill, before the restart
+    assert len(no_fault) == len(outage) == 7
+    assert statistics.median(outage) <= 1.2 * statistics.median(no_fault), (no_fault, outage)
+    # Per iteration the sink costs the training thread a put (and, in the outage, a spill append).
+    assert len(in_sink) >= iterations and max(in_sink) < 0.05, in_sink
 
     # Everything the server missed is either delivered after its return or in the spill file.
     servers = [_start_server(port, tmp_path)]
@@ -147,7 +180,9 @@ def test_tracking_server_killed_and_restarted_mid_run(ray_session, tmp_path, mon
         _, spilled_lines, trailer = read_spill(outcome.spill_path)
         spilled = {r["step"] for r in spilled_lines if name in r["metrics"]}
         assert spilled and delivered | spilled == set(range(1, iterations + 1)), (delivered, spilled)
-        assert {1, 2, 3, iterations} <= delivered  # before the outage, and after the server came back
+        # Before the outage, and after the server came back. (Iterations just before the kill
+        # may still have been in flight then: those are spilled, not lost, which the union checks.)
+        assert {1, iterations} <= delivered
         assert trailer is not None
         # ... and the replay completes the history: each iteration exactly once.
         assert main(["replay", outcome.spill_path]) == 0

@@ -55,6 +55,27 @@ def test_dead_server_never_blocks_or_raises(monkeypatch):
     assert sink.run_id is None and sink.failed_writes >= 1 and "Error" in (sink.last_error or "")
 
 
+def test_an_outage_costs_a_few_backed_off_requests_not_one_per_iteration(monkeypatch):
+    """New iterations wait in the buffer; they do not cut the retry backoff short."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    sink = MlflowSink(f"http://127.0.0.1:{_closed_port()}", "exp", retry_backoff_s=0.2)
+    start = time.monotonic()
+    for step in range(30):  # 1.5 s of iterations against a dead server
+        sink.log_iteration(step, {"x": 1.0})
+        time.sleep(0.05)
+    elapsed = time.monotonic() - start
+    # Attempts at t = 0, 0.2, 0.6, 1.4 (backoff 0.2, 0.4, 0.8, ...): 4, or 5 on a slow box.
+    # Waking on every put would make it about 30.
+    assert 3 <= sink.failed_writes <= 5, (sink.failed_writes, elapsed)
+    before_close = sink.failed_writes
+    start = time.monotonic()
+    assert sink.close(timeout_s=2.5) is False
+    # close() cuts the (now 1.6 s) backoff short and retries every second until it gives up.
+    assert time.monotonic() - start < 4.0
+    assert sink.failed_writes - before_close >= 2
+
+
 def test_failed_run_status(tmp_path):
     uri = f"sqlite:///{tmp_path / 'm.db'}"
     sink = MlflowSink(uri, "exp")
