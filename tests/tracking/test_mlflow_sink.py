@@ -61,19 +61,31 @@ def test_an_outage_costs_a_few_backed_off_requests_not_one_per_iteration(monkeyp
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
     sink = MlflowSink(f"http://127.0.0.1:{_closed_port()}", "exp", retry_backoff_s=0.2)
     start = time.monotonic()
-    for step in range(30):  # 1.5 s of iterations against a dead server
+    for step in range(30):  # 1.5 s or more of iterations against a dead server
         sink.log_iteration(step, {"x": 1.0})
         time.sleep(0.05)
     elapsed = time.monotonic() - start
-    # Attempts at t = 0, 0.2, 0.6, 1.4 (backoff 0.2, 0.4, 0.8, ...): 4, or 5 on a slow box.
-    # Waking on every put would make it about 30.
-    assert 3 <= sink.failed_writes <= 5, (sink.failed_writes, elapsed)
-    before_close = sink.failed_writes
+    # Attempts no earlier than t = 0, 0.2, 0.6, 1.4, 3.0, ... (backoff 0.2, 0.4, 0.8, ...): 4 in
+    # the first 1.5 s. Waking on every put, as the sink once did, makes it about 30.
+    nominal = sum(1 for k in range(30) if 0.2 * (2**k - 1) <= elapsed)
+    assert 3 <= sink.failed_writes <= nominal, (sink.failed_writes, elapsed)
+    assert sink.close(timeout_s=0.5) is False
+
+
+def test_close_cuts_a_long_backoff_short(monkeypatch):
+    """Once closing, the sink retries every second rather than finishing a 5 s backoff."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    sink = MlflowSink(f"http://127.0.0.1:{_closed_port()}", "exp", retry_backoff_s=5.0)
+    sink.log_iteration(1, {"x": 1.0})
+    deadline = time.monotonic() + 10
+    while sink.failed_writes == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sink.failed_writes == 1  # now in a 5 s backoff
     start = time.monotonic()
     assert sink.close(timeout_s=2.5) is False
-    # close() cuts the (now 1.6 s) backoff short and retries every second until it gives up.
     assert time.monotonic() - start < 4.0
-    assert sink.failed_writes - before_close >= 2
+    assert sink.failed_writes >= 2  # retried within 2.5 s: without the cut, not before 5 s
 
 
 def test_failed_run_status(tmp_path):
