@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import socket
 import time
 
 import pytest
@@ -34,16 +33,8 @@ def test_writes_params_metrics_tags_in_chunks_to_sqlite(tmp_path):
     assert sink.written_iterations == 3 and sink.dropped_iterations == 0
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_dead_server_never_blocks_or_raises(monkeypatch):
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
-    sink = MlflowSink(f"http://127.0.0.1:{_closed_port()}", "exp", max_pending=3, retry_backoff_s=0.05)
+def test_dead_server_never_blocks_or_raises(dead_uri):
+    sink = MlflowSink(dead_uri, "exp", max_pending=3, retry_backoff_s=0.05)
     start = time.perf_counter()
     for step in range(10):
         sink.log_iteration(step, {"x": 1.0})
@@ -55,11 +46,9 @@ def test_dead_server_never_blocks_or_raises(monkeypatch):
     assert sink.run_id is None and sink.failed_writes >= 1 and "Error" in (sink.last_error or "")
 
 
-def test_an_outage_costs_a_few_backed_off_requests_not_one_per_iteration(monkeypatch):
+def test_an_outage_costs_a_few_backed_off_requests_not_one_per_iteration(dead_uri):
     """New iterations wait in the buffer; they do not cut the retry backoff short."""
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
-    sink = MlflowSink(f"http://127.0.0.1:{_closed_port()}", "exp", retry_backoff_s=0.2)
+    sink = MlflowSink(dead_uri, "exp", retry_backoff_s=0.2)
     start = time.monotonic()
     for step in range(30):  # 1.5 s or more of iterations against a dead server
         sink.log_iteration(step, {"x": 1.0})
@@ -72,11 +61,9 @@ def test_an_outage_costs_a_few_backed_off_requests_not_one_per_iteration(monkeyp
     assert sink.close(timeout_s=0.5) is False
 
 
-def test_close_cuts_a_long_backoff_short(monkeypatch):
+def test_close_cuts_a_long_backoff_short(dead_uri):
     """Once closing, the sink retries every second rather than finishing a 5 s backoff."""
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
-    sink = MlflowSink(f"http://127.0.0.1:{_closed_port()}", "exp", retry_backoff_s=5.0)
+    sink = MlflowSink(dead_uri, "exp", retry_backoff_s=5.0)
     sink.log_iteration(1, {"x": 1.0})
     deadline = time.monotonic() + 10
     while sink.failed_writes == 0 and time.monotonic() < deadline:

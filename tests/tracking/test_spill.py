@@ -11,23 +11,12 @@ from mlflow.tracking import MlflowClient
 from gradmon_ray.cli import main
 from gradmon_ray.tracking import MlflowSink
 from gradmon_ray.tracking.spill import REPLAYED_SUFFIX, SpillFormatError, read_spill, replay_spill
-from tests.e2e.processes import free_port
 
 
-@pytest.fixture
-def fast_failing_http(monkeypatch):
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
-
-
-def _dead_uri() -> str:
-    return f"http://127.0.0.1:{free_port()}"
-
-
-def test_overflow_and_close_leftovers_are_spilled_then_replayed_into_a_new_run(tmp_path, fast_failing_http):
+def test_overflow_and_close_leftovers_are_spilled_then_replayed_into_a_new_run(tmp_path, dead_uri):
     spill = tmp_path / "spill" / "run.jsonl"
     sink = MlflowSink(
-        _dead_uri(),
+        dead_uri,
         "exp",
         run_name="r",
         params={"ppo.lr": 0.001},
@@ -59,13 +48,13 @@ def test_overflow_and_close_leftovers_are_spilled_then_replayed_into_a_new_run(t
     assert run.data.tags["t"] == "5"
 
 
-def test_replay_into_the_runs_own_id_is_idempotent(tmp_path, fast_failing_http):
+def test_replay_into_the_runs_own_id_is_idempotent(tmp_path, dead_uri):
     store = f"sqlite:///{tmp_path / 'm.db'}"
     client = MlflowClient(store)
     run_id = client.create_run(client.create_experiment("e")).info.run_id
     client.log_metric(run_id, "x", 1.0, step=1)  # delivered before the outage
     spill = tmp_path / "s.jsonl"
-    sink = MlflowSink(_dead_uri(), "e", run_id=run_id, max_pending=1, retry_backoff_s=0.05, spill_path=spill)
+    sink = MlflowSink(dead_uri, "e", run_id=run_id, max_pending=1, retry_backoff_s=0.05, spill_path=spill)
     for step in (2, 3):
         sink.log_iteration(step, {"x": float(step)})
     sink.close(timeout_s=0.5)
@@ -84,17 +73,17 @@ def test_no_spill_file_when_everything_was_delivered(tmp_path):
     assert sink.spill_path is None and not spill.exists()
 
 
-def test_without_a_spill_path_overflow_is_dropped_and_counted(fast_failing_http):
-    sink = MlflowSink(_dead_uri(), "e", max_pending=1, retry_backoff_s=0.05)
+def test_without_a_spill_path_overflow_is_dropped_and_counted(dead_uri):
+    sink = MlflowSink(dead_uri, "e", max_pending=1, retry_backoff_s=0.05)
     for step in range(4):
         sink.log_iteration(step, {"x": 1.0})
     sink.close(timeout_s=0.5)
     assert sink.dropped_iterations == 4 and sink.spilled_iterations == 0 and sink.spill_path is None
 
 
-def test_cli_replay(tmp_path, fast_failing_http, capsys):
+def test_cli_replay(tmp_path, dead_uri, capsys):
     spill = tmp_path / "s.jsonl"
-    sink = MlflowSink(_dead_uri(), "cli", max_pending=1, retry_backoff_s=0.05, spill_path=spill)
+    sink = MlflowSink(dead_uri, "cli", max_pending=1, retry_backoff_s=0.05, spill_path=spill)
     sink.log_iteration(1, {"x": 1.0})
     sink.close(timeout_s=0.5)
     store = f"sqlite:///{tmp_path / 'm.db'}"
