@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 from ray.rllib.core import DEFAULT_MODULE_ID
@@ -157,3 +159,36 @@ def test_resolve_regularizer_errors():
     with pytest.raises(ValueError, match="cannot import"):
         resolve_regularizer("x", "no.such:fn")
     assert resolve_regularizer("weight_l2").fn is BUILTIN_REGULARIZERS["weight_l2"]
+
+
+def test_cosines_shares_and_head_norms_equal_numpy_on_independent_gradients(setup):
+    """Signed cosines and shares recomputed in numpy from hand-written losses; per-head norms
+    over parameters fetched by module attribute name (not ``head_parameter_groups``)."""
+    learner, batch = setup
+    fresh = copy.deepcopy(learner.module[DEFAULT_MODULE_ID].unwrapped())
+    report = component_gradients(fresh, batch, **COEFFS)
+    params = [p for p in fresh.parameters() if p.requires_grad]
+    owners = {name: {id(p) for p in head.parameters()} for name, head in fresh.heads.items()}
+    owners["value"] = {id(p) for p in fresh.value_head.parameters()}
+    flats, per_head = {}, {}
+    for name, loss in _independent(fresh, batch).items():
+        grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+        flats[name] = np.concatenate([g.detach().double().numpy().ravel() for g in grads])
+        per_head[name] = {
+            head: math.sqrt(
+                sum(float(g.double().pow(2).sum()) for p, g in zip(params, grads, strict=True) if id(p) in ids)
+            )
+            for head, ids in owners.items()
+        }
+    total = sum(flats.values())
+    for name, g in flats.items():
+        assert report.shares[name] == pytest.approx(float(g @ total / (total @ total)), rel=1e-4, abs=1e-7), name
+        for head, value in per_head[name].items():
+            assert report.per_head[name][head] == pytest.approx(value, rel=1e-4, abs=1e-9), (name, head)
+    negative = 0
+    for a, b in itertools.combinations(flats, 2):
+        expected = float(flats[a] @ flats[b] / (np.linalg.norm(flats[a]) * np.linalg.norm(flats[b])))
+        assert report.cosines[f"{a}_vs_{b}"] == pytest.approx(expected, rel=1e-4, abs=1e-7), (a, b)
+        negative += expected < -1e-3
+    assert negative >= 1  # the batch has an opposing pair, so a lost sign would show

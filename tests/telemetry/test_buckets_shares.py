@@ -95,3 +95,36 @@ def test_cosines_worked_answer():
     cos = cosine_similarities({"a": [torch.tensor([1.0, 0.0])], "b": [torch.tensor([1.0, 1.0])], "z": [torch.zeros(2)]})
     assert cos[("a", "b")] == pytest.approx(1 / math.sqrt(2))
     assert math.isnan(cos[("a", "z")])
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "expected"),
+    [
+        ([1.0, 2.0], [-2.0, -4.0], -1.0),  # opposing
+        ([1.0, 2.0], [-2.0, 1.0], 0.0),  # orthogonal
+        ([1.0, 2.0], [0.5, 1.0], 1.0),  # parallel
+        ([3.0, 0.0], [-1.0, 1.0], -1 / math.sqrt(2)),  # obtuse
+    ],
+    ids=["opposing", "orthogonal", "parallel", "obtuse"],
+)
+def test_cosines_keep_their_sign(a, b, expected):
+    # Split over two tensors: the cosine is over the concatenation of all parameters.
+    cos = cosine_similarities(
+        {"a": [torch.tensor(a[:1]), torch.tensor(a[1:])], "b": [torch.tensor(b[:1]), torch.tensor(b[1:])]}
+    )
+    assert cos[("a", "b")] == pytest.approx(expected, abs=1e-12)
+
+
+def test_signed_shares_of_opposing_orthogonal_parallel_pairs():
+    # opposing: g = (1,2) + (-2,-4) = (-1,-2), |g|^2 = 5: <a,g> = -5 -> -1, <b,g> = 10 -> 2
+    assert signed_shares({"a": [torch.tensor([1.0, 2.0])], "b": [torch.tensor([-2.0, -4.0])]}) == pytest.approx(
+        {"a": -1.0, "b": 2.0}
+    )
+    # orthogonal: g = (-1, 3), |g|^2 = 10: <a,g> = 5 -> 0.5, <b,g> = 5 -> 0.5
+    assert signed_shares({"a": [torch.tensor([1.0, 2.0])], "b": [torch.tensor([-2.0, 1.0])]}) == pytest.approx(
+        {"a": 0.5, "b": 0.5}
+    )
+    # parallel: shares are the length ratios, 2/3 and 1/3
+    assert signed_shares({"a": [torch.tensor([2.0, 4.0])], "b": [torch.tensor([1.0, 2.0])]}) == pytest.approx(
+        {"a": 2 / 3, "b": 1 / 3}
+    )
