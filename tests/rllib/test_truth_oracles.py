@@ -14,6 +14,7 @@ import math
 from types import SimpleNamespace
 
 import gymnasium as gym
+import numpy as np
 import pytest
 import torch
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
@@ -335,3 +336,74 @@ def test_first_update_equals_stock_rllib_ppo_with_fused_adam(episodes_cfg, grad_
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
         moved = max(moved, float((got - start[name]).abs().max()))
     assert moved > 1e-4  # the update did something
+
+
+# --- the iteration's aggregation: mean over minibatches, prev, trend, band, CV -------------------
+
+_ACTION_EDGES = (0.01, 0.1, 2.0, 5.0)  # dead < 0.01 <= weak < 0.1 <= healthy <= 2 < elevated <= 5 < exploding
+
+
+def _band_code(x: float, edges=_ACTION_EDGES) -> int:
+    if math.isnan(x):
+        return -1
+    dead, weak, healthy, elevated = edges
+    return 0 if x < dead else 1 if x < weak else 2 if x <= healthy else 3 if x <= elevated else 4
+
+
+def test_iteration_metrics_equal_per_minibatch_gradients_captured_by_hooks(episodes_cfg):
+    """Two iterations of 2 epochs x 4 minibatches: every minibatch's gradient is captured by tensor
+    hooks on parameters fetched by attribute name, and the reported norms, previous values, trends,
+    bands and CV are recomputed from those captures in numpy."""
+    cfg, episodes = episodes_cfg
+    cfg = _cfg(minibatch_size=64, num_epochs=2)
+    learner = build_local_learner(cfg)
+    module = _module(learner)
+    owners = {name: list(head.parameters()) for name, head in module.heads.items()}
+    owners["value"] = list(module.value_head.parameters())
+    captured: dict[int, list[np.ndarray]] = {}  # parameter slot -> its gradient at each backward
+    params = list(module.parameters())
+    slot_of = {id(p): i for i, p in enumerate(params)}
+
+    def capture(slot: int):
+        def hook(grad: torch.Tensor) -> None:
+            captured.setdefault(slot, []).append(grad.detach().double().numpy().copy())
+
+        return hook
+
+    handles = [p.register_hook(capture(slot_of[id(p)])) for p in params]
+    batch = train_batch(learner, episodes)
+    reported = []
+    try:
+        for _ in range(2):
+            results = learner.update(batch=batch, timesteps={}, num_epochs=2, minibatch_size=64)
+            count = len(captured[0])
+            assert all(len(v) == count for v in captured.values())
+            minibatches = [{slot: captured[slot][k] for slot in captured} for k in range(count)]
+            reported.append((results[MID], minibatches))
+            captured.clear()
+    finally:
+        for h in handles:
+            h.remove()
+
+    prev = {h: math.nan for h in owners}
+    for logged, minibatches in reported:
+        assert len(minibatches) >= 2 * 4 and all(len(m) == len(params) for m in minibatches)
+        assert float(logged["update/minibatches"]) == len(minibatches)
+        means = {}
+        for head, ps in owners.items():
+            per_mb = [math.sqrt(sum(float((m[slot_of[id(p)]] ** 2).sum()) for p in ps)) for m in minibatches]
+            means[head] = float(np.mean(per_mb))
+        global_mean = float(np.mean([math.sqrt(sum(float((g**2).sum()) for g in m.values())) for m in minibatches]))
+        assert float(logged["grad/global_norm"]) == pytest.approx(global_mean, rel=1e-4)
+        for head, mean in means.items():
+            assert float(logged[f"grad/head/{head}/norm"]) == pytest.approx(mean, rel=1e-4), head
+            got_prev = float(logged[f"grad/head/{head}/norm_prev"])
+            assert (math.isnan(got_prev) and math.isnan(prev[head])) or got_prev == pytest.approx(prev[head], rel=1e-6)
+            delta = mean - prev[head]
+            trend = 1 if delta > 0.01 else -1 if delta < -0.01 else 0
+            assert float(logged[f"grad/head/{head}/trend"]) == trend, head
+            if head != "value":
+                assert float(logged[f"grad/head/{head}/health"]) == _band_code(mean), head
+        action = np.array([means[h] for h in owners if h != "value"])
+        assert float(logged["grad/head_norm_cv"]) == pytest.approx(float(action.std(ddof=0) / action.mean()), rel=1e-4)
+        prev = means
