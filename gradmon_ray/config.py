@@ -9,6 +9,7 @@ exits with status 2.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
@@ -18,6 +19,33 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
+
+# YAML 1.2 floats that PyYAML's YAML 1.1 resolver reads as strings: an exponent without a dot
+# (1e-3, 3E+4), without a sign (1.0e3), or a signed leading dot (-.5).
+_YAML12_FLOAT = re.compile(
+    r"""^[-+]?(?:[0-9]+\.[0-9]*(?:[eE][-+]?[0-9]+)?
+    |\.[0-9]+(?:[eE][-+]?[0-9]+)?
+    |[0-9]+[eE][-+]?[0-9]+)$""",
+    re.X,
+)
+
+
+class YamlLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` (no object construction) that also reads YAML 1.2 floats such as
+    ``1e-3``, ``3E+4``, ``-2.5e-2``, ``.5`` and ``1.`` as numbers; every YAML read of configs,
+    sweep files and ``--set`` values goes through ``load_yaml``."""
+
+
+YamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+0123456789."))
+
+
+def load_yaml(text: str) -> Any:
+    """Parse one YAML document safely with ``YamlLoader`` (what ``yaml.safe_load`` does, plus YAML 1.2 floats)."""
+    loader = YamlLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 class ConfigError(ValueError):
@@ -104,6 +132,47 @@ class ResourcesSection:
     )
 
 
+_EDGE_DOCS = {
+    "dead_below": "Below this a head is dead.",
+    "weak_below": "Below this (and >= dead_below) a head is weak.",
+    "healthy_max": "Up to this (and >= weak_below) a head is healthy.",
+    "elevated_max": "Up to this (and > healthy_max) a head is elevated; above it, exploding.",
+}
+
+
+def _edge(default: float, name: str) -> Any:
+    return field(default=default, metadata=_meta(_EDGE_DOCS[name], exclusive_min=0.0))
+
+
+@dataclass
+class ActionBandsSection:
+    """Health band edges of the action heads' gradient norms (TELE-320: 10 x the 0.5 clip norm explodes)."""
+
+    dead_below: float = _edge(0.01, "dead_below")
+    weak_below: float = _edge(0.1, "weak_below")
+    healthy_max: float = _edge(2.0, "healthy_max")
+    elevated_max: float = _edge(5.0, "elevated_max")
+
+
+@dataclass
+class ValueBandsSection:
+    """Health band edges of the value head's gradient norm (a squared-error critic runs larger)."""
+
+    dead_below: float = _edge(0.01, "dead_below")
+    weak_below: float = _edge(0.1, "weak_below")
+    healthy_max: float = _edge(10.0, "healthy_max")
+    elevated_max: float = _edge(50.0, "elevated_max")
+
+
+@dataclass
+class BandsSection:
+    """Health band edges: dead < dead_below <= weak < weak_below <= healthy <= healthy_max < elevated
+    <= elevated_max < exploding.  Each set must be positive, finite and strictly increasing."""
+
+    action: ActionBandsSection = field(default_factory=ActionBandsSection)
+    value: ValueBandsSection = field(default_factory=ValueBandsSection)
+
+
 @dataclass
 class TelemetrySection:
     """Gradient telemetry switches."""
@@ -112,6 +181,7 @@ class TelemetrySection:
     fused_optimizer: bool = field(
         default=True, metadata=_meta("Fused Adam, which skips non-finite updates on the device (no host sync).")
     )
+    bands: BandsSection = field(default_factory=BandsSection)
 
 
 @dataclass
@@ -205,14 +275,25 @@ class HealthStopSection:
 
     dead_iterations: int = field(
         default=0,
-        metadata=_meta("Stop when a head is dead (norm < 0.01) this many iterations in a row (0: off).", min=0),
+        metadata=_meta(
+            "Stop when a head is dead (action heads: norm < 0.01) this many iterations in a row (0: off).", min=0
+        ),
     )
     exploding_iterations: int = field(
         default=0,
-        metadata=_meta("Stop when a head is exploding (norm > 5) this many iterations in a row (0: off).", min=0),
+        metadata=_meta(
+            "Stop when a head is exploding (action heads: norm > 5) this many iterations in a row (0: off).", min=0
+        ),
     )
     nan_latch: bool = field(default=False, metadata=_meta("Stop as soon as any head's NaN log-prob latch fires."))
     inf_latch: bool = field(default=False, metadata=_meta("Stop as soon as any head's Inf log-prob latch fires."))
+    include_value_head: bool = field(
+        default=False,
+        metadata=_meta(
+            "Also judge the value head, by its own telemetry.bands.value edges, in the dead/exploding rules "
+            "and the progress line's worst head (false: action heads only)."
+        ),
+    )
 
 
 EMBEDDED_TRACKING_URI = "sqlite:///mlflow.db"
@@ -411,6 +492,18 @@ def validate_config(cfg: GradmonConfig) -> None:
             "ppo.minibatch_size",
             f"must be <= ppo.train_batch_size ({cfg.ppo.train_batch_size}), got {cfg.ppo.minibatch_size}",
         )
+    for kind in ("action", "value"):
+        edges = getattr(cfg.telemetry.bands, kind)
+        lower = None
+        for f in dataclasses.fields(edges):
+            value, where = getattr(edges, f.name), f"telemetry.bands.{kind}.{f.name}"
+            if not math.isfinite(value):
+                raise ConfigError(where, f"must be a finite number > 0, got {value!r}")
+            if lower is not None and not value > getattr(edges, lower):
+                raise ConfigError(
+                    where, f"must be > {lower} ({getattr(edges, lower)!r}; edges strictly increase), got {value!r}"
+                )
+            lower = f.name
     for head, factor in cfg.model.head_logit_scale.items():
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise ConfigError(f"model.head_logit_scale.{head}", f"must be a number > 0, got {factor!r}")
@@ -458,7 +551,7 @@ def read_yaml_mapping(path: str | Path, field_path: str) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(field_path, f"file not found: {p}")
     try:
-        loaded = yaml.safe_load(p.read_text())
+        loaded = load_yaml(p.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(field_path, f"{p} is not valid YAML: {str(exc).splitlines()[0]}") from None
     if loaded is not None and not isinstance(loaded, dict):

@@ -70,6 +70,25 @@ def test_tracking_uri_precedence_explicit_then_mlflow_env_then_embedded_store(mo
         ({"vgs": {"warmup": 3}}, "vgs.warmup", "allowed keys here: enabled, beta, alpha, eps, warmup_steps"),
         ({"optimizer": "sgd"}, "optimizer", "one of 'adam', 'upgd'"),
         ({"upgd": {"sigma": -1}}, "upgd.sigma", ">= 0.0"),
+        (
+            {"telemetry": {"bands": {"action": {"healthy_max": 6.0}}}},
+            "telemetry.bands.action.elevated_max",
+            "must be > healthy_max (6.0; edges strictly increase), got 5.0",
+        ),
+        (
+            {"telemetry": {"bands": {"value": {"weak_below": 0.01}}}},
+            "telemetry.bands.value.weak_below",
+            "must be > dead_below (0.01; edges strictly increase), got 0.01",
+        ),
+        ({"telemetry": {"bands": {"value": {"dead_below": 0}}}}, "telemetry.bands.value.dead_below", "> 0.0, got 0"),
+        (
+            {"telemetry": {"bands": {"action": {"elevated_max": float("inf")}}}},
+            "telemetry.bands.action.elevated_max",
+            "must be a finite number > 0, got inf",
+        ),
+        ({"telemetry": {"bands": {"action": {"explode": 9}}}}, "telemetry.bands.action.explode", "dead_below, weak"),
+        ({"telemetry": {"bands": {"critic": {}}}}, "telemetry.bands.critic", "allowed keys here: action, value"),
+        ({"health_stop": {"include_value_head": "no"}}, "health_stop.include_value_head", "true or false"),
     ],
 )
 def test_errors_name_the_field_and_what_is_allowed(data, field, fragment):
@@ -116,8 +135,80 @@ def test_every_field_has_a_doc():
     sections = (c.GradmonConfig, c.EnvSection, c.ModelSection, c.PPOSection, c.ResourcesSection, c.MlflowSection)
     for cls in (*sections, c.VgsSection, c.UpgdSection, c.TelemetrySection, c.ProbeSection, c.RegularizerEntry):
         walk(cls)
+    for cls in (c.HealthStopSection, c.ActionBandsSection, c.ValueBandsSection):
+        walk(cls)
 
 
 def test_flat_params():
     flat = GradmonConfig().to_flat_dict()
     assert flat["ppo.lr"] == 3e-4 and flat["model.trunk_hiddens"] == [128, 128] and flat["env.config"] == {}
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("1e-3", 0.001),
+        ("3E+4", 30000.0),
+        ("-2.5e-2", -0.025),
+        ("+1e3", 1000.0),
+        (".5", 0.5),
+        ("-.5", -0.5),
+        ("1.", 1.0),
+        ("1.0e3", 1000.0),  # YAML 1.1 wants a sign in the exponent
+        ("1.5E-3", 0.0015),
+        ("3.0e-4", 3e-4),
+        ("1_000.5", 1000.5),  # YAML 1.1 forms still work
+        (".inf", float("inf")),
+    ],
+)
+def test_yaml_reads_yaml_1_2_floats(text, expected):
+    from gradmon_ray.config import load_yaml
+
+    value = load_yaml(f"x: {text}")["x"]
+    assert isinstance(value, float) and value == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("3", 3), ("-3", -3), ("0x1F", 31), ("e3", "e3"), ("1e", "1e"), ("1.2.3", "1.2.3"), ("'1e-3'", "1e-3")],
+)
+def test_yaml_ints_and_strings_stay_what_they_were(text, expected):
+    from gradmon_ray.config import load_yaml
+
+    value = load_yaml(f"x: {text}")["x"]
+    assert value == expected and type(value) is type(expected)
+
+
+def test_yaml_loader_stays_safe():
+    import yaml
+
+    from gradmon_ray.config import YamlLoader, load_yaml
+
+    assert issubclass(YamlLoader, yaml.SafeLoader)
+    with pytest.raises(yaml.constructor.ConstructorError):
+        load_yaml("x: !!python/object/apply:os.system ['true']")
+    assert yaml.SafeLoader.resolve(yaml.SafeLoader, yaml.ScalarNode, "1e-3", (True, False)).endswith(":str")
+
+
+def test_config_file_with_exponent_floats(tmp_path):
+    """``lr: 3e-4`` (no dot) was the string '3e-4' to YAML 1.1, and rejected."""
+    path = tmp_path / "c.yaml"
+    path.write_text("ppo:\n  lr: 3e-4\n  entropy_coeff: 1E-2\n  kl_target: .5e-2\nvgs:\n  eps: 1e-8\n")
+    cfg = load_config(path)
+    assert cfg.ppo.lr == 3e-4 and cfg.ppo.entropy_coeff == 0.01 and cfg.ppo.kl_target == 0.005
+    assert cfg.vgs.eps == 1e-8
+
+
+def test_band_edges_default_to_the_telemetry_bands_and_reach_the_learner():
+    from gradmon_ray.rllib import build_ppo_config
+    from gradmon_ray.rllib.learner import LEARNER_CONFIG_KEY
+    from gradmon_ray.telemetry import ACTION_BANDS, VALUE_BANDS, BandSet, HealthBands
+
+    cfg = GradmonConfig()
+    assert dataclasses.astuple(cfg.telemetry.bands.action) == ACTION_BANDS.edges
+    assert dataclasses.astuple(cfg.telemetry.bands.value) == VALUE_BANDS.edges
+    assert cfg.health_stop.include_value_head is False
+    custom = config_from_dict({"telemetry": {"bands": {"value": {"healthy_max": 20, "elevated_max": 80}}}})
+    assert custom.telemetry.bands.value.healthy_max == 20.0 and custom.telemetry.bands.action.elevated_max == 5.0
+    settings = build_ppo_config(custom).learner_config_dict[LEARNER_CONFIG_KEY]
+    assert BandSet.from_dict(settings["bands"]) == BandSet(ACTION_BANDS, HealthBands(0.01, 0.1, 20.0, 80.0))

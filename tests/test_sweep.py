@@ -83,3 +83,22 @@ def test_relative_tracking_uris_become_absolute(tmp_path, monkeypatch):
     assert absolute_tracking_uri("sqlite:////abs/m.db") == "sqlite:////abs/m.db"
     assert absolute_tracking_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
     assert absolute_tracking_uri("mlruns") == os.path.join(str(tmp_path), "mlruns")
+
+
+def test_sweep_file_with_exponent_floats(tmp_path):
+    """Exponent floats without a dot (``1e-4``) in a base config, a grid, a choice and a range."""
+    (tmp_path / "base.yaml").write_text("iterations: 2\nppo:\n  lr: 3e-4\n")
+    path = _write(
+        tmp_path,
+        "base_config: base.yaml\n"
+        "base: {vgs: {eps: 1e-8}}\n"
+        "search_space:\n"
+        "  ppo.lr: {grid: [1e-4, 3E-4, 1.0e-3]}\n"
+        "  ppo.entropy_coeff: {choice: [0, 1e-3, .5e-2]}\n"
+        "  ppo.kl_target: {loguniform: [1e-3, 1e-1]}\n",
+    )
+    sweep, base = load_sweep(path)
+    assert base["ppo"]["lr"] == 3e-4 and base["vgs"]["eps"] == 1e-8
+    assert sweep.search_space["ppo.lr"] == {"grid": [1e-4, 3e-4, 1e-3]}
+    assert sweep.search_space["ppo.entropy_coeff"] == {"choice": [0, 1e-3, 5e-3]}
+    assert tune_search_space(sweep.search_space)["ppo.lr"] == {"grid_search": [1e-4, 3e-4, 1e-3]}

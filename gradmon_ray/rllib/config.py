@@ -84,6 +84,7 @@ def build_ppo_config(cfg: GradmonConfig, *, probe_actor: str | None = None) -> P
                 LEARNER_CONFIG_KEY: {
                     "telemetry": cfg.telemetry.enabled,
                     "fused_optimizer": cfg.telemetry.fused_optimizer,
+                    "bands": dataclasses.asdict(cfg.telemetry.bands),  # {"action": {edges}, "value": {edges}}
                     "optimizer": cfg.optimizer,
                     "upgd": dataclasses.asdict(cfg.upgd),
                     "vgs": dataclasses.asdict(cfg.vgs),

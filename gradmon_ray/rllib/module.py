@@ -16,16 +16,13 @@ from ray.rllib.core.rl_module.torch import TorchRLModule
 from ray.rllib.utils.annotations import override
 from torch import nn
 
+from gradmon_ray.metric_names import VALUE_HEAD
 from gradmon_ray.rllib.distribution import ActionFormat, FactoredCategorical
-
-VALUE_HEAD = "value"
 
 
 class ModelConfigError(ValueError):
     """The model config does not fit the env's spaces (head names, action or observation space)."""
 
-
-"""Name under which the value head's gradient norm is reported."""
 
 _ACTIVATIONS: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "relu": nn.ReLU, "silu": nn.SiLU}
 

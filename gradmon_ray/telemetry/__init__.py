@@ -1,6 +1,7 @@
 """Pure-PyTorch telemetry formulas: no Ray, no MLflow, no host synchronisation on hot paths."""
 
 from gradmon_ray.telemetry.accumulator import IterationAccumulator, TelemetryLayout
+from gradmon_ray.telemetry.bands import ACTION_BANDS, VALUE_BANDS, BandSet, HealthBands
 from gradmon_ray.telemetry.buckets import bucket_names, group_reward_stds, split_into_buckets
 from gradmon_ray.telemetry.head_norms import (
     HEALTH_BANDS,
@@ -19,10 +20,14 @@ from gradmon_ray.telemetry.summary import IterationTelemetry, TelemetryTracker
 from gradmon_ray.telemetry.vgs import VarianceGradientScaler
 
 __all__ = [
+    "ACTION_BANDS",
     "HEALTH_BANDS",
+    "VALUE_BANDS",
+    "BandSet",
     "GradientNormPlan",
     "GradientNorms",
     "HeadLatches",
+    "HealthBands",
     "IterationAccumulator",
     "IterationTelemetry",
     "NoiseScaleTracker",

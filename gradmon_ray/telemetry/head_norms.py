@@ -14,14 +14,18 @@ from dataclasses import dataclass
 
 import torch
 
-# Health band edges from the TELE-320 record: 10 x the clip norm of 0.5 is "exploding".
-DEAD_BELOW = 0.01
-WEAK_BELOW = 0.1
-HEALTHY_MAX = 2.0
-ELEVATED_MAX = 5.0
-TREND_DELTA = 0.01
+from gradmon_ray.telemetry import bands as _bands
+from gradmon_ray.telemetry.bands import ACTION_BANDS, BandSet, HealthBands
 
-HEALTH_BANDS: tuple[str, ...] = ("missing", "dead", "weak", "healthy", "elevated", "exploding")
+# The band edges and ``classify_grad_norm`` live in the torch-free ``bands`` module; these
+# names stay importable from here, where they always were.
+DEAD_BELOW = _bands.DEAD_BELOW
+WEAK_BELOW = _bands.WEAK_BELOW
+HEALTHY_MAX = _bands.HEALTHY_MAX
+ELEVATED_MAX = _bands.ELEVATED_MAX
+HEALTH_BANDS = _bands.HEALTH_BANDS
+classify_grad_norm = _bands.classify_grad_norm
+TREND_DELTA = 0.01
 
 
 def per_head_grad_norms(groups: Mapping[str, Iterable[torch.nn.Parameter]]) -> torch.Tensor:
@@ -58,25 +62,6 @@ def _first_device(groups: Mapping[str, Iterable[torch.nn.Parameter]]) -> torch.d
     return torch.device("cpu")
 
 
-def classify_grad_norm(x: float) -> str:
-    """Health band of a gradient norm: dead, weak, healthy, elevated, exploding or missing.
-
-    Edges (TELE-320): dead < 0.01 <= weak < 0.1 <= healthy <= 2.0 < elevated <= 5.0 <
-    exploding (+Inf included); NaN is "missing" (no gradient data).
-    """
-    if math.isnan(x):
-        return "missing"
-    if x < DEAD_BELOW:
-        return "dead"
-    if x < WEAK_BELOW:
-        return "weak"
-    if x <= HEALTHY_MAX:
-        return "healthy"
-    if x <= ELEVATED_MAX:
-        return "elevated"
-    return "exploding"
-
-
 def trend_arrow(prev: float, cur: float) -> str:
     """ "↗" if cur - prev > 0.01, "↘" if cur - prev < -0.01, else "→" (also when either is NaN)."""
     delta = cur - prev
@@ -104,27 +89,32 @@ def coefficient_of_variation(values: Sequence[float]) -> float:
 
 
 _SEVERITY = {"healthy": 0, "weak": 1, "elevated": 1, "missing": 2, "dead": 3, "exploding": 3}
-_HEALTHY_CENTRE = math.log(math.sqrt(WEAK_BELOW * HEALTHY_MAX))
 
 
-def worst_head(norms: Mapping[str, float]) -> tuple[str, str]:
+def worst_head(norms: Mapping[str, float], *, bands: BandSet | HealthBands | None = None) -> tuple[str, str]:
     """The head furthest from health and its band.
 
     Ordered by band severity (dead/exploding, then missing, then weak/elevated, then
-    healthy); ties go to the norm furthest, on a log scale, from the centre of the healthy
-    band (sqrt(0.1 * 2.0)), so a healthy run still names the head nearest an edge.
+    healthy); ties go to the norm furthest, on a log scale, from the centre of the head's
+    healthy band (sqrt(0.1 * 2.0) for the action edges), so a healthy run still names the
+    head nearest an edge.  ``bands``: one ``HealthBands`` for every head (default: the
+    action heads' edges), or a ``BandSet``, which judges ``"value"`` by its own edges.
     """
     if not norms:
         raise ValueError("no heads")
 
+    def edges(head: str) -> HealthBands:
+        if isinstance(bands, BandSet):
+            return bands.for_head(head)
+        return bands or ACTION_BANDS
+
     def key(head: str) -> tuple[int, float]:
-        x = norms[head]
-        band = classify_grad_norm(x)
-        distance = abs(math.log(x) - _HEALTHY_CENTRE) if math.isfinite(x) and x > 0 else math.inf
-        return _SEVERITY[band], distance
+        x, b = norms[head], edges(head)
+        distance = abs(math.log(x) - b.healthy_centre) if math.isfinite(x) and x > 0 else math.inf
+        return _SEVERITY[b.classify(x)], distance
 
     head = max(norms, key=key)
-    return head, classify_grad_norm(norms[head])
+    return head, edges(head).classify(norms[head])
 
 
 @dataclass(frozen=True)

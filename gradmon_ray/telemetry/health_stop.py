@@ -4,7 +4,9 @@ The seeds' "automated system" consumer: a head that has been ``dead`` (or ``expl
 for N consecutive iterations, or whose NaN / Inf log-prob latch fired, will not recover by
 itself; a sweep should stop spending compute on it.  ``HealthStopMonitor.update`` reads one
 iteration's flattened metrics (the names in ``metric_names``) and returns the first rule
-that fires, or None.
+that fires, or None.  The dead / exploding rules read each head's ``grad/head/<head>/health``
+code, which the learner judged by that head's own band edges (``telemetry.bands``); they
+consider only the action heads unless ``include_value_head`` is set.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray.telemetry.bands import VALUE_HEAD
 
 STOP_REASON_CODES: dict[str, int] = {"dead": 1, "exploding": 2, "nan_latch": 3, "inf_latch": 4}
 """``health/stop_reason`` values (MLflow metrics are numbers); 0 = not stopped."""
@@ -21,12 +24,17 @@ STOP_REASON_CODES: dict[str, int] = {"dead": 1, "exploding": 2, "nan_latch": 3, 
 
 @dataclass(frozen=True)
 class HealthStopRules:
-    """Which rules are on.  ``*_iterations = 0`` turns that rule off."""
+    """Which rules are on.  ``*_iterations = 0`` turns that rule off.
+
+    ``include_value_head``: the dead / exploding rules also watch the value head (judged by
+    its own band edges); off by default, they watch the action heads only.
+    """
 
     dead_iterations: int = 0
     exploding_iterations: int = 0
     nan_latch: bool = False
     inf_latch: bool = False
+    include_value_head: bool = False
 
     @property
     def any(self) -> bool:
@@ -80,6 +88,8 @@ class HealthStopMonitor:
         for state, needed in (("dead", self.rules.dead_iterations), ("exploding", self.rules.exploding_iterations)):
             code = mn.HEALTH_CODES[state]
             for head in _heads(metrics, mn.HEAD_GRAD_HEALTH):
+                if head == VALUE_HEAD and not self.rules.include_value_head:
+                    continue
                 value = metrics[mn.head_metric(mn.HEAD_GRAD_HEALTH, head)]
                 if math.isnan(value):
                     continue

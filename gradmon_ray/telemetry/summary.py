@@ -16,6 +16,7 @@ import numpy as np
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.telemetry.accumulator import TelemetryLayout
+from gradmon_ray.telemetry.bands import BandSet, HealthBands
 from gradmon_ray.telemetry.head_norms import classify_grad_norm, coefficient_of_variation, trend_arrow, worst_head
 from gradmon_ray.telemetry.latches import HeadLatches
 
@@ -40,10 +41,12 @@ class IterationTelemetry:
     inf_latched: dict[str, bool]
     nan_first_iteration: dict[str, int] = field(default_factory=dict)
     inf_first_iteration: dict[str, int] = field(default_factory=dict)
+    bands: BandSet = field(default_factory=BandSet)
+    """The edges ``health`` was judged by (the value head by its own)."""
 
     def worst_head(self) -> tuple[str, str]:
-        """See ``gradmon_ray.telemetry.worst_head``."""
-        return worst_head(self.head_norms)
+        """See ``gradmon_ray.telemetry.worst_head`` (every head judged by its own edges)."""
+        return worst_head(self.head_norms, bands=self.bands)
 
     def to_metrics(self) -> dict[str, float]:
         """Flat ``{metric name: float}`` using the names in ``gradmon_ray.metric_names``."""
@@ -77,12 +80,17 @@ class TelemetryTracker:
 
     ``reported_heads`` are the heads that get gradient norms (action heads then the value
     head); ``action_heads`` (a prefix of them) also get log-prob latches.  Before the first
-    iteration every ``prev`` value is NaN, so the first trend is "→".
+    iteration every ``prev`` value is NaN, so the first trend is "→".  ``bands`` holds the
+    health band edges: ``bands.action`` judge the action heads, ``bands.value`` every other
+    reported head (the value head); default ``BandSet()``.
     """
 
-    def __init__(self, reported_heads: Sequence[str], action_heads: Sequence[str]) -> None:
+    def __init__(
+        self, reported_heads: Sequence[str], action_heads: Sequence[str], *, bands: BandSet | None = None
+    ) -> None:
         self.reported_heads = tuple(reported_heads)
         self.action_heads = tuple(action_heads)
+        self.bands = bands or BandSet()
         if self.reported_heads[: len(self.action_heads)] != self.action_heads:
             raise ValueError("action_heads must be the leading entries of reported_heads")
         self.layout = TelemetryLayout(len(self.reported_heads), len(self.action_heads))
@@ -105,7 +113,7 @@ class TelemetryTracker:
         global_norm = float(lanes[lay.global_norm_sum] / g_count) if g_count > 0 else float("nan")
         prev = dict(self.prev_norms)
         trends = {h: trend_arrow(prev[h], head_norms[h]) for h in self.reported_heads}
-        health = {h: classify_grad_norm(head_norms[h]) for h in self.reported_heads}
+        health = {h: classify_grad_norm(head_norms[h], bands=self._bands_of(h)) for h in self.reported_heads}
         cv = coefficient_of_variation([head_norms[h] for h in self.action_heads])
         self.latches.update(lanes[lay.logp_nan], lanes[lay.logp_inf], self.iteration)
         skipped = round(lanes[lay.skipped])
@@ -131,7 +139,11 @@ class TelemetryTracker:
             inf_latched=dict(self.latches.inf),
             nan_first_iteration=dict(self.latches.nan_first_iteration),
             inf_first_iteration=dict(self.latches.inf_first_iteration),
+            bands=self.bands,
         )
+
+    def _bands_of(self, head: str) -> HealthBands:
+        return self.bands.action if head in self.action_heads else self.bands.value
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-Python state (goes into the learner's checkpoint)."""

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray.telemetry import bands as _bands
 from gradmon_ray.telemetry.head_norms import worst_head
 
 DEFAULT_MODULE_ID = "default_policy"
+VALUE_HEAD = mn.VALUE_HEAD
+"""The value head's reported name: always the last head."""
 
 _GRADMON_PREFIXES = ("grad/", "latch/", "update/", "vgs/", "probe/")
 # RLlib result paths -> gradmon names (the training-progress rows of the README table).
@@ -80,9 +83,28 @@ def result_to_metrics(result: Mapping[str, Any], module_id: str = DEFAULT_MODULE
     return out
 
 
-def heads_in(metrics: Mapping[str, float]) -> list[str]:
-    """Head names that have a ``grad/head/<head>/norm`` entry, in insertion order."""
-    return [m.group("head") for key in metrics if (m := _HEAD_FROM_NORM.match(key))]
+def order_heads(heads: Iterable[str], order: Sequence[str] | None = None) -> list[str]:
+    """``heads`` in gradmon's head order: action heads, then ``value``; never in the input's order.
+
+    Heads named in ``order`` (the action-space order: a ``Dict`` space's sorted keys, a
+    ``MultiDiscrete``'s ``model.head_names``; what ``resolve_heads`` gives and the
+    ``gradmon.head_names`` tag holds) come first, in that order; any other action heads
+    follow, sorted; ``value`` is always last.  Without ``order`` that is: sorted action
+    heads, then ``value``.  Duplicates are dropped.
+    """
+    present = set(heads)
+    named = [h for h in dict.fromkeys(order or ()) if h in present and h != VALUE_HEAD]
+    rest = sorted(present.difference(named, (VALUE_HEAD,)))
+    return named + rest + ([VALUE_HEAD] if VALUE_HEAD in present else [])
+
+
+def heads_in(metrics: Mapping[str, float], order: Sequence[str] | None = None) -> list[str]:
+    """Head names that have a ``grad/head/<head>/norm`` entry, in ``order_heads(..., order)``'s order.
+
+    Never in the metrics' key order: RLlib's ``MetricsLogger.aggregate`` merges the learners'
+    results through a ``set`` of key paths, so that order changes from process to process.
+    """
+    return order_heads((m.group("head") for key in metrics if (m := _HEAD_FROM_NORM.match(key))), order)
 
 
 def latched_heads(metrics: Mapping[str, float], kind: str) -> list[str]:
@@ -96,8 +118,20 @@ def latched_heads(metrics: Mapping[str, float], kind: str) -> list[str]:
     ]
 
 
-def progress_line(iteration: int, total: int, metrics: Mapping[str, float]) -> str:
-    """One human line per iteration: steps, return, worst head and its band, latched heads."""
+def progress_line(
+    iteration: int,
+    total: int,
+    metrics: Mapping[str, float],
+    *,
+    bands: _bands.BandSet | None = None,
+    include_value_head: bool = False,
+) -> str:
+    """One human line per iteration: steps, return, worst head and its band, latched heads.
+
+    The worst head is the worst action head (``worst_head``, by ``bands.action``, default
+    ``BandSet()``); with ``include_value_head`` the value head competes too, judged by
+    ``bands.value``.
+    """
     steps = metrics.get(mn.ENV_STEPS_SAMPLED_LIFETIME)
     ret = metrics.get(mn.EPISODE_RETURN_MEAN)
     parts = [
@@ -112,8 +146,9 @@ def progress_line(iteration: int, total: int, metrics: Mapping[str, float]) -> s
             "no update: nothing to train on" + (f" ({int(healthy)} EnvRunners healthy)" if healthy is not None else "")
         )
     elif heads:
-        norms = {h: metrics[mn.head_metric(mn.HEAD_GRAD_NORM, h)] for h in heads}
-        worst, band = worst_head(norms)
+        judged = [h for h in heads if include_value_head or h != _bands.VALUE_HEAD] or heads
+        norms = {h: metrics[mn.head_metric(mn.HEAD_GRAD_NORM, h)] for h in judged}
+        worst, band = worst_head(norms, bands=bands or _bands.DEFAULT_BANDS)
         parts.append(f"worst head {worst} {norms[worst]:.3f} ({band})")
     else:
         parts.append("telemetry off")

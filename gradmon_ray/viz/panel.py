@@ -19,8 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.telemetry.head_norms import classify_grad_norm
-from gradmon_ray.viz.runs import RunSnapshot, resolve_run, snapshot
+from gradmon_ray.viz.runs import RunSnapshot, head_band, resolve_run, snapshot
 
 BAND_STYLES: dict[str, str] = {
     "dead": "bold white on red",
@@ -65,7 +64,7 @@ def head_cells(snap: RunSnapshot, head: str) -> dict[str, Text]:
     """The panel's cells for one head, keyed by row name."""
     norm = snap.head_value(mn.HEAD_GRAD_NORM, head)
     trend = snap.head_value(mn.HEAD_GRAD_TREND, head)
-    band = classify_grad_norm(norm) if norm is not None else "missing"
+    band = head_band(snap.head_value(mn.HEAD_GRAD_HEALTH, head), norm, head)
     arrow = TREND_ARROWS.get(int(trend), "→") if trend is not None and math.isfinite(trend) else " "
     nan_latched = (snap.head_value(mn.HEAD_NAN_LATCH, head) or 0.0) > 0
     inf_latched = (snap.head_value(mn.HEAD_INF_LATCH, head) or 0.0) > 0

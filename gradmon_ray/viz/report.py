@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.telemetry.head_norms import classify_grad_norm, worst_head
+from gradmon_ray.telemetry.bands import DEFAULT_BANDS
+from gradmon_ray.telemetry.head_norms import worst_head
 from gradmon_ray.viz.plots import write_plots
-from gradmon_ray.viz.runs import ProbeView, RunHistory, latest_probe, load_history
+from gradmon_ray.viz.runs import ProbeView, RunHistory, head_band, latest_probe, load_history
 
 SUMMARY_FILE = "summary.md"
 PLOTS_ARTIFACT_DIR = "plots"
@@ -51,7 +52,8 @@ def head_summaries(history: RunHistory) -> list[HeadSummary]:
             continue
         values = [series[s] for s in sorted(series)]
         finite = [v for v in values if not math.isnan(v)]
-        bands = [classify_grad_norm(v) for v in values]
+        codes = history.series.get(mn.head_metric(mn.HEAD_GRAD_HEALTH, head), {})
+        bands = [head_band(codes.get(s), series[s], head) for s in sorted(series)]
         rows[head] = HeadSummary(
             head=head,
             last=values[-1],
@@ -66,7 +68,7 @@ def head_summaries(history: RunHistory) -> list[HeadSummary]:
     ordered = []
     remaining = {h: r.last for h, r in rows.items()}
     while remaining:
-        head, _ = worst_head(remaining)
+        head, _ = worst_head(remaining, bands=DEFAULT_BANDS)  # the value head by its own edges
         ordered.append(rows[head])
         del remaining[head]
     return ordered

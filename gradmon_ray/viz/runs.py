@@ -7,14 +7,16 @@ what MLflow stores.  Lookup problems become ``RunLookupError`` with a one-line m
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray.telemetry.bands import DEFAULT_BANDS, classify_grad_norm
 
-VALUE_HEAD = "value"
+VALUE_HEAD = mn.VALUE_HEAD
 """The value head is reported next to the action heads (its own column, last)."""
 
 # grad_norm/<bucket>/<component>: exactly one level below the bucket.
@@ -65,12 +67,29 @@ def resolve_run(client: Any, *, run_id: str | None = None, experiment: str | Non
 
 
 def run_heads(metrics: Mapping[str, float], tags: Mapping[str, str]) -> list[str]:
-    """Reported heads in the learner's order (the ``gradmon.head_names`` tag), value head last."""
-    from gradmon_ray.tracking.results import heads_in  # imports torch: not at CLI start-up
+    """Reported heads in the ``gradmon.head_names`` tag's order (action-space order), value head last.
+
+    A run without the tag gets sorted action heads, then ``value``: never the order of the
+    metric keys, which MLflow and RLlib do not keep stable.
+    """
+    from gradmon_ray.tracking.results import heads_in, order_heads  # imports torch: not at CLI start-up
 
     tagged = [h for h in tags.get(mn.TAG_HEAD_NAMES, "").split(",") if h]
-    heads = tagged or heads_in(metrics)
-    return [h for h in heads if h != VALUE_HEAD] + ([VALUE_HEAD] if VALUE_HEAD in heads else [])
+    return order_heads(tagged, tagged) if tagged else heads_in(metrics)
+
+
+_BAND_OF_CODE = {code: band for band, code in mn.HEALTH_CODES.items()}
+
+
+def head_band(code: float | None, norm: float | None, head: str) -> str:
+    """A head's health band as the learner logged it (``grad/head/<h>/health``: judged by the
+    run's configured edges, the value head by its own); a run without the code falls back to
+    the default edges for that head."""
+    if code is not None and math.isfinite(code) and int(code) in _BAND_OF_CODE:
+        return _BAND_OF_CODE[int(code)]
+    if norm is None:
+        return "missing"
+    return classify_grad_norm(norm, bands=DEFAULT_BANDS.for_head(head))
 
 
 @dataclass
@@ -191,7 +210,7 @@ HISTORY_SCALARS: tuple[str, ...] = (
 
 
 def load_history(client: Any, run_id: str, extra: Iterable[str] = ()) -> RunHistory:
-    """Per-head norms, latches and noise scales, plus ``HISTORY_SCALARS`` and ``extra``."""
+    """Per-head norms, health codes, latches and noise scales, plus ``HISTORY_SCALARS`` and ``extra``."""
     run = resolve_run(client, run_id=run_id)
     try:
         latest = dict(run.data.metrics)
@@ -200,7 +219,7 @@ def load_history(client: Any, run_id: str, extra: Iterable[str] = ()) -> RunHist
         names = [
             mn.head_metric(t, h)
             for h in heads
-            for t in (mn.HEAD_GRAD_NORM, mn.HEAD_NAN_LATCH, mn.HEAD_INF_LATCH, mn.HEAD_NOISE_SCALE)
+            for t in (mn.HEAD_GRAD_NORM, mn.HEAD_GRAD_HEALTH, mn.HEAD_NAN_LATCH, mn.HEAD_INF_LATCH, mn.HEAD_NOISE_SCALE)
         ]
         names += [*HISTORY_SCALARS, *extra]
         series = {}

@@ -16,6 +16,7 @@ from rich.console import Console
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.envs import HEAD_NAMES, FactoredOpsEnv
+from gradmon_ray.rllib.module import resolve_heads
 from gradmon_ray.train import run_training
 from gradmon_ray.viz.panel import watch
 from gradmon_ray.viz.plots import HEATMAP_FILE, LINES_FILE, norm_matrix
@@ -25,6 +26,8 @@ from gradmon_ray.viz.runs import load_history
 pytestmark = pytest.mark.e2e
 
 ALL_HEADS = [*HEAD_NAMES, "value"]
+HEAD_ORDER = [*resolve_heads(FactoredOpsEnv().action_space).names, "value"]
+"""The order the tag, watch and the plots give the heads: the module's (the Dict's sorted keys), then value."""
 
 
 def _random_policy_return(episodes: int = 400) -> tuple[float, float]:
@@ -67,7 +70,7 @@ def test_mlflow_holds_all_telemetry_by_name_and_it_is_finite(trained):
     run = runs[0]
     assert run.info.status == "FINISHED" and run.data.tags[mn.TAG_STATUS] == "finished"
     assert run.data.params["ppo.minibatch_size"] == "125"
-    assert set(run.data.tags[mn.TAG_HEAD_NAMES].split(",")) == set(ALL_HEADS)
+    assert run.data.tags[mn.TAG_HEAD_NAMES].split(",") == HEAD_ORDER == [*sorted(HEAD_NAMES), "value"]
     names = [mn.head_metric(t, h) for h in ALL_HEADS for t in (mn.HEAD_GRAD_NORM, mn.HEAD_GRAD_NORM_PREV)]
     names += [mn.head_metric(t, h) for h in HEAD_NAMES for t in (mn.HEAD_NAN_LATCH, mn.HEAD_INF_LATCH)]
     names += [mn.GLOBAL_GRAD_NORM, mn.NAN_GRAD_COUNT, mn.INF_GRAD_COUNT, mn.HEAD_GRAD_NORM_CV, mn.SKIPPED_UPDATES]
@@ -101,6 +104,7 @@ def test_checkpoint_restores_telemetry_state(trained):
     _, outcome, _ = trained
     algo = Algorithm.from_checkpoint(outcome.checkpoint_path)
     try:
+        assert list(algo.learner_group._learner.head_names) == HEAD_ORDER  # what the learner reports
         state = algo.learner_group._learner.telemetry_state()
         assert state["iteration"] == 10 and state["latches"]["nan"] == {h: False for h in sorted(HEAD_NAMES)}
         result = algo.train()
@@ -138,7 +142,7 @@ def test_plots_are_artifacts_of_the_real_run_and_match_its_metrics(trained, tmp_
     local = Path(client.download_artifacts(outcome.run_id, f"{PLOTS_ARTIFACT_DIR}/{HEATMAP_FILE}", str(tmp_path)))
     assert local.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and local.stat().st_size > 10_000
     heads, steps, matrix = norm_matrix(load_history(client, outcome.run_id))
-    assert sorted(heads) == sorted(ALL_HEADS) and steps == list(range(1, 11))
+    assert heads == HEAD_ORDER and steps == list(range(1, 11))
     for i, head in enumerate(heads):
         logged = client.get_metric_history(outcome.run_id, mn.head_metric(mn.HEAD_GRAD_NORM, head))
         assert list(matrix[i]) == [m.value for m in sorted(logged, key=lambda m: m.step)]
@@ -149,6 +153,6 @@ def test_watch_once_shows_every_head_of_the_real_run(trained):
     console = Console(record=True, width=220, color_system=None)
     snap = watch(MlflowClient(cfg.mlflow.tracking_uri), run_id=outcome.run_id, once=True, console=console)
     text = console.export_text()
-    assert snap.iteration == 10 and set(snap.heads) == set(ALL_HEADS) and snap.heads[-1] == "value"
+    assert snap.iteration == 10 and snap.heads == HEAD_ORDER
     assert all(head in text for head in ALL_HEADS) and "missing" not in text
     assert "iteration 10" in text and "env steps 10000" in text

@@ -196,3 +196,21 @@ def test_drain_reduces_once_on_device_or_on_the_host_copy(on_device):
     assert summary.nan_latched == {"op": False, "slot": True}
     assert reduced.tolist() == [6.0] and local.tolist() == [7.0]  # the local part is not reduced
     assert acc.buffer.abs().sum().item() == 0.0
+
+
+def _one_iteration(tracker, heads):
+    acc = IterationAccumulator(tracker.layout)
+    zeros = [0.0] * len(tracker.action_heads)
+    return _run_iteration(tracker, acc, [(_norms(heads, 1.0), zeros, zeros, 0.0)])
+
+
+def test_tracker_judges_the_value_head_by_its_own_bands():
+    """A value norm of 3.0 is healthy for the critic; the action heads' edges called it elevated."""
+    summary = _one_iteration(TelemetryTracker(("op", "slot", "value"), ("op", "slot")), [3.0, 0.05, 3.0])
+    assert summary.health == {"op": "elevated", "slot": "weak", "value": "healthy"}
+    metrics = summary.to_metrics()
+    assert metrics[mn.head_metric(mn.HEAD_GRAD_HEALTH, "value")] == mn.HEALTH_CODES["healthy"]
+    assert metrics[mn.head_metric(mn.HEAD_GRAD_HEALTH, "op")] == mn.HEALTH_CODES["elevated"]
+    assert summary.worst_head() == ("slot", "weak")  # 0.05 is further (log scale) from sqrt(0.2) than 3.0
+    at_six = _one_iteration(TelemetryTracker(("op", "value"), ("op",)), [1.0, 6.0])
+    assert at_six.health["value"] == "healthy" and at_six.worst_head()[1] == "healthy"

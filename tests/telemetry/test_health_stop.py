@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray.telemetry import GradientNorms, IterationAccumulator, TelemetryTracker
 from gradmon_ray.telemetry.health_stop import STOP_REASON_CODES, HealthStopMonitor, HealthStopRules
 
 CODE = mn.HEALTH_CODES
@@ -33,11 +35,11 @@ def test_exploding_streak_of_three_fires_on_the_third_consecutive_iteration():
 
 def test_dead_rule_and_missing_values_neither_break_nor_extend_a_streak():
     monitor = HealthStopMonitor(HealthStopRules(dead_iterations=2))
-    assert monitor.update(1, _metrics({"value": "dead"})) is None
-    nan_health = {mn.head_metric(mn.HEAD_GRAD_HEALTH, "value"): math.nan}
+    assert monitor.update(1, _metrics({"slot": "dead"})) is None
+    nan_health = {mn.head_metric(mn.HEAD_GRAD_HEALTH, "slot"): math.nan}
     assert monitor.update(2, nan_health) is None
     assert monitor.update(3, {}) is None  # telemetry off this iteration
-    decision = monitor.update(4, _metrics({"value": "dead"}))
+    decision = monitor.update(4, _metrics({"slot": "dead"}))
     assert decision is not None and decision.rule == "dead" and decision.code == STOP_REASON_CODES["dead"]
 
 
@@ -69,3 +71,37 @@ def test_state_round_trip_keeps_streaks():
     assert b.update(3, _metrics({"op": "exploding"})).iteration == 3
     with pytest.raises(ValueError, match="dead_iterations must be >= 0"):
         HealthStopMonitor(HealthStopRules(dead_iterations=-1))
+
+
+def _value_at(norm: float, health: str) -> dict[str, float]:
+    """An iteration where the action heads are healthy and the value head's norm is ``norm``."""
+    metrics = _metrics({"op": "healthy", "slot": "healthy", "value": health})
+    metrics[mn.head_metric(mn.HEAD_GRAD_NORM, "value")] = norm
+    return metrics
+
+
+def test_value_head_at_6_does_not_stop_the_run_by_default():
+    """A value gradient of 6.0 is healthy for a critic; the old code called it exploding and stopped."""
+    tracker = TelemetryTracker(("op", "slot", "value"), ("op", "slot"))
+    acc = IterationAccumulator(tracker.layout)
+    one = torch.tensor(1.0)
+    acc.add_minibatch(
+        GradientNorms(torch.tensor([1.0, 1.0, 6.0]), one, 0 * one, 0 * one), torch.zeros(2), torch.zeros(2), 0 * one
+    )
+    summary = tracker.finish_iteration(acc.drain()[0])
+    assert summary.health["value"] == "healthy"
+    monitor = HealthStopMonitor(HealthStopRules(exploding_iterations=1, dead_iterations=1))
+    assert monitor.update(1, summary.to_metrics()) is None
+    # Even a value health code of "exploding" (e.g. from custom edges) is ignored by default ...
+    assert monitor.update(2, _value_at(60.0, "exploding")) is None
+    assert monitor.update(3, _value_at(0.001, "dead")) is None
+
+
+def test_value_head_is_watched_by_its_own_bands_when_included():
+    rules = HealthStopRules(exploding_iterations=2, include_value_head=True)
+    assert rules.any and not HealthStopRules(include_value_head=True).any
+    monitor = HealthStopMonitor(rules)
+    assert monitor.update(1, _value_at(6.0, "healthy")) is None  # value bands: healthy up to 10
+    assert monitor.update(2, _value_at(60.0, "exploding")) is None
+    decision = monitor.update(3, _value_at(60.0, "exploding"))
+    assert (decision.rule, decision.head, decision.iteration) == ("exploding", "value", 3)

@@ -90,3 +90,40 @@ def test_heads_latches_and_progress_line():
         "iter 3/10 | env steps 3072 | return 2.250 | worst head slot 7.500 (exploding) | latched: op, slot"
     )
     assert progress_line(1, 2, {}) == "iter 1/2 | env steps ? | return n/a | telemetry off | latched: none"
+
+
+def _norms(**norms: float) -> dict[str, float]:
+    out = {mn.head_metric(mn.HEAD_GRAD_NORM, h): v for h, v in norms.items()}
+    out.update({mn.ENV_STEPS_SAMPLED_LIFETIME: 1024.0, mn.EPISODE_RETURN_MEAN: 1.0})
+    return out
+
+
+def test_progress_line_names_the_weak_action_head_not_the_value_head():
+    """value 3.0 is elevated only by the action heads' edges; the weak action head is the news."""
+    line = progress_line(2, 20, _norms(op=0.05, slot=1.0, value=3.0))
+    assert "worst head op 0.050 (weak)" in line
+    line = progress_line(2, 20, _norms(op=0.09, slot=1.0, value=3.6))  # value further from 0.447 than op
+    assert "worst head op 0.090 (weak)" in line
+
+
+def test_progress_line_of_a_healthy_run_names_an_action_head():
+    """The reported run: every action head healthy, value at 2.0-3.6, 'value' named worst (elevated)."""
+    for value in (2.1, 2.8, 3.6):
+        line = progress_line(5, 20, _norms(op=0.4, slot=1.2, tempo=0.3, value=value))
+        assert "worst head slot 1.200 (healthy)" in line, line
+
+
+def test_progress_line_can_include_the_value_head_judged_by_its_own_bands():
+    metrics = _norms(op=0.4, slot=1.2, value=3.6)
+    assert "worst head value 3.600 (healthy)" in progress_line(1, 2, metrics, include_value_head=True)
+    metrics = _norms(op=0.4, slot=1.2, value=60.0)
+    assert "worst head slot" in progress_line(1, 2, metrics)
+    assert "worst head value 60.000 (exploding)" in progress_line(1, 2, metrics, include_value_head=True)
+    from gradmon_ray.telemetry import BandSet
+
+    tight = BandSet.from_dict({"value": {"healthy_max": 1.0, "elevated_max": 2.0}})
+    assert "worst head value 3.600 (exploding)" in progress_line(
+        1, 2, _norms(op=0.4, value=3.6), bands=tight, include_value_head=True
+    )
+    wide = BandSet.from_dict({"action": {"weak_below": 0.01, "dead_below": 0.001}})
+    assert "worst head op 0.050 (healthy)" in progress_line(1, 2, _norms(op=0.05, slot=0.3, value=3.0), bands=wide)

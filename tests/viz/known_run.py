@@ -4,6 +4,7 @@ pixel-column of the heatmap and every line of the report has a known expected va
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mlflow.entities import Metric, RunTag
@@ -44,7 +45,15 @@ class KnownRun:
     experiment: str
 
 
-def make_known_run(tracking_uri: str, experiment: str = "viz", with_probe: bool = True) -> KnownRun:
+def make_known_run(
+    tracking_uri: str,
+    experiment: str = "viz",
+    with_probe: bool = True,
+    log_order: Sequence[str] | None = None,
+    head_names_tag: Sequence[str] | None = tuple(HEADS),
+) -> KnownRun:
+    """``log_order``: the heads' metrics are logged in this order (default: ``HEADS``);
+    ``head_names_tag``: the ``gradmon.head_names`` tag's heads (None: no tag, as in an old run)."""
     client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
@@ -55,7 +64,8 @@ def make_known_run(tracking_uri: str, experiment: str = "viz", with_probe: bool 
     def put(name: str, values: list[float], first_step: int = 1) -> None:
         metrics.extend(Metric(name, v, 1000 + s, s) for s, v in enumerate(values, start=first_step))
 
-    for head, norms in NORMS.items():
+    for head in log_order or HEADS:
+        norms = NORMS[head]
         put(mn.head_metric(mn.HEAD_GRAD_NORM, head), norms)
         prev = [NAN, *norms[:-1]]
         put(
@@ -81,7 +91,10 @@ def make_known_run(tracking_uri: str, experiment: str = "viz", with_probe: bool 
             put(mn.probe_metric(mn.PROBE_REWARD_STD_MEAN, bucket), [0.1], PROBE_STEP)
     for i in range(0, len(metrics), 1000):
         client.log_batch(run_id, metrics=metrics[i : i + 1000])
-    client.log_batch(run_id, tags=[RunTag(mn.TAG_HEAD_NAMES, ",".join(HEADS)), RunTag(mn.TAG_STATUS, "finished")])
+    tags = [RunTag(mn.TAG_STATUS, "finished")]
+    if head_names_tag is not None:
+        tags.append(RunTag(mn.TAG_HEAD_NAMES, ",".join(head_names_tag)))
+    client.log_batch(run_id, tags=tags)
     client.set_terminated(run_id)
     assert math.isnan(NORMS["a5"][-1])
     return KnownRun(tracking_uri, run_id, experiment)

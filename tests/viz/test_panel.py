@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -142,3 +143,53 @@ def test_live_watch_refreshes_until_the_run_ends(tmp_path):
     last = watch(client, run_id=run_id, interval_s=0.05, console=console, should_stop=tick)
     assert last.status == "FINISHED" and last.iteration == 2 and len(refreshes) == 2
     assert last.metrics[name] == 0.9
+
+
+STATES = dict(
+    zip(
+        HEADS,
+        ["healthy", "dead", "exploding", "weak", "elevated", "missing", "healthy", "healthy", "healthy"],
+        strict=True,
+    )
+)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_columns_follow_the_head_names_tag_whatever_order_the_metrics_were_logged_in(tmp_path, seed):
+    log_order = random.Random(seed).sample(HEADS, len(HEADS))
+    fallback = [*sorted(h for h in HEADS if h != "value"), "value"]  # no tag: sorted action heads, then value
+    assert log_order not in (HEADS, fallback)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    for tag, expected in ((HEADS, HEADS), (None, fallback)):
+        known = make_known_run(uri, with_probe=False, log_order=log_order, head_names_tag=tag)
+        text = _frame(known, run_id=known.run_id)
+        (header,) = [ln for ln in text.splitlines() if ln.startswith("┃") and not ln.split("┃")[1].strip()]
+        assert [c.strip() for c in header.split("┃")[2:-1]] == expected, tag
+        assert _row(text, "state") == [STATES[h] for h in expected], tag
+
+
+@pytest.mark.parametrize("with_codes", [True, False], ids=["logged-codes", "no-codes"])
+def test_state_row_shows_the_band_the_learner_logged_and_the_value_head_by_its_own_edges(tmp_path, with_codes):
+    """The value head at 3.0 is healthy by its own edges (elevated only by the action heads');
+    where the learner logged a band (judged by the run's configured edges) the panel shows that one."""
+    from mlflow.entities import Metric
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("bands")).info.run_id
+    norms = {"op": 3.0, "slot": 1.0, "value": 3.0}
+    # slot's logged code says exploding although 1.0 is healthy by default: the run had tighter edges.
+    codes = {
+        "op": mn.HEALTH_CODES["elevated"],
+        "slot": mn.HEALTH_CODES["exploding"],
+        "value": mn.HEALTH_CODES["healthy"],
+    }
+    metrics = [Metric(mn.head_metric(mn.HEAD_GRAD_NORM, h), v, 1000, 1) for h, v in norms.items()]
+    if with_codes:
+        metrics += [Metric(mn.head_metric(mn.HEAD_GRAD_HEALTH, h), float(c), 1000, 1) for h, c in codes.items()]
+    client.log_batch(run_id, metrics=metrics)
+    client.set_tag(run_id, mn.TAG_HEAD_NAMES, "op,slot,value")
+    console = Console(record=True, width=220, color_system=None, force_terminal=False)
+    watch(client, run_id=run_id, once=True, console=console)
+    states = _row(console.export_text(), "state")
+    assert states == (["elevated", "exploding", "healthy"] if with_codes else ["elevated", "healthy", "healthy"])

@@ -1,0 +1,111 @@
+"""Health bands of a gradient norm: the edges, one set for the action heads and one for the value head.
+
+Pure Python (no torch): a band is a function of one float and four edges.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from gradmon_ray.metric_names import VALUE_HEAD
+
+# Action-head edges from the TELE-320 record: 10 x the clip norm of 0.5 is "exploding".
+DEAD_BELOW = 0.01
+WEAK_BELOW = 0.1
+HEALTHY_MAX = 2.0
+ELEVATED_MAX = 5.0
+
+HEALTH_BANDS: tuple[str, ...] = ("missing", "dead", "weak", "healthy", "elevated", "exploding")
+
+
+@dataclass(frozen=True)
+class HealthBands:
+    """Band edges: dead < ``dead_below`` <= weak < ``weak_below`` <= healthy <= ``healthy_max``
+    < elevated <= ``elevated_max`` < exploding (+Inf included); NaN is "missing".
+
+    The edges must be finite, positive and strictly increasing (``ValueError`` otherwise).
+    """
+
+    dead_below: float = DEAD_BELOW
+    weak_below: float = WEAK_BELOW
+    healthy_max: float = HEALTHY_MAX
+    elevated_max: float = ELEVATED_MAX
+
+    def __post_init__(self) -> None:
+        edges = self.edges
+        if not all(isinstance(e, (int, float)) and not isinstance(e, bool) and math.isfinite(e) for e in edges):
+            raise ValueError(f"band edges must be finite numbers, got {edges}")
+        if not 0 < edges[0] < edges[1] < edges[2] < edges[3]:
+            raise ValueError(f"band edges must be positive and strictly increasing, got {edges}")
+
+    @property
+    def edges(self) -> tuple[float, float, float, float]:
+        """``(dead_below, weak_below, healthy_max, elevated_max)``."""
+        return (self.dead_below, self.weak_below, self.healthy_max, self.elevated_max)
+
+    @property
+    def healthy_centre(self) -> float:
+        """Natural log of the healthy band's geometric centre, ``sqrt(weak_below * healthy_max)``."""
+        return math.log(math.sqrt(self.weak_below * self.healthy_max))
+
+    def classify(self, x: float) -> str:
+        """The band of ``x``: dead, weak, healthy, elevated, exploding or missing (NaN)."""
+        if math.isnan(x):
+            return "missing"
+        if x < self.dead_below:
+            return "dead"
+        if x < self.weak_below:
+            return "weak"
+        if x <= self.healthy_max:
+            return "healthy"
+        if x <= self.elevated_max:
+            return "elevated"
+        return "exploding"
+
+
+ACTION_BANDS = HealthBands()
+"""The action heads' edges (and ``classify_grad_norm``'s default)."""
+
+# Value head: its loss is a squared return error, so a healthy critic's gradient runs ~5-10x a policy head's.
+VALUE_BANDS = HealthBands(dead_below=0.01, weak_below=0.1, healthy_max=10.0, elevated_max=50.0)
+"""The value head's default edges."""
+
+
+@dataclass(frozen=True)
+class BandSet:
+    """The edges for every reported head: ``action`` for the action heads, ``value`` for the value head."""
+
+    action: HealthBands = ACTION_BANDS
+    value: HealthBands = VALUE_BANDS
+
+    def for_head(self, head: str) -> HealthBands:
+        """The value head's edges for ``"value"``, the action heads' for any other name."""
+        return self.value if head == VALUE_HEAD else self.action
+
+    def to_dict(self) -> dict[str, dict[str, float]]:
+        """``{"action": {...}, "value": {...}}`` (the config's ``telemetry.bands`` shape)."""
+        return {"action": asdict(self.action), "value": asdict(self.value)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> BandSet:
+        """From ``to_dict()``'s shape (the config's ``telemetry.bands``); a missing edge keeps its default."""
+        data = data or {}
+        action = HealthBands(**{**asdict(ACTION_BANDS), **dict(data.get("action") or {})})
+        value = HealthBands(**{**asdict(VALUE_BANDS), **dict(data.get("value") or {})})
+        return cls(action=action, value=value)
+
+
+DEFAULT_BANDS = BandSet()
+
+
+def classify_grad_norm(x: float, *, bands: HealthBands | None = None) -> str:
+    """Health band of a gradient norm: dead, weak, healthy, elevated, exploding or missing.
+
+    Default edges (the action heads', TELE-320): dead < 0.01 <= weak < 0.1 <= healthy <= 2.0
+    < elevated <= 5.0 < exploding (+Inf included); NaN is "missing" (no gradient data).
+    ``bands`` gives other edges, e.g. ``VALUE_BANDS`` for the value head.
+    """
+    return (bands or ACTION_BANDS).classify(x)
