@@ -341,6 +341,7 @@ def test_first_update_equals_stock_rllib_ppo_with_fused_adam(episodes_cfg, grad_
 # --- the iteration's aggregation: mean over minibatches, prev, trend, band, CV -------------------
 
 _ACTION_EDGES = (0.01, 0.1, 2.0, 5.0)  # dead < 0.01 <= weak < 0.1 <= healthy <= 2 < elevated <= 5 < exploding
+_VALUE_EDGES = (0.01, 0.1, 10.0, 50.0)  # the value head's own default edges
 
 
 def _band_code(x: float, edges=_ACTION_EDGES) -> int:
@@ -402,8 +403,8 @@ def test_iteration_metrics_equal_per_minibatch_gradients_captured_by_hooks(episo
             delta = mean - prev[head]
             trend = 1 if delta > 0.01 else -1 if delta < -0.01 else 0
             assert float(logged[f"grad/head/{head}/trend"]) == trend, head
-            if head != "value":
-                assert float(logged[f"grad/head/{head}/health"]) == _band_code(mean), head
+            edges = _VALUE_EDGES if head == "value" else _ACTION_EDGES
+            assert float(logged[f"grad/head/{head}/health"]) == _band_code(mean, edges), head
         action = np.array([means[h] for h in owners if h != "value"])
         assert float(logged["grad/head_norm_cv"]) == pytest.approx(float(action.std(ddof=0) / action.mean()), rel=1e-4)
         prev = means
