@@ -40,6 +40,7 @@ from gradmon_ray.config import (
     config_from_dict,
     read_yaml_mapping,
 )
+from gradmon_ray.tracking.mlflow_io import mlflow_value
 
 SEARCH_KINDS = ("choice", "grid", "uniform", "loguniform")
 TRIAL_STATE_FILE = "gradmon_trial.json"
@@ -231,7 +232,7 @@ def run_sweep(sweep: SweepConfig, base: dict[str, Any], *, progress: Any = print
         ranked = [t for t in trials if t.metric is not None and t.status == "finished"]
         best = (max if sweep.mode == "max" else min)(ranked, key=lambda t: t.metric) if ranked else None
         if best is not None:
-            client.log_metric(parent_id, f"best/{sweep.metric}", best.metric)
+            client.log_metric(parent_id, f"best/{sweep.metric}", mlflow_value(best.metric))  # the one +-Inf rule
             client.set_tag(parent_id, "gradmon.best_run_id", best.run_id or "")
         if progress is not None:
             for t in trials:

@@ -14,7 +14,9 @@ reported in the call's return value, and the learner never waits for a call to f
 from __future__ import annotations
 
 import logging
+import os
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,6 +99,7 @@ class GradientProbe:
         self._module_spec: Any = None
         self.last_metrics: dict[str, float] = {}
         self._warned: set[str] = set()
+        self._instance = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
     def analyse(self, request: ProbeRequest) -> ProbeOutcome:
         """Probe one batch and log the metrics; never raises (the outcome says what happened)."""
@@ -140,6 +143,15 @@ class GradientProbe:
         """For ``ray.get(actor.ready.remote())``: the actor is up."""
         return True
 
+    def instance(self) -> str:
+        """Which incarnation answers: a new value after every (re)start.
+
+        ``ray.kill(actor, no_restart=False)`` is asynchronous, so a call made right after it
+        may still be answered by the dying instance; waiting for a *new* value is how to
+        wait for the restart.
+        """
+        return self._instance
+
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -162,7 +174,8 @@ def start_probe_actor(
 
     A restarted actor is rebuilt from these same arguments, so it writes into the same run.
     ``max_task_retries=0``: a probe that died with the actor is counted as failed by the
-    learner, not re-run behind its back.
+    learner, not re-run behind its back; one sent while the actor was restarting never ran,
+    and the learner's ``ProbeClient`` sends it again once the actor is back.
     """
     import ray
 

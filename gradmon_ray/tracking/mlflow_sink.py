@@ -12,7 +12,6 @@ a process-global active run, which a background writer must not share with user 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -21,13 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gradmon_ray.tracking.mlflow_io import log_in_batches, to_mlflow_metrics
 from gradmon_ray.tracking.spill import SpillWriter
 
 logger = logging.getLogger(__name__)
 
-MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
-MAX_PARAMS_PER_BATCH = 100
-MAX_TAGS_PER_BATCH = 100
 MAX_PARAM_VALUE_LEN = 6000
 
 
@@ -274,7 +271,6 @@ class MlflowSink:
                 logger.warning("gradmon MLflow sink: plots not written (%s: %s)", type(exc).__name__, exc)
 
     def _create_run(self) -> Any:
-        from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(tracking_uri=self.tracking_uri)
@@ -285,32 +281,13 @@ class MlflowSink:
         if self.run_id is None:
             run = client.create_run(exp_id, run_name=self.run_name, tags=self._start_tags)
             self.run_id = run.info.run_id
-        params = [Param(k, v) for k, v in self._params.items()]
-        for i in range(0, len(params), MAX_PARAMS_PER_BATCH):
-            client.log_batch(self.run_id, params=params[i : i + MAX_PARAMS_PER_BATCH])
+        log_in_batches(client, self.run_id, params=self._params)
         self._params = {}
         return client
 
     def _write(self, client: Any, batch: list[_Pending]) -> None:
-        from mlflow.entities import Metric, RunTag
-
-        metrics = [
-            Metric(key, _mlflow_value(value), item.timestamp_ms, item.step)
-            for item in batch
-            for key, value in item.metrics.items()
-        ]
-        for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
-            client.log_batch(self.run_id, metrics=metrics[i : i + MAX_METRICS_PER_BATCH])
         latest_tags: dict[str, str] = {}
         for item in batch:
             latest_tags.update(item.tags)
-        tags = [RunTag(k, v) for k, v in latest_tags.items()]
-        for i in range(0, len(tags), MAX_TAGS_PER_BATCH):
-            client.log_batch(self.run_id, tags=tags[i : i + MAX_TAGS_PER_BATCH])
-
-
-def _mlflow_value(value: float) -> float:
-    # MLflow stores NaN natively but clamps +-Inf; keep Inf visible as the largest float.
-    if math.isinf(value):
-        return math.copysign(1.7976931348623157e308, value)
-    return value
+        metrics = [m for item in batch for m in to_mlflow_metrics(item.metrics, item.step, item.timestamp_ms)]
+        log_in_batches(client, self.run_id, metrics=metrics, tags=latest_tags)

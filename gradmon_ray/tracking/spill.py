@@ -94,6 +94,7 @@ class ReplayResult:
 
     run_id: str
     iterations: int
+    """Training iterations replayed (distinct steps with metrics, see ``replayed_iterations``)."""
     metrics: int
     created_run: bool
     status: str | None
@@ -121,12 +122,25 @@ def read_spill(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]], 
     return header, iterations, (trailers[-1] if trailers else None)
 
 
+def replayed_iterations(records: Iterable[Mapping[str, Any]]) -> int:
+    """How many training iterations spill records hold: the distinct steps with metrics.
+
+    A step can have several records (an iteration, then the end-of-run record with the final
+    status tag and probe counters at the last step), and a record can carry tags only; neither
+    is another iteration.
+    """
+    return len({int(r["step"]) for r in records if r.get("metrics")})
+
+
 def replay_spill(path: str | Path, tracking_uri: str | None = None, *, mark_done: bool = True) -> ReplayResult:
-    """Write a spill file's iterations into MLflow (the header's URI unless ``tracking_uri``)."""
-    from mlflow.entities import Metric, Param, RunTag
+    """Write a spill file's iterations into MLflow (the header's URI unless ``tracking_uri``).
+
+    Metrics go through the live sink's conversion (``mlflow_io.to_mlflow_metrics``), so they
+    land exactly as the sink would have written them.
+    """
     from mlflow.tracking import MlflowClient
 
-    from gradmon_ray.tracking.mlflow_sink import MAX_METRICS_PER_BATCH, MAX_PARAMS_PER_BATCH, MAX_TAGS_PER_BATCH
+    from gradmon_ray.tracking.mlflow_io import log_in_batches, to_mlflow_metrics
 
     header, iterations, trailer = read_spill(path)
     client = MlflowClient(tracking_uri=tracking_uri or header["tracking_uri"])
@@ -138,25 +152,21 @@ def replay_spill(path: str | Path, tracking_uri: str | None = None, *, mark_done
         exp_id = exp.experiment_id if exp is not None else client.create_experiment(header["experiment"])
         run = client.create_run(exp_id, run_name=header.get("run_name"), tags=header.get("tags") or {})
         run_id, created = run.info.run_id, True
-        params = [Param(k, str(v)) for k, v in (header.get("params") or {}).items()]
-        for i in range(0, len(params), MAX_PARAMS_PER_BATCH):
-            client.log_batch(run_id, params=params[i : i + MAX_PARAMS_PER_BATCH])
+        log_in_batches(client, run_id, params=header.get("params") or {})
     metrics = [
-        Metric(k, _decode(v), int(r["timestamp_ms"]), int(r["step"]))
+        metric
         for r in iterations
-        for k, v in r["metrics"].items()
+        for metric in to_mlflow_metrics(
+            {k: _decode(v) for k, v in r["metrics"].items()}, int(r["step"]), int(r["timestamp_ms"])
+        )
     ]
-    for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
-        client.log_batch(run_id, metrics=metrics[i : i + MAX_METRICS_PER_BATCH])
     tags: dict[str, str] = {}
     for r in iterations:
         tags.update(r.get("tags") or {})
-    tag_list = [RunTag(k, v) for k, v in tags.items()]
-    for i in range(0, len(tag_list), MAX_TAGS_PER_BATCH):
-        client.log_batch(run_id, tags=tag_list[i : i + MAX_TAGS_PER_BATCH])
+    log_in_batches(client, run_id, metrics=metrics, tags=tags)
     status = (trailer or {}).get("status")
     if status:
         client.set_terminated(run_id, status=status)
     if mark_done:
         Path(path).rename(str(path) + REPLAYED_SUFFIX)
-    return ReplayResult(run_id, len(iterations), len(metrics), created, status)
+    return ReplayResult(run_id, replayed_iterations(iterations), len(metrics), created, status)

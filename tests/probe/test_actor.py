@@ -26,6 +26,7 @@ LOSS = LossSettings(
     clip_param=0.2, vf_clip_param=10.0, vf_loss_coeff=0.5, entropy_coeff=0.01, kl_coeff=0.2, use_kl_loss=False
 )
 SLOW = [{"name": "slow", "fn": "tests.fixtures.user_envs:slow_logit_l2", "weight": 1.0, "enabled": True}]
+SLOW_START = [{"name": "l2", "fn": "tests.probe.slow_start:logit_l2", "weight": 1.0, "enabled": True}]
 
 
 def _cfg(**extra):
@@ -150,13 +151,10 @@ def test_client_survives_a_killed_actor_warns_once_and_resumes_after_restart(ray
             ray.kill(probe, no_restart=False)  # dies with our request; Ray restarts it
             assert _wait_until(lambda: not client.busy)
             assert client.counters[mn.PROBE_FAILURES] == 1
-            # While Ray restarts the actor, requests fail fast (counted); then they go through again.
-            deadline = time.monotonic() + 90
-            while client.counters[mn.PROBE_COMPLETED] == 0 and time.monotonic() < deadline:
-                client.submit(request_template)
-                assert _wait_until(lambda: not client.busy, timeout_s=90)
-                time.sleep(0.2)
-        assert client.counters[mn.PROBE_COMPLETED] == 1, client.counters
+            # The next request (Ray is restarting the actor) is sent again until the actor is back.
+            client.submit(request_template)
+            assert _wait_until(lambda: not client.busy, timeout_s=120)
+        assert client.counters[mn.PROBE_COMPLETED] == 1 and client.counters[mn.PROBE_FAILURES] == 1, client.counters
         failures_before_death = client.counters[mn.PROBE_FAILURES]
         warnings = [r for r in caplog.records if "probe request failed" in r.getMessage()]
         assert len(warnings) == 1
@@ -167,6 +165,122 @@ def test_client_survives_a_killed_actor_warns_once_and_resumes_after_restart(ray
     client.submit(request_template)
     assert _wait_until(lambda: not client.busy)
     assert client.counters[mn.PROBE_FAILURES] == failures_before_death + 1
+
+
+def test_a_request_sent_while_the_actor_restarts_is_sent_again_and_delivered(ray_session, request_template, mlflow_run):
+    """The cause of the post-restart probes missing in CI: a request that reaches the actor
+    while Ray restarts it fails with ActorUnavailableError (it never ran). It was counted as
+    a failure and lost; the client now keeps it and sends it again once the actor is back."""
+    uri, run_id = mlflow_run
+    name = _name()
+    probe = start_probe_actor(
+        name,
+        tracking_uri=uri,
+        run_id=run_id,
+        num_buckets=2,
+        regularizers=SLOW_START,  # every (re)start takes >= 3 s
+        track_grad_norms=True,
+        num_cpus=1,
+        max_restarts=1,
+    )
+    client = ProbeClient(name, every=1)
+    try:
+        old = ray.get(probe.instance.remote())
+        ray.kill(probe, no_restart=False)
+        answers = []
+
+        def restarting() -> bool:
+            # ray.kill is asynchronous: the dying instance may still answer for a moment.
+            try:
+                answers.append(ray.get(probe.instance.remote(), timeout=30))
+            except ray.exceptions.ActorUnavailableError:
+                return True
+            return False
+
+        assert _wait_until(restarting, timeout_s=60), answers
+        assert set(answers) <= {old}, "restart finished before the test saw it restarting"
+        client.submit(request_template)  # goes to the restarting actor
+        assert _wait_until(lambda: not client.busy, timeout_s=120)
+        assert client.counters == {
+            mn.PROBE_REQUESTS_SENT: 1,
+            mn.PROBE_REQUESTS_DROPPED: 0,
+            mn.PROBE_COMPLETED: 1,
+            mn.PROBE_SKIPPED: 0,
+            mn.PROBE_FAILURES: 0,
+        }
+        assert client.resends >= 1 and client.last_outcome.iteration == 7
+        assert ray.get(probe.instance.remote()) != old  # the restarted actor ran it
+        assert ray.get(probe.flush.remote(30.0))
+    finally:
+        ray.kill(probe, no_restart=True)
+    history = MlflowClient(uri).get_metric_history(
+        run_id, mn.probe_metric(mn.PROBE_COMPONENT_NORM, "bucket_1", component="task")
+    )
+    assert [m.step for m in history] == [7]  # once: the request that could not run was not run twice
+
+
+def test_finish_waits_for_the_last_probe_and_counts_it(ray_session, request_template):
+    name = _name()
+    probe = start_probe_actor(
+        name, tracking_uri=None, run_id=None, num_buckets=2, regularizers=SLOW, track_grad_norms=True, num_cpus=1
+    )
+    try:
+        client = ProbeClient(name, every=1)
+        client.submit(request_template)
+        assert client.busy and client.counters[mn.PROBE_COMPLETED] == 0  # the slow probe is still running
+        assert client.finish(60.0)
+        assert not client.busy and client.counters[mn.PROBE_COMPLETED] == 1
+        client.submit(request_template)
+        assert client.finish(0.2) is False  # gave up: counted, and the client is free again
+        assert client.counters[mn.PROBE_FAILURES] == 1 and not client.busy
+    finally:
+        ray.kill(probe)
+
+
+def test_end_of_run_flush_counts_the_probe_that_finishes_after_the_last_iteration(ray_session, request_template):
+    """`probe/completed` ended at 1 when 2 probes ran: the last probe finished after the last
+    iteration's metrics were logged. The driver's final flush waits for it and returns the
+    counters it logs at the last step."""
+    from gradmon_ray.train import _flush_probe
+
+    name = _name()
+    probe = start_probe_actor(
+        name, tracking_uri=None, run_id=None, num_buckets=2, regularizers=SLOW, track_grad_norms=True, num_cpus=1
+    )
+
+    class Result:  # one entry of foreach_learner's RemoteCallResults
+        ok = True
+
+        def __init__(self, value):
+            self.value = value
+
+        def get(self):
+            return self.value
+
+    class Learners:  # what `_flush_probe` uses of an Algorithm: its (local) learner group
+        def __init__(self, learner):
+            self.learner = learner
+
+        def foreach_learner(self, func, **_):
+            return [Result(func(self.learner))]
+
+    learner = type("Learner", (), {})()
+    learner._probe = ProbeClient(name, every=1)
+    algo = type("Algo", (), {"learner_group": Learners(learner)})()
+    try:
+        learner._probe.submit(request_template)  # the last iteration's probe: still running (1.5 s)
+        assert learner._probe.metrics()[mn.PROBE_COMPLETED] == 0.0
+        counters = _flush_probe(algo)
+        assert counters == {
+            mn.PROBE_REQUESTS_SENT: 1.0,
+            mn.PROBE_REQUESTS_DROPPED: 0.0,
+            mn.PROBE_COMPLETED: 1.0,
+            mn.PROBE_SKIPPED: 0.0,
+            mn.PROBE_FAILURES: 0.0,
+        }
+        assert _flush_probe(type("Algo", (), {"learner_group": Learners(object())})()) == {}  # no probe client
+    finally:
+        ray.kill(probe)
 
 
 def test_client_without_an_actor_counts_a_failure():

@@ -110,3 +110,74 @@ def test_bad_spill_files_exit_2_with_one_line(tmp_path, capsys, content, fragmen
     assert main(["replay", str(path), "--tracking-uri", f"sqlite:///{tmp_path / 'm.db'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and fragment in err[0]
+
+
+def _spill_of_a_two_iteration_run(path, dead_uri) -> None:
+    """What `run_training` leaves behind when MLflow is down the whole time: iterations 1 and 2,
+    then the end-of-run record at the last step (final probe counters, the status tag)."""
+    sink = MlflowSink(dead_uri, "two", run_name="two", retry_backoff_s=0.05, spill_path=path)
+    sink.log_iteration(1, {"x": 1.0, "probe/completed": 0.0}, {"gradmon.head_names": "op,value"})
+    sink.log_iteration(2, {"x": 2.0, "probe/completed": 1.0})
+    sink.log_iteration(2, {"probe/completed": 2.0}, {"gradmon.status": "finished"})
+    sink.log_iteration(2, {}, {"gradmon.note": "tags only"})
+    assert sink.close(timeout_s=0.5) is False
+
+
+def test_replay_of_a_two_iteration_run_reports_two_iterations(tmp_path, dead_uri, capsys):
+    spill = tmp_path / "two.jsonl"
+    _spill_of_a_two_iteration_run(spill, dead_uri)
+    store = f"sqlite:///{tmp_path / 'm.db'}"
+    result = replay_spill(spill, store, mark_done=False)
+    assert result.iterations == 2 and result.metrics == 5
+    client = MlflowClient(store)
+    assert client.get_run(result.run_id).data.metrics["probe/completed"] == 2.0  # the end-of-run value wins
+    assert main(["replay", str(spill), "--tracking-uri", store]) == 0
+    assert "replayed 2 iterations (5 metric points)" in capsys.readouterr().out
+
+
+NON_FINITE = {"pos_inf": math.inf, "neg_inf": -math.inf, "nan": math.nan, "finite": 1.25, "big": 1e308}
+
+
+def _recorded_log_batch(monkeypatch):
+    """Record the metrics every MlflowClient.log_batch call hands MLflow (and still write them)."""
+    from mlflow.tracking import MlflowClient as Client
+
+    handed = []
+    real = Client.log_batch
+
+    def log_batch(self, run_id, metrics=(), params=(), tags=(), *args, **kwargs):
+        handed.extend((m.key, m.step, repr(m.value)) for m in metrics)  # repr: NaN == NaN
+        return real(self, run_id, metrics, params, tags, *args, **kwargs)
+
+    monkeypatch.setattr(Client, "log_batch", log_batch)
+    return handed
+
+
+def _read_back(uri: str, run_id: str) -> dict[str, list[tuple[int, str]]]:
+    client = MlflowClient(uri)
+    # repr: NaN compares equal to NaN, and +-Inf / +-max-float stay distinct
+    return {k: [(m.step, repr(m.value)) for m in client.get_metric_history(run_id, k)] for k in NON_FINITE}
+
+
+def test_replay_writes_inf_and_nan_exactly_as_the_live_sink(tmp_path, dead_uri, monkeypatch):
+    handed = _recorded_log_batch(monkeypatch)
+    live_store = f"sqlite:///{tmp_path / 'live.db'}"
+    live = MlflowSink(live_store, "e")
+    live.log_iteration(3, NON_FINITE)
+    assert live.close() is True
+    live_handed, handed[:] = sorted(handed, key=repr), []
+
+    spill = tmp_path / "s.jsonl"
+    spilled = MlflowSink(dead_uri, "e", retry_backoff_s=0.05, spill_path=spill)
+    spilled.log_iteration(3, NON_FINITE)
+    spilled.close(timeout_s=0.5)
+    handed[:] = []  # the dead server's attempts
+    replay_store = f"sqlite:///{tmp_path / 'replayed.db'}"
+    result = replay_spill(spill, replay_store)
+    # the same values handed to MLflow (replay used to hand over inf where the sink writes max float) ...
+    assert sorted(handed, key=repr) == live_handed
+    # ... and the same values stored, read back from two real sqlite stores
+    assert _read_back(replay_store, result.run_id) == _read_back(live_store, live.run_id)
+    stored = _read_back(live_store, live.run_id)
+    assert stored["pos_inf"] == [(3, "1.7976931348623157e+308")] and stored["nan"] == [(3, "nan")]
+    assert stored["neg_inf"] == [(3, "-1.7976931348623157e+308")]
