@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from gradmon_ray.config import ConfigError, load_config
+from gradmon_ray.config import ConfigError, load_config, load_yaml
 from gradmon_ray.tracking.spill import SpillFormatError
 from gradmon_ray.viz.runs import RunLookupError
 
@@ -138,7 +138,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         if not sep or not key:
             raise ConfigError("--set", f"expected KEY=VALUE, got {item!r}")
         try:
-            out[key.strip()] = yaml.safe_load(raw)
+            out[key.strip()] = load_yaml(raw)
         except yaml.YAMLError:
             raise ConfigError(key, f"value {raw!r} is not valid YAML") from None
     return out

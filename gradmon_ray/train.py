@@ -6,14 +6,16 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import GradmonConfig
+from gradmon_ray.telemetry.bands import BandSet
 from gradmon_ray.telemetry.health_stop import HealthStopMonitor, HealthStopRules
 from gradmon_ray.tracking import MlflowSink, heads_in, latched_heads, progress_line, result_to_metrics
+from gradmon_ray.tracking.results import order_heads
 from gradmon_ray.tracking.spill import default_spill_path
 
 logger = logging.getLogger(__name__)
@@ -135,6 +137,7 @@ def run_training(
     outcome = TrainingOutcome(run_id=None, iterations_done=resume.iterations_done if resume else 0)
     rules = HealthStopRules(**dataclasses.asdict(cfg.health_stop))
     monitor = HealthStopMonitor(rules) if rules.any else None
+    bands = BandSet.from_dict(dataclasses.asdict(cfg.telemetry.bands))  # the progress line judges heads by these
     if monitor is not None and resume is not None:
         monitor.load_state_dict(resume.health_state)
     status = "FAILED"
@@ -146,6 +149,7 @@ def run_training(
         if outcome.probe_actor is not None:
             probe = _start_probe(cfg, outcome.probe_actor, sink)
         algo = ppo_config.build_algo()
+        head_order = _head_order(algo, cfg)
         resumed_tags: dict[str, str] = {}
         named_heads = resume is not None  # the head-names tag is set once, by the first trained iteration
         if resume is not None:
@@ -167,7 +171,7 @@ def run_training(
         for iteration in range(outcome.iterations_done + 1, cfg.iterations + 1):
             result = algo.train()
             metrics = result_to_metrics(result)
-            tags = _latch_tags(metrics, named_heads)
+            tags = _latch_tags(metrics, named_heads, head_order)
             named_heads = named_heads or mn.TAG_HEAD_NAMES in tags
             if iteration > logged_through:  # the first iteration MLflow has not seen carries the resume tags
                 tags.update(resumed_tags)
@@ -187,7 +191,15 @@ def run_training(
             if reporter is not None:
                 reporter(iteration, metrics, algo, monitor, tags.get(mn.TAG_STOP_REASON))
             if progress is not None:
-                progress(progress_line(iteration, cfg.iterations, metrics))
+                progress(
+                    progress_line(
+                        iteration,
+                        cfg.iterations,
+                        metrics,
+                        bands=bands,
+                        include_value_head=cfg.health_stop.include_value_head,
+                    )
+                )
             if decision is not None:
                 logger.warning("gradmon: stopping early: %s", outcome.stop_reason)
                 if progress is not None:
@@ -198,12 +210,16 @@ def run_training(
         status = "FINISHED"
         return outcome
     finally:
+        # The last probe usually finishes after the last iteration's metrics were logged:
+        # wait for it (the learner's client, before the learner stops) and log the final
+        # probe counters at the last step, so the run's probe/* values are what happened.
+        probe_counters = _flush_probe(algo) if algo is not None and outcome.probe_actor is not None else {}
         if algo is not None:
             algo.stop()
         if probe is not None:
             _stop_probe(probe)
         final = "stopped" if status == "FINISHED" and outcome.stop_reason else status.lower()
-        sink.log_iteration(outcome.iterations_done, {}, {mn.TAG_STATUS: final})
+        sink.log_iteration(outcome.iterations_done, probe_counters, {mn.TAG_STATUS: final})
         outcome.mlflow_complete = sink.close(status=status)
         outcome.run_id = sink.run_id
         outcome.spill_path = str(sink.spill_path) if sink.spill_path is not None else None
@@ -249,6 +265,30 @@ def _start_probe(cfg: GradmonConfig, name: str, sink: MlflowSink) -> Any:
         return None
 
 
+def _flush_probe(algo: Any, timeout_s: float = PROBE_FLUSH_S) -> dict[str, float]:
+    """Wait for the probe still in flight on rank 0's learner; its final probe counters ({}: none).
+
+    Runs inside the learner (local or remote): ``ProbeClient.finish`` collects the last
+    outcome, resending the request if the actor was restarting.
+    """
+
+    def finish(learner: Any) -> dict[str, float]:
+        client = getattr(learner, "_probe", None)  # GradmonPPOTorchLearner's ProbeClient (rank 0 only)
+        if client is None:
+            return {}
+        client.finish(timeout_s)
+        return client.metrics()
+
+    counters: dict[str, float] = {}
+    try:
+        for result in algo.learner_group.foreach_learner(finish, timeout_seconds=timeout_s + 30):
+            if result.ok:
+                counters.update(result.get() or {})
+    except Exception as exc:  # a broken learner group: the per-iteration counters stay as logged
+        logger.warning("gradient probe: final probe counters not collected (%s: %s)", type(exc).__name__, exc)
+    return counters
+
+
 def _stop_probe(probe: Any) -> None:
     """Let the probe finish its last request and write it to MLflow, then end the actor."""
     import ray
@@ -270,11 +310,48 @@ def _stop_probe(probe: Any) -> None:
     ray.kill(probe)
 
 
-def _latch_tags(metrics: dict[str, float], heads_named: bool) -> dict[str, str]:
-    heads = heads_in(metrics)
+def reported_head_order(action_space: Any, head_names: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The heads the learner reports, in gradmon's order: the action heads as ``resolve_heads``
+    gives them (the action space's order: a ``Dict``'s sorted keys, else ``model.head_names``),
+    then ``value``.  The ``gradmon.head_names`` tag holds this; watch, the plots and the report
+    follow the tag."""
+    from gradmon_ray.rllib.module import VALUE_HEAD, resolve_heads
+
+    return (*resolve_heads(action_space, head_names).names, VALUE_HEAD)
+
+
+def _head_order(algo: Any, cfg: GradmonConfig) -> tuple[str, ...]:
+    """``reported_head_order`` for the algorithm's module (empty, with a warning, if its spaces are unknown).
+
+    Computed here, not read off the result dict: RLlib's ``MetricsLogger.aggregate`` merges
+    the learners' results through a ``set`` of keys, so their order changes from run to run.
+    """
+    from gradmon_ray.tracking.results import DEFAULT_MODULE_ID
+
+    try:
+        spaces = getattr(algo, "spaces", None) or {}
+        if DEFAULT_MODULE_ID in spaces:
+            action_space = spaces[DEFAULT_MODULE_ID][1]
+        else:
+            from gradmon_ray.rllib.standalone import env_spaces
+
+            action_space = env_spaces(cfg)[1]
+        return reported_head_order(action_space, cfg.model.head_names)
+    except Exception as exc:  # only the tag's order depends on it: sorted heads, then value
+        logger.warning("could not work out the head order (%s: %s); heads are tagged sorted", type(exc).__name__, exc)
+        return ()
+
+
+def _latch_tags(metrics: dict[str, float], heads_named: bool, head_order: Sequence[str] = ()) -> dict[str, str]:
+    """The head-names tag (once: while not ``heads_named``) and the latched-heads tags, in ``head_order``.
+
+    Heads missing from ``head_order`` follow it sorted, ``value`` last (``order_heads``): never
+    in the metrics' key order.
+    """
+    heads = heads_in(metrics, head_order)
     tags = {mn.TAG_HEAD_NAMES: ",".join(heads)} if heads and not heads_named else {}
     for kind, tag in (("nan", mn.TAG_NAN_LATCHED_HEADS), ("inf", mn.TAG_INF_LATCHED_HEADS)):
-        heads = latched_heads(metrics, kind)
+        heads = order_heads(latched_heads(metrics, kind), head_order)
         if heads:
             tags[tag] = ",".join(heads)
     return tags

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from gradmon_ray.cli import main
+from gradmon_ray.cli import build_parser, main
 
 
 def _cli(*args: str, cwd=None) -> subprocess.CompletedProcess[str]:
@@ -45,3 +45,27 @@ def test_bad_yaml_file(tmp_path):
 def test_help_exits_0():
     proc = _cli("train", "--help")
     assert proc.returncode == 0 and "--mlflow-uri" in proc.stdout
+
+
+def test_set_takes_the_help_texts_own_exponent_float(monkeypatch, tmp_path, capsys):
+    """``--set ppo.lr=1e-3`` (the --help and README example) reaches training as 0.001."""
+    from types import SimpleNamespace
+
+    import gradmon_ray.train
+
+    seen = {}
+
+    def fake_run_training(cfg, progress=None):
+        seen["cfg"] = cfg
+        return SimpleNamespace(run_id="r", mlflow_complete=True, checkpoint_path=None)
+
+    monkeypatch.setattr(gradmon_ray.train, "run_training", fake_run_training)
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    args = ["train", "--mlflow-uri", uri, "--set", "ppo.lr=1e-3", "--set", "ppo.kl_target=.5e-2"]
+    args += ["--set", "vgs.eps=2.5E-8"]
+    assert main(args) == 0, capsys.readouterr().err
+    cfg = seen["cfg"]
+    assert cfg.ppo.lr == 1e-3 and cfg.ppo.kl_target == 0.005 and cfg.vgs.eps == 2.5e-8
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    (set_flag,) = [a for a in train._actions if "--set" in a.option_strings]
+    assert "--set ppo.lr=1e-3" in set_flag.help  # the example this test runs
