@@ -7,6 +7,11 @@ below so that the spelling lives only in this module.
 
 from __future__ import annotations
 
+import re
+
+VALUE_HEAD = "value"
+"""The reported name of the value head (an action head may not be called that)."""
+
 # --- TELE-320: per-head gradient L2 norms (after backward, before clipping) ----------
 HEAD_GRAD_NORM = "grad/head/{head}/norm"
 """Mean over the iteration's minibatches of the head's gradient L2 norm (NaN: no grads)."""
@@ -17,9 +22,21 @@ HEAD_GRAD_TREND = "grad/head/{head}/trend"
 HEAD_GRAD_HEALTH = "grad/head/{head}/health"
 """Health band as a code, see ``HEALTH_CODES``."""
 HEAD_NOISE_SCALE = "grad/head/{head}/noise_scale"
-"""B_simple = EMA(tr Sigma) / EMA(|G|^2) over the head's parameters (2+ learners only)."""
+"""B_simple = EMA(tr Sigma) / EMA(|G|^2) over the head's parameters (2+ learners only).
+
+The learner leaves it out of an iteration (never logs NaN) while it is undefined:
+EMA(|G|^2) <= 0.  The |G|^2 estimate is the mean dot product of different learners' minibatch
+gradients; for a head whose true |G|^2 is small next to the sampling noise tr(Sigma)/b it
+comes out negative about as often as positive (e.g. ``blueprint`` and the other target heads
+of FactoredOps early on: they only matter on about 1 step in 16), so such a head has no value
+until enough iterations (or larger batches) resolve its signal: its gradient is noise at the
+batch sizes seen so far, B_simple is larger than they can measure.  Caveat: RLlib's own result
+dict shows NaN for a key left out after an earlier iteration logged it (its MetricsLogger fills
+keys missing from an iteration).  See ``gradmon_ray.telemetry.noise_scale``."""
 GLOBAL_NOISE_SCALE = "grad/noise_scale"
-"""B_simple over all parameters (2+ learners only): about the critical batch size."""
+"""B_simple over all parameters (2+ learners only): about the critical batch size.
+
+Left out of an iteration while undefined, as ``HEAD_NOISE_SCALE``."""
 HEAD_GRAD_NORM_CV = "grad/head_norm_cv"
 """Coefficient of variation (population std / mean) of the finite action-head norms."""
 
@@ -166,7 +183,8 @@ TAG_NAN_LATCHED_HEADS = "gradmon.nan_latched_heads"
 """Comma-separated heads whose NaN latch fired (absent while none has)."""
 TAG_INF_LATCHED_HEADS = "gradmon.inf_latched_heads"
 TAG_HEAD_NAMES = "gradmon.head_names"
-"""Comma-separated head names in the order the learner reports them."""
+"""Comma-separated head names: the action heads in action-space order (a ``Dict`` space's sorted keys,
+or ``model.head_names`` for ``MultiDiscrete``), then ``value``; the same in every run."""
 TAG_STATUS = "gradmon.status"
 """``running``, ``finished``, ``stopped`` (a health rule ended it) or ``failed``."""
 TAG_STOP_REASON = "gradmon.stop_reason"
@@ -279,6 +297,21 @@ TAG_NAMES: tuple[str, ...] = (
     TAG_RECOMPUTED_ITERATIONS,
     TAG_RESTORED_FROM,
 )
+
+
+ABSENT_WHEN_UNDEFINED: tuple[str, ...] = (HEAD_NOISE_SCALE, GLOBAL_NOISE_SCALE)
+"""Metrics the learner leaves out of an iteration while they are undefined. RLlib's metrics
+logger fills a key missing from one iteration with NaN; readers drop those NaNs again."""
+
+
+def template_pattern(template: str) -> re.Pattern[str]:
+    """A regular expression matching the filled ``template``; each ``{part}`` is a named group
+    of one path segment, e.g. ``template_pattern(HEAD_GRAD_NORM).match(name).group("head")``."""
+    pieces = re.split(r"\{(\w+)\}", template)
+    regex = "".join(
+        re.escape(piece) if i % 2 == 0 else f"(?P<{piece}>[^/]+)" for i, piece in enumerate(pieces)
+    )
+    return re.compile(f"^{regex}$")
 
 
 def probe_metric(template: str, bucket: str, **parts: str) -> str:

@@ -2,10 +2,22 @@
 
 from gradmon_ray.distributed.collective import (
     LearnerCollective,
+    ReducedIteration,
     ReplicaDivergenceError,
     new_group_name,
     parameter_checksum,
+    reduce_iteration,
     resolve_backend,
 )
+from gradmon_ray.distributed.noise_hook import NoiseScaleHook
 
-__all__ = ["LearnerCollective", "ReplicaDivergenceError", "new_group_name", "parameter_checksum", "resolve_backend"]
+__all__ = [
+    "LearnerCollective",
+    "NoiseScaleHook",
+    "ReducedIteration",
+    "ReplicaDivergenceError",
+    "new_group_name",
+    "parameter_checksum",
+    "reduce_iteration",
+    "resolve_backend",
+]

@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import logging
 import uuid
+from typing import NamedTuple
 
+import numpy as np
 import torch
+
+from gradmon_ray.telemetry.accumulator import IterationAccumulator
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +36,12 @@ def new_group_name() -> str:
 def resolve_backend(backend: str, device: torch.device) -> str:
     """``"auto"``: NCCL for CUDA tensors when Ray's NCCL backend (cupy) is installed, else
     gloo on the host copy the learner makes anyway; an explicit choice is checked."""
-    from ray.util import collective
-
     if backend not in BACKENDS:
         raise ValueError(f"collective backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "gloo":
+        return backend
+    from ray.util import collective
+
     if backend == "auto":
         return "nccl" if device.type == "cuda" and collective.nccl_available() else "gloo"
     if backend == "nccl" and (device.type != "cuda" or not collective.nccl_available()):
@@ -80,12 +86,16 @@ class LearnerCollective:
         """
         if not self.active:
             return tensor
+        self._allreduce(tensor)
+        self.calls += 1
+        return tensor
+
+    def _allreduce(self, tensor: torch.Tensor) -> None:
+        """The transport: one in-place SUM through the Ray collective group (made on first use)."""
         from ray.util import collective
 
         self._ensure_group()
         collective.allreduce(tensor, group_name=self.group_name)
-        self.calls += 1
-        return tensor
 
     def destroy(self) -> None:
         """Tear down this group only (RLlib's DDP world is left alone)."""
@@ -98,6 +108,41 @@ class LearnerCollective:
         except Exception as exc:  # shutdown must not fail because a peer went first
             logger.warning("destroying collective group %s failed: %s", self.group_name, exc)
         self._initialized = False
+
+
+class ReducedIteration(NamedTuple):
+    """One iteration's numbers after ``reduce_iteration`` (numpy, on the host)."""
+
+    lanes: np.ndarray
+    """The telemetry lanes, merged across replicas (``TelemetryLayout.merge_replicas``)."""
+    checksum: np.ndarray
+    """The SUM of the learners' checksum digits."""
+    noise: np.ndarray
+    """The SUM of the learners' noise-scale lanes (``gradmon_ray.telemetry.noise_scale``)."""
+    local: np.ndarray
+    """``local`` as it was on this learner (not reduced)."""
+
+
+def reduce_iteration(
+    accumulator: IterationAccumulator,
+    collective: LearnerCollective,
+    *,
+    checksum: torch.Tensor,
+    noise: torch.Tensor,
+    local: torch.Tensor,
+) -> ReducedIteration:
+    """Drain ``accumulator`` with ``[checksum, noise]`` riding in its ONE reduction and ``local``
+    in its one host copy; with a single learner nothing is reduced.  Zeroes nothing but the
+    accumulator's buffer."""
+    lanes, reduced_extra, local_host = accumulator.drain(
+        reduced_extra=torch.cat([checksum.reshape(-1).double(), noise.reshape(-1).double()]),
+        local_extra=local,
+        allreduce=collective.allreduce_sum if collective.active else None,
+        reduce_on_device=collective.backend == "nccl",
+        world_size=collective.world_size,
+    )
+    n = checksum.numel()
+    return ReducedIteration(lanes, reduced_extra[:n], reduced_extra[n:], local_host)
 
 
 # --- replica checksum ---------------------------------------------------------------------

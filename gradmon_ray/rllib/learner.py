@@ -39,7 +39,13 @@ from ray.rllib.utils.annotations import override
 from ray.rllib.utils.typing import ModuleID, ParamDict, StateDict, TensorType
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.distributed import LearnerCollective, ReplicaDivergenceError, parameter_checksum
+from gradmon_ray.distributed import (
+    LearnerCollective,
+    NoiseScaleHook,
+    ReplicaDivergenceError,
+    parameter_checksum,
+    reduce_iteration,
+)
 from gradmon_ray.optim import UPGD
 from gradmon_ray.probe.actor import ProbeRequest
 from gradmon_ray.probe.analysis import LossSettings
@@ -56,6 +62,7 @@ from gradmon_ray.telemetry import (
     VarianceGradientScaler,
     logp_nonfinite_flags,
 )
+from gradmon_ray.telemetry.noise_scale import GLOBAL_ENTRY, noise_scale_metrics
 from gradmon_ray.telemetry.state_digest import state_digest
 
 logger = logging.getLogger(__name__)
@@ -138,7 +145,9 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         groups = rl_module.head_parameter_groups()
         action_heads = [h for h in groups if h != "value"]
         self._norm_plan = GradientNormPlan(groups, [p for p in rl_module.parameters() if p.requires_grad])
-        self._tracker = TelemetryTracker(list(groups), action_heads)
+        from gradmon_ray.telemetry.bands import BandSet  # health band edges (config telemetry.bands)
+
+        self._tracker = TelemetryTracker(list(groups), action_heads, bands=BandSet.from_dict(settings.get("bands")))
         self._accumulator = IterationAccumulator(self._tracker.layout, device=self._device)
         self._pending_norms: GradientNorms | None = None
         self._pending_logp_flags: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -213,47 +222,22 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
     def _setup_noise_scale(self, groups: dict[str, list[Any]], beta: float, enabled: bool = True) -> None:
         """Per-head gradient noise scale (needs 2+ learners: local vs all-reduced gradients).
 
-        A DDP comm hook adds each bucket's LOCAL per-head squared norms (before the
-        all-reduce) into a device accumulator and then hands the bucket to DDP's own
+        A DDP comm hook (``NoiseScaleHook``) adds each bucket's LOCAL per-head squared norms
+        (before the all-reduce) into device lanes and then hands the bucket to DDP's own
         ``allreduce_hook``, which still does the averaging.
         """
-        num_slots = len(groups)
         self._noise: NoiseScaleTracker | None = None
-        # [local sq per head | trunk (unused) | local global sq | big sq per head | big global sq]
-        self._noise_acc = torch.zeros(2 * num_slots + 3, dtype=torch.float64, device=self._device)
-        self._noise_rows = 0
+        # The hook's lanes ride in every iteration's reduction (zeros without 2+ learners).
+        self._noise_hook = NoiseScaleHook(groups, self._device, scale=self._loss_scale)
         self._last_rows = 0
         if not (enabled and self._collective.active):
             return
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        if self._noise_hook.register(self.module[self._module_id]):
+            self._noise = NoiseScaleTracker([*groups, GLOBAL_ENTRY], beta=beta)
 
-        self._noise = NoiseScaleTracker([*groups, "global"], beta=beta)
-        slot_of = {id(p): i for i, ps in enumerate(groups.values()) for p in ps}
-        local = self._noise_acc[: num_slots + 2]
-        index_cache: dict[tuple[int, ...], torch.Tensor] = {}
-
-        # No annotations: DDP checks them against dist.GradBucket / Future[Tensor], and under
-        # `from __future__ import annotations` they would be strings.
-        def local_norm_hook(state, bucket):  # type: ignore[no-untyped-def]
-            params = bucket.parameters()
-            key = tuple(id(p) for p in params)
-            index = index_cache.get(key)
-            if index is None:  # DDP may rebuild its buckets after the first iteration
-                index = torch.tensor([slot_of.get(id(p), num_slots) for p in params], device=local.device)
-                index_cache[key] = index
-            squares = torch.stack(torch._foreach_norm(bucket.gradients())).double() ** 2
-            scaler = self._grad_scaler
-            if scaler is not None:  # DDP reduces the still-scaled gradients: unscale the squares
-                squares = squares / scaler._get_scale_async().double() ** 2
-            local[: num_slots + 1].index_add_(0, index, squares)
-            local[num_slots + 1 :].add_(squares.sum())
-            return allreduce_hook(None, bucket)
-
-        module = self.module[self._module_id]
-        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
-            module.register_comm_hook(state=None, hook=local_norm_hook)
-        else:
-            self._noise = None
+    def _loss_scale(self) -> torch.Tensor | None:
+        """The GradScaler's current scale (0-d, on the device), None without one."""
+        return self._grad_scaler._get_scale_async() if self._grad_scaler is not None else None
 
     @property
     def collective(self) -> LearnerCollective:
@@ -364,9 +348,7 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         norms = self._norm_plan.compute()
         self._pending_norms = norms
         if self._noise is not None:
-            big = self._noise_acc[len(self._norm_plan.head_names) + 2 :]
-            big.add_(torch.cat([norms.head_norms, norms.global_norm.reshape(1)]).double() ** 2)
-            self._noise_rows += self._last_rows
+            self._noise_hook.add_big(norms.head_norms, norms.global_norm, self._last_rows)
         global_norm = norms.global_norm
         if self._vgs is not None:
             # After the telemetry norms (they stay pre-scaling), before clipping and the step.
@@ -537,36 +519,25 @@ class GradmonPPOTorchLearner(PPOTorchLearner):
         scaler = self._scaler_acc if self._grad_scaler is not None else self._scaler_acc[:0]
         local = torch.cat([scaler, digits]) if vgs is None else torch.cat([scaler, vgs.double(), digits])
         self._scaler_acc[0].zero_()
-        lanes, reduced_extra, local_host = self._accumulator.drain(
-            reduced_extra=torch.cat([digits, self._noise_acc]),
-            local_extra=local,
-            allreduce=collective.allreduce_sum if collective.active else None,
-            reduce_on_device=collective.backend == "nccl",
-            world_size=k,
+        reduced = reduce_iteration(
+            self._accumulator, collective, checksum=digits, noise=self._noise_hook.lanes, local=local
         )
-        self._noise_acc.zero_()
-        checksum_ok = bool(np.array_equal(reduced_extra[:2], k * local_host[-2:])) if check else None
+        self._noise_hook.zero_()
+        local_host = reduced.local
+        checksum_ok = bool(np.array_equal(reduced.checksum, k * local_host[-2:])) if check else None
         n_scaler = scaler.numel()
-        lanes_out = {"telemetry": lanes, "vgs": local_host[n_scaler:-2], "noise": reduced_extra[2:]}
+        lanes_out = {"telemetry": reduced.lanes, "vgs": local_host[n_scaler:-2], "noise": reduced.noise}
         lanes_out["scaler"] = local_host[:n_scaler]
         return lanes_out, checksum_ok
 
     def _noise_scale_metrics(self, noise: np.ndarray, minibatches: int) -> dict[str, float]:
         """B_simple per head and global from the reduced noise lanes of one iteration."""
-        rows, self._noise_rows = self._noise_rows, 0
-        if self._noise is None or minibatches <= 0 or rows <= 0:
+        rows = self._noise_hook.take_rows()
+        if self._noise is None:
             return {}
-        k = self._collective.world_size
-        r = len(self._norm_plan.head_names)
-        local_sum = np.concatenate([noise[:r], noise[r + 1 : r + 2]])  # drop the trunk slot
-        big_sum = noise[r + 2 :]
-        sq_small = local_sum / (k * minibatches)  # mean over learners and minibatches
-        sq_big = big_sum / (k * minibatches)  # identical on every learner: SUM = k x
-        b_small = rows / minibatches
-        scales = self._noise.update(sq_small.tolist(), sq_big.tolist(), b_small, k * b_small)
-        out = {mn.head_metric(mn.HEAD_NOISE_SCALE, h): v for h, v in scales.items() if h != "global"}
-        out[mn.GLOBAL_NOISE_SCALE] = scales["global"]
-        return out
+        return noise_scale_metrics(
+            self._noise, noise, world_size=self._collective.world_size, minibatches=minibatches, rows=rows
+        )
 
     def gradmon_state_digest(self) -> str:
         """SHA-256 of this learner's gradmon state (latches, prev values, counters, VGS, noise, probe)."""

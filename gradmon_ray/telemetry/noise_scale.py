@@ -15,6 +15,20 @@ size*: batches much smaller than it waste optimizer steps on noise, much larger 
 samples.  Caveat for PPO: minibatches are reused for several epochs and the policy moves
 between them, so the samples are not i.i.d. draws from a fixed distribution; read B_simple as
 a trend and an order of magnitude, not an exact batch size.
+
+With ``k`` learners the estimator reduces to the learners' per-minibatch mean gradients
+``m_r`` (``M`` their mean): ``|G|^2 ~ (k|M|^2 - mean_r |m_r|^2) / (k - 1)``, i.e. the mean
+pairwise dot product ``m_r . m_s`` over ``r != s`` (for two learners simply ``m_0 . m_1``).
+For a head whose true ``|G|^2`` is small next to the sampling noise ``tr(Sigma)/b`` this is
+negative about as often as positive, and so can EMA(|G|^2) be for many iterations: B_simple
+is then undefined (the gradient is indistinguishable from noise at the batch sizes seen so
+far) and ``noise_scale_metrics`` leaves that entry out instead of logging NaN.
+
+The learner's noise lanes (``noise_lane_count(num_heads)`` float64 values, SUM-reduced across
+learners once per iteration together with the rest of the telemetry) are laid out as
+``[local sq per head | local trunk sq | local global sq | big sq per head | big global sq]``:
+"local" is each learner's own minibatch gradient before DDP's all-reduce (the DDP comm hook
+``gradmon_ray.distributed.noise_hook.NoiseScaleHook`` adds them), "big" the all-reduced one.
 """
 
 from __future__ import annotations
@@ -23,7 +37,19 @@ import math
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
+import numpy as np
+
+from gradmon_ray import metric_names as mn
+
 T = TypeVar("T")
+
+GLOBAL_ENTRY = "global"
+"""The tracker's last entry: all parameters (heads and shared trunk) together."""
+
+
+def noise_lane_count(num_heads: int) -> int:
+    """Length of the noise lanes for ``num_heads`` reported heads (see the module docstring)."""
+    return 2 * num_heads + 3
 
 
 def gradient_noise_terms(sq_norm_small: T, sq_norm_big: T, b_small: float, b_big: float) -> tuple[T, T]:
@@ -86,3 +112,55 @@ class NoiseScaleTracker:
         self.g2_ema = [float(x) for x in state["g2_ema"]]
         self.trace_ema = [float(x) for x in state["trace_ema"]]
         self.updates = int(state["updates"])
+
+
+def noise_scale_inputs(
+    lanes: np.ndarray, num_heads: int, world_size: int, minibatches: int, rows: int
+) -> tuple[np.ndarray, np.ndarray, float, float]:
+    """``(sq_small, sq_big, b_small, b_big)`` for ``NoiseScaleTracker.update`` from one iteration.
+
+    ``lanes`` are the noise lanes after the SUM all-reduce over ``world_size`` learners, each
+    of which ran ``minibatches`` minibatches holding ``rows`` rows in all.  The local lanes
+    summed over learners and minibatches give the mean small-batch squared norm; the big lanes
+    were identical on every learner (computed after DDP's all-reduce), so their SUM is
+    ``world_size`` times the per-learner sum.  Entries: the heads, then the global norm (the
+    trunk slot is dropped).
+    """
+    lanes = np.asarray(lanes, dtype=np.float64)
+    if lanes.shape != (noise_lane_count(num_heads),):
+        raise ValueError(f"expected {noise_lane_count(num_heads)} noise lanes for {num_heads} heads, got {lanes.shape}")
+    k, r = world_size, num_heads
+    local_sum = np.concatenate([lanes[:r], lanes[r + 1 : r + 2]])  # drop the trunk slot
+    big_sum = lanes[r + 2 :]
+    sq_small = local_sum / (k * minibatches)  # mean over learners and minibatches
+    sq_big = big_sum / (k * minibatches)  # identical on every learner: SUM = k x
+    b_small = rows / minibatches
+    return sq_small, sq_big, b_small, k * b_small
+
+
+def noise_scale_metrics(
+    tracker: NoiseScaleTracker,
+    lanes: np.ndarray,
+    *,
+    world_size: int,
+    minibatches: int,
+    rows: int,
+) -> dict[str, float]:
+    """Fold one iteration's reduced noise lanes into ``tracker``; the metrics to log.
+
+    ``tracker.names`` are the reported heads followed by ``"global"``.  Returns
+    ``{grad/head/<h>/noise_scale: B, grad/noise_scale: B}``; an entry whose B_simple is
+    undefined (EMA(|G|^2) <= 0: see the module docstring) is left out, never logged as NaN.
+    Nothing is folded in (and ``{}`` returned) without minibatches or rows.
+    """
+    if minibatches <= 0 or rows <= 0:
+        return {}
+    num_heads = len(tracker.names) - 1
+    sq_small, sq_big, b_small, b_big = noise_scale_inputs(lanes, num_heads, world_size, minibatches, rows)
+    scales = tracker.update(sq_small.tolist(), sq_big.tolist(), b_small, b_big)
+    out = {}
+    for name, value in scales.items():
+        if not math.isfinite(value):
+            continue  # undefined this iteration: left out (metric_names.HEAD_NOISE_SCALE)
+        out[mn.GLOBAL_NOISE_SCALE if name == GLOBAL_ENTRY else mn.head_metric(mn.HEAD_NOISE_SCALE, name)] = value
+    return out

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -30,7 +29,8 @@ _RLLIB_PATHS: dict[str, tuple[str, ...]] = {
     mn.ENV_RUNNERS_HEALTHY: ("fault_tolerance", "num_healthy_workers"),
     mn.ENV_RUNNER_RESTARTS: ("fault_tolerance", "num_remote_worker_restarts"),
 }
-_HEAD_FROM_NORM = re.compile(r"^grad/head/(?P<head>[^/]+)/norm$")
+_HEAD_FROM_NORM = mn.template_pattern(mn.HEAD_GRAD_NORM)
+_ABSENT_WHEN_UNDEFINED = [mn.template_pattern(t) for t in mn.ABSENT_WHEN_UNDEFINED]
 
 
 def _lookup(result: Mapping[str, Any], path: tuple[str, ...], module_id: str) -> Any:
@@ -72,8 +72,9 @@ def result_to_metrics(result: Mapping[str, Any], module_id: str = DEFAULT_MODULE
     for key, value in learner.items():
         if isinstance(key, str) and key.startswith(_GRADMON_PREFIXES):
             number = _as_float(value)
-            if number is not None:
-                out[key] = number
+            if number is None or (math.isnan(number) and any(p.match(key) for p in _ABSENT_WHEN_UNDEFINED)):
+                continue  # RLlib's NaN for a metric the learner left out this iteration
+            out[key] = number
     for name, path in _RLLIB_PATHS.items():
         if path[0] == "learners" and not updated:
             continue

@@ -188,3 +188,15 @@ def test_configured_regularizers_enter_the_training_loss():
     without = learner.compute_loss_for_module(module_id=DEFAULT_MODULE_ID, config=config, batch=tensors, fwd_out=fwd)
     expected = 0.25 * sum(float(p.detach().pow(2).sum()) for p in module.parameters())
     assert float(with_reg.detach() - without.detach()) == pytest.approx(expected, rel=1e-5)
+
+
+def test_configured_band_edges_judge_the_learners_heads():
+    """telemetry.bands reaches the learner's tracker: value by its own edges, action heads by theirs."""
+    from gradmon_ray.telemetry import BandSet
+
+    bands = {"action": {"dead_below": 0.001}, "value": {"healthy_max": 20.0, "elevated_max": 80.0}}
+    cfg = config_from_dict({"seed": 0, "model": {"trunk_hiddens": [16]}, "telemetry": {"bands": bands}})
+    learner = build_local_learner(cfg)
+    assert learner._tracker.bands == BandSet.from_dict(bands)
+    assert learner._tracker.bands.value.edges == (0.01, 0.1, 20.0, 80.0)
+    assert learner._tracker.bands.action.edges == (0.001, 0.1, 2.0, 5.0)

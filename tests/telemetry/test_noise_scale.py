@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
+from gradmon_ray import metric_names as mn
 from gradmon_ray.telemetry import NoiseScaleTracker, gradient_noise_terms
+from gradmon_ray.telemetry.noise_scale import noise_lane_count, noise_scale_inputs, noise_scale_metrics
 
 
 def test_worked_answer():
@@ -62,3 +65,50 @@ def test_tracker_nan_before_updates_and_state_round_trip():
     assert tracker.noise_scales()["op"] == pytest.approx((80 / 3) / (7 / 3))
     with pytest.raises(ValueError, match="noise-scale state"):
         NoiseScaleTracker(["x"]).load_state_dict(tracker.state_dict())
+
+
+# --- one iteration's reduced lanes -> metrics (what the learner logs) -----------------------
+def _lanes(sq_small, sq_big, trunk, k, minibatches):
+    """SUM-reduced noise lanes for per-entry mean squared norms (heads..., global)."""
+    local = [s * k * minibatches for s in sq_small]
+    big = [s * k * minibatches for s in sq_big]
+    return np.array([*local[:-1], trunk, local[-1], *big])
+
+
+def test_inputs_undo_the_sum_over_learners_and_minibatches():
+    k, minibatches, rows = 3, 4, 4 * 32
+    lanes = _lanes([5.0, 7.0, 20.0], [3.0, 4.0, 11.0], trunk=123.0, k=k, minibatches=minibatches)
+    assert len(lanes) == noise_lane_count(2)
+    sq_small, sq_big, b_small, b_big = noise_scale_inputs(lanes, 2, k, minibatches, rows)
+    np.testing.assert_allclose(sq_small, [5.0, 7.0, 20.0])  # the trunk slot is dropped
+    np.testing.assert_allclose(sq_big, [3.0, 4.0, 11.0])
+    assert (b_small, b_big) == (32.0, 96.0)
+    with pytest.raises(ValueError, match="noise lanes"):
+        noise_scale_inputs(lanes[:-1], 2, k, minibatches, rows)
+
+
+def test_undefined_noise_scale_is_left_out_never_nan():
+    """The two-learner FactoredOps run: ``blueprint``'s |G|^2 estimate 2|G_big|^2 - |G_small|^2
+    was negative (learner gradients disagreeing) and B_simple was logged as NaN every iteration.
+    These are that run's first-iteration numbers (b_small = 128, 16 minibatches, 2 learners)."""
+    tracker = NoiseScaleTracker(["op", "blueprint", "global"], beta=0.9)
+    k, minibatches, rows = 2, 16, 16 * 128
+    lanes = _lanes([0.092982, 0.081333, 1.0866], [0.057398, 0.039128, 0.60421], 0.5, k, minibatches)
+    metrics = noise_scale_metrics(tracker, lanes, world_size=k, minibatches=minibatches, rows=rows)
+    assert set(metrics) == {mn.head_metric(mn.HEAD_NOISE_SCALE, "op"), mn.GLOBAL_NOISE_SCALE}
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert tracker.g2_ema[1] < 0  # remembered: a later positive estimate must outweigh it
+    g2_op, trace_op = gradient_noise_terms(0.092982, 0.057398, 128, 256)
+    assert metrics[mn.head_metric(mn.HEAD_NOISE_SCALE, "op")] == pytest.approx(trace_op / g2_op)
+    # Once the learners agree on blueprint's direction, its EMA turns positive and it is logged.
+    lanes = _lanes([0.092982, 0.09, 1.0866], [0.057398, 0.0625, 0.60421], 0.5, k, minibatches)
+    metrics = noise_scale_metrics(tracker, lanes, world_size=k, minibatches=minibatches, rows=rows)
+    assert math.isfinite(metrics[mn.head_metric(mn.HEAD_NOISE_SCALE, "blueprint")])
+
+
+def test_no_minibatches_or_rows_fold_nothing():
+    tracker = NoiseScaleTracker(["op", "global"])
+    lanes = _lanes([5.0, 6.0], [3.0, 4.0], 0.0, 2, 1)
+    assert noise_scale_metrics(tracker, lanes, world_size=2, minibatches=0, rows=10) == {}
+    assert noise_scale_metrics(tracker, lanes, world_size=2, minibatches=1, rows=0) == {}
+    assert tracker.updates == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from gradmon_ray import metric_names as mn
 from gradmon_ray.tracking import heads_in, latched_heads, progress_line, result_to_metrics
 
@@ -127,3 +129,22 @@ def test_progress_line_can_include_the_value_head_judged_by_its_own_bands():
     )
     wide = BandSet.from_dict({"action": {"weak_below": 0.01, "dead_below": 0.001}})
     assert "worst head op 0.050 (healthy)" in progress_line(1, 2, _norms(op=0.05, slot=0.3, value=3.0), bands=wide)
+
+
+def test_a_noise_scale_the_learner_left_out_stays_out_although_rllib_refills_it_with_nan():
+    """RLlib reports a key missing from this iteration as NaN; an undefined noise scale is left
+    out (never a NaN point), while a NaN norm ("no gradient") is kept: it means something."""
+    nan = float("nan")
+    metrics = result_to_metrics(
+        _result(
+            **{
+                "grad/head/op/noise_scale": nan,
+                "grad/head/slot/noise_scale": 12.5,
+                "grad/noise_scale": nan,
+                "grad/head/op/norm": nan,
+            }
+        )
+    )
+    assert "grad/head/op/noise_scale" not in metrics and "grad/noise_scale" not in metrics
+    assert metrics["grad/head/slot/noise_scale"] == 12.5
+    assert math.isnan(metrics["grad/head/op/norm"])

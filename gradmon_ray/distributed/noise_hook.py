@@ -1,0 +1,99 @@
+"""The DDP comm hook behind the per-head gradient noise scale (2+ learners).
+
+DDP all-reduces gradients bucket by bucket; a comm hook sees each bucket's LOCAL gradients
+just before that all-reduce.  ``NoiseScaleHook`` adds their per-head squared norms into the
+"local" noise lanes on the device, then hands the bucket to DDP's own ``allreduce_hook``
+(which still does the averaging).  After the all-reduce the learner adds the "big batch"
+squared norms (``add_big``).  Lane layout and arithmetic: ``gradmon_ray.telemetry.noise_scale``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from gradmon_ray.telemetry.noise_scale import noise_lane_count
+
+
+class NoiseScaleHook:
+    """Owns one iteration's noise lanes (float64, on ``device``) and the comm hook filling them.
+
+    ``groups`` maps each reported head to its parameters (disjoint); every other parameter
+    DDP reduces counts as trunk (it enters the global lane only).  ``scale`` returns the
+    loss scale (a 0-d tensor) when a ``GradScaler`` is in use, else None: DDP reduces the
+    still-scaled gradients, so the local squares are unscaled here.
+    """
+
+    def __init__(
+        self,
+        groups: Mapping[str, Sequence[torch.nn.Parameter]],
+        device: torch.device | str | None = None,
+        scale: Callable[[], torch.Tensor | None] | None = None,
+    ) -> None:
+        self.num_heads = len(groups)
+        self.lanes = torch.zeros(noise_lane_count(self.num_heads), dtype=torch.float64, device=device)
+        self.rows = 0
+        """Rows of the minibatches added with ``add_big`` since the last ``take_rows``."""
+        self._local = self.lanes[: self.num_heads + 2]  # heads, trunk, global
+        self._big = self.lanes[self.num_heads + 2 :]  # heads, global
+        self._slot_of = {id(p): i for i, ps in enumerate(groups.values()) for p in ps}
+        self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
+        self._scale = scale
+        self._enabled = False
+        self._allreduce: Callable[..., Any] | None = None
+
+    def local_norm_hook(self, state, bucket):  # type: ignore[no-untyped-def]
+        # No annotations: DDP checks them against dist.GradBucket / Future[Tensor], and under
+        # `from __future__ import annotations` they would be strings.
+        if self._enabled:
+            self.add_local(bucket.parameters(), bucket.gradients())
+        return self._allreduce(None, bucket)
+
+    def add_local(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+        """Add the squared norms of ``grads`` (the local gradients of ``params``) to the local lanes."""
+        key = tuple(id(p) for p in params)
+        index = self._index_cache.get(key)
+        if index is None:  # DDP may rebuild its buckets after the first iteration
+            index = torch.tensor([self._slot_of.get(id(p), self.num_heads) for p in params], device=self.lanes.device)
+            self._index_cache[key] = index
+        squares = torch.stack(torch._foreach_norm(list(grads))).double() ** 2
+        scale = self._scale() if self._scale is not None else None
+        if scale is not None:
+            squares = squares / scale.double() ** 2
+        self._local[: self.num_heads + 1].index_add_(0, index, squares)
+        self._local[self.num_heads + 1 :].add_(squares.sum())
+
+    def add_big(self, head_norms: torch.Tensor, global_norm: torch.Tensor, rows: int) -> None:
+        """Add one minibatch's all-reduced norms (per head, then global) and its local row count."""
+        self._big.add_(torch.cat([head_norms, global_norm.reshape(1)]).double() ** 2)
+        self.rows += rows
+
+    def take_rows(self) -> int:
+        """The rows counted since the last call; resets the count."""
+        rows, self.rows = self.rows, 0
+        return rows
+
+    def zero_(self) -> None:
+        """Zero the lanes (after the iteration's reduction)."""
+        self.lanes.zero_()
+
+    def register(self, module: Any) -> bool:
+        """Install on ``module`` if it is a ``DistributedDataParallel`` (True), else do nothing."""
+        if not isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            return False
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        self._allreduce = allreduce_hook
+        module.register_comm_hook(state=None, hook=self.local_norm_hook)
+        self._enabled = True
+        return True
+
+    def remove(self) -> None:
+        """Stop measuring.  DDP cannot unregister a comm hook: it stays DDP's plain all-reduce."""
+        self._enabled = False
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled

@@ -1,0 +1,46 @@
+"""``NoiseScaleHook`` without a process group: bucket -> head mapping, unscaling, bookkeeping."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gradmon_ray.distributed import NoiseScaleHook
+from gradmon_ray.telemetry.noise_scale import noise_lane_count
+
+
+def _params():
+    a1, a2, b, trunk = (nn.Parameter(torch.zeros(n)) for n in (2, 3, 1, 4))
+    return {"a": [a1, a2], "b": [b]}, trunk
+
+
+def test_local_squares_land_in_their_head_trunk_and_global_lanes():
+    groups, trunk = _params()
+    (a1, a2), (b,) = groups["a"], groups["b"]
+    hook = NoiseScaleHook(groups)
+    assert hook.lanes.shape == (noise_lane_count(2),) and hook.lanes.dtype == torch.float64
+    # Two "buckets" mixing heads and trunk, in DDP's (reversed) order.
+    hook.add_local([trunk, b, a2], [torch.full((4,), 1.0), torch.tensor([3.0]), torch.full((3,), 2.0)])
+    hook.add_local([a1], [torch.tensor([1.0, 1.0])])
+    # [a | b | trunk | global | big a | big b | big global]; norms are float32 like the gradients
+    expected = torch.tensor([14.0, 9.0, 4.0, 27.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(hook.lanes, expected, rtol=1e-6, atol=0.0)
+    hook.add_big(torch.tensor([2.0, 1.0]), torch.tensor(3.0), rows=16)
+    hook.add_big(torch.tensor([1.0, 0.0]), torch.tensor(1.0), rows=8)
+    torch.testing.assert_close(hook.lanes[4:], torch.tensor([5.0, 1.0, 10.0], dtype=torch.float64))
+    assert hook.take_rows() == 24 and hook.take_rows() == 0
+    hook.zero_()
+    assert not hook.lanes.any()
+
+
+def test_local_squares_are_unscaled_with_a_loss_scale():
+    groups, _ = _params()
+    hook = NoiseScaleHook(groups, scale=lambda: torch.tensor(4.0))
+    hook.add_local([groups["b"][0]], [torch.tensor([8.0])])  # scaled gradient 8 = 4 x 2
+    assert hook.lanes[1].item() == 4.0 and hook.lanes[3].item() == 4.0
+
+
+def test_register_needs_ddp():
+    groups, _ = _params()
+    hook = NoiseScaleHook(groups)
+    assert not hook.register(nn.Linear(2, 2)) and not hook.enabled
