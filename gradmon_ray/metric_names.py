@@ -308,9 +308,7 @@ def template_pattern(template: str) -> re.Pattern[str]:
     """A regular expression matching the filled ``template``; each ``{part}`` is a named group
     of one path segment, e.g. ``template_pattern(HEAD_GRAD_NORM).match(name).group("head")``."""
     pieces = re.split(r"\{(\w+)\}", template)
-    regex = "".join(
-        re.escape(piece) if i % 2 == 0 else f"(?P<{piece}>[^/]+)" for i, piece in enumerate(pieces)
-    )
+    regex = "".join(re.escape(piece) if i % 2 == 0 else f"(?P<{piece}>[^/]+)" for i, piece in enumerate(pieces))
     return re.compile(f"^{regex}$")
 
 
