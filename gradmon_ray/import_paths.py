@@ -38,6 +38,8 @@ def resolve_regularizer_fn(name: str, fn: str | Callable[..., Any] | None = None
             resolved = import_path(target)
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"regularizer {name!r}: cannot import {target!r}: {exc}") from None
+        except Exception as exc:  # the module itself fails on import: still the config's problem
+            raise ValueError(f"regularizer {name!r}: cannot import {target!r}: {type(exc).__name__}: {exc}") from None
         if not callable(resolved):
             raise ValueError(f"regularizer {name!r}: {target!r} is not callable")
         return resolved

@@ -29,8 +29,8 @@ class ConfigError(ValueError):
 
     def __init__(self, field_path: str, message: str) -> None:
         self.field_path = field_path
-        self.message = message
-        super().__init__(f"{field_path}: {message}")
+        self.message = " ".join(part.strip() for part in message.splitlines() if part.strip())  # one line
+        super().__init__(f"{field_path}: {self.message}")
 
 
 class ConfigModel(BaseModel):
