@@ -44,9 +44,13 @@ class ConfigModel(BaseModel):
         return {} if data is None else data  # YAML ``vgs:`` with nothing under it
 
     def __setattr__(self, name: str, value: Any) -> None:
+        before = dict(self.__dict__)
         try:
             super().__setattr__(name, value)
         except ValidationError as exc:
+            # pydantic has already stored the value when a check across fields refuses it: undo that
+            self.__dict__.clear()
+            self.__dict__.update(before)
             raise config_error(type(self), exc, SECTION_PATHS.get(type(self), "")) from None
 
 
@@ -84,9 +88,9 @@ def config_error(cls: type[BaseModel], exc: ValidationError, root: str = "", dat
     if kind == "missing":
         return ConfigError(path or "config", f"is required; must be {allowed}")
     if kind in _BOUND_ERRORS:
-        return ConfigError(path or "config", f"must be{_bounds(_constraints(tp, info))}, got {_show(got)}")
+        return ConfigError(path or "config", f"must be{_bounds(_peel(tp, info)[1])}, got {_show(got)}")
     if kind == "finite_number":
-        return ConfigError(path or "config", f"must be a finite number{_bounds(_constraints(tp, info))}, got {got!r}")
+        return ConfigError(path or "config", f"must be a finite number{_bounds(_peel(tp, info)[1])}, got {got!r}")
     return ConfigError(path or "config", f"must be {allowed}, got {_show(got)}")
 
 
@@ -98,7 +102,7 @@ def _walk(cls: type[BaseModel], loc: tuple[Any, ...], root: str) -> tuple[str, A
     None, the innermost model passed, how many ``loc`` parts were followed)."""
     path, tp, info, parent = root, cls, None, cls
     for used, part in enumerate(loc):
-        inner = _unwrap(tp)
+        inner = _peel(tp)[0]
         origin = typing.get_origin(inner)
         if isinstance(inner, type) and issubclass(inner, BaseModel):
             parent, path = inner, _join(path, str(part))
@@ -139,37 +143,23 @@ def _show(value: Any, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _unwrap(tp: Any) -> Any:
-    """``tp`` without ``Annotated`` and ``Optional``."""
-    while True:
-        origin = typing.get_origin(tp)
-        if origin is Annotated:
-            tp = typing.get_args(tp)[0]
-        elif origin in (Union, types.UnionType) and tp is not JsonValue:
-            args = [a for a in typing.get_args(tp) if a is not type(None)]
-            if len(args) != 1:
-                return tp
-            tp = args[0]
-        else:
-            return tp
-
-
-def _constraints(tp: Any, info: FieldInfo | None) -> list[Any]:
-    """Bounds on ``tp``: from its FieldInfo and from ``Annotated[..., Field(...)]`` inside it."""
-    out = list(info.metadata) if info is not None else []
+def _peel(tp: Any, info: FieldInfo | None = None) -> tuple[Any, list[Any], bool]:
+    """``tp`` without ``Annotated`` and ``Optional``; the bounds met on the way (and in ``info``);
+    whether null is allowed."""
+    constraints, nullable = (list(info.metadata) if info is not None else []), False
     while True:
         origin = typing.get_origin(tp)
         if origin is Annotated:
             tp, *extra = typing.get_args(tp)
             for item in extra:
-                out.extend(item.metadata if isinstance(item, FieldInfo) else [item])
-        elif origin in (Union, types.UnionType) and tp is not JsonValue:
+                constraints.extend(item.metadata if isinstance(item, FieldInfo) else [item])
+        elif origin in (Union, types.UnionType):
             args = [a for a in typing.get_args(tp) if a is not type(None)]
             if len(args) != 1:
-                return out
-            tp = args[0]
+                return tp, constraints, nullable
+            tp, nullable = args[0], True
         else:
-            return out
+            return tp, constraints, nullable
 
 
 def _bounds(constraints: list[Any]) -> str:
@@ -195,8 +185,8 @@ def _allowed(tp: Any, info: FieldInfo | None) -> str:
 
 def describe(tp: Any, info: FieldInfo | None = None, plural: bool = False) -> str:
     """What a value of type ``tp`` (with the bounds in ``info``) may be, in words."""
-    constraints = _constraints(tp, info)
-    bounds, nullable, tp = _bounds(constraints), _is_nullable(tp), _unwrap(tp)
+    tp, constraints, nullable = _peel(tp, info)
+    bounds = _bounds(constraints)
     origin = typing.get_origin(tp)
     if tp is JsonValue:
         text = PLAIN_DATA
@@ -223,9 +213,3 @@ _SCALARS: dict[Any, tuple[str, str]] = {
     str: ("a string", "strings"),
     Any: ("any value", "any values"),
 }
-
-
-def _is_nullable(tp: Any) -> bool:
-    while typing.get_origin(tp) is Annotated:
-        tp = typing.get_args(tp)[0]
-    return typing.get_origin(tp) in (Union, types.UnionType) and type(None) in typing.get_args(tp)
