@@ -27,17 +27,21 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union
+
+from pydantic import Field
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import (
     ConfigError,
+    ConfigModel,
     GradmonConfig,
-    _from_dict,
+    Text,
     apply_overrides,
     config_from_dict,
+    parse,
     read_yaml_mapping,
 )
 from gradmon_ray.tracking.mlflow_io import mlflow_value
@@ -47,32 +51,27 @@ TRIAL_STATE_FILE = "gradmon_trial.json"
 PARENT_RUN_TAG = "mlflow.parentRunId"  # MLflow's own tag: the UI nests runs under their parent
 
 
-@dataclass
-class SweepConfig:
+class SweepConfig(ConfigModel):
     """A sweep file."""
 
-    name: Union[str, None] = field(default=None, metadata={"doc": "Sweep name (Tune experiment and MLflow tag)."})
-    base_config: Union[str, None] = field(
-        default=None, metadata={"doc": "Run config YAML the trials start from (relative to the sweep file)."}
+    name: Union[Text, None] = Field(None, description="Sweep name (Tune experiment and MLflow tag).")
+    base_config: Union[Text, None] = Field(
+        None, description="Run config YAML the trials start from (relative to the sweep file)."
     )
-    base: dict[str, Any] = field(
-        default_factory=dict, metadata={"doc": "Inline run config, applied after base_config."}
+    base: dict[Text, Any] = Field(default_factory=dict, description="Inline run config, applied after base_config.")
+    search_space: dict[Text, Any] = Field(
+        default_factory=dict, description="Dotted config field -> {choice|grid|uniform|loguniform: [...]}."
     )
-    search_space: dict[str, Any] = field(
-        default_factory=dict, metadata={"doc": "Dotted config field -> {choice|grid|uniform|loguniform: [...]}."}
+    num_samples: int = Field(1, ge=1, description="Samples of the search space (x grid size).")
+    metric: Text = Field(mn.EPISODE_RETURN_MEAN, description="Metric that ranks trials.")
+    mode: Literal["max", "min"] = Field("max", description="Whether larger metric is better.")
+    max_concurrent_trials: int = Field(1, ge=1, description="Trials running at once.")
+    max_failures: int = Field(
+        2, ge=-1, description="Retries of a failed trial, from its last checkpoint (-1: forever)."
     )
-    num_samples: int = field(default=1, metadata={"doc": "Samples of the search space (x grid size).", "min": 1})
-    metric: str = field(default=mn.EPISODE_RETURN_MEAN, metadata={"doc": "Metric that ranks trials."})
-    mode: Literal["max", "min"] = field(default="max", metadata={"doc": "Whether larger metric is better."})
-    max_concurrent_trials: int = field(default=1, metadata={"doc": "Trials running at once.", "min": 1})
-    max_failures: int = field(
-        default=2, metadata={"doc": "Retries of a failed trial, from its last checkpoint (-1: forever).", "min": -1}
-    )
-    checkpoint_every: int = field(default=1, metadata={"doc": "Checkpoint a trial every N iterations.", "min": 1})
-    keep_checkpoints: int = field(default=2, metadata={"doc": "Latest checkpoints kept per trial.", "min": 1})
-    storage_path: Union[str, None] = field(
-        default=None, metadata={"doc": "Where Tune keeps trial state (null: ./tune_results)."}
-    )
+    checkpoint_every: int = Field(1, ge=1, description="Checkpoint a trial every N iterations.")
+    keep_checkpoints: int = Field(2, ge=1, description="Latest checkpoints kept per trial.")
+    storage_path: Union[Text, None] = Field(None, description="Where Tune keeps trial state (null: ./tune_results).")
 
 
 @dataclass
@@ -102,7 +101,7 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, dict[str, Any]]:
     """Parse and validate a sweep file; returns it and the resolved base run config (as data)."""
     p = Path(path)
     data = read_yaml_mapping(p, "sweep")
-    sweep: SweepConfig = _from_dict(SweepConfig, data, "")
+    sweep = parse(SweepConfig, data)
     base = read_yaml_mapping((p.parent / sweep.base_config).resolve(), "base_config") if sweep.base_config else {}
     base = _merge(base, sweep.base)
     config_from_dict(copy.deepcopy(base))  # the base itself must be a valid run config

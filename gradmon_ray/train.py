@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -135,9 +134,9 @@ def run_training(
             spill_path=default_spill_path(cfg.mlflow.spill_dir, cfg.mlflow.run_name),
         )
     outcome = TrainingOutcome(run_id=None, iterations_done=resume.iterations_done if resume else 0)
-    rules = HealthStopRules(**dataclasses.asdict(cfg.health_stop))
+    rules = HealthStopRules(**cfg.health_stop.model_dump())
     monitor = HealthStopMonitor(rules) if rules.any else None
-    bands = BandSet.from_dict(dataclasses.asdict(cfg.telemetry.bands))  # the progress line judges heads by these
+    bands = BandSet.from_dict(cfg.telemetry.bands.model_dump())  # the progress line judges heads by these
     if monitor is not None and resume is not None:
         monitor.load_state_dict(resume.health_state)
     status = "FAILED"
@@ -254,7 +253,7 @@ def _start_probe(cfg: GradmonConfig, name: str, sink: MlflowSink) -> Any:
             tracking_uri=cfg.mlflow.tracking_uri,
             run_id=run_id,
             num_buckets=cfg.probe.num_buckets,
-            regularizers=[dataclasses.asdict(r) for r in cfg.regularizers],
+            regularizers=[r.model_dump() for r in cfg.regularizers],
             track_grad_norms=cfg.probe.track_grad_norms,
             num_cpus=cfg.probe.num_cpus,
             num_gpus=cfg.probe.num_gpus,

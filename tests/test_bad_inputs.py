@@ -7,6 +7,7 @@ start.  The restore cases use a real checkpoint written by real RLlib training.
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import pickle
@@ -145,6 +146,93 @@ CASES = [
         "does not fit this config's model: size mismatch for trunk.0.weight",
     ),
     ("restore-old-vgs-format", {"restore_from": "@old_vgs"}, [], "old-format (spatial) VGS state"),
+    # Dict keys and values, lists of strings and nullable fields: checked by type, not passed through.
+    (
+        "logit-scale-not-a-number",
+        {"model": {"head_logit_scale": {"op": "big"}}},
+        [],
+        "model.head_logit_scale.op: must be a number > 0.0, got 'big'",
+    ),
+    (
+        "logit-scale-int-key",
+        {"model": {"head_logit_scale": {0: 2.0}}},
+        [],
+        "model.head_logit_scale: keys must be strings, got 0",
+    ),
+    ("env-config-int-key", {"env": {"config": {1: 2}}}, [], "env.config: keys must be strings, got 1"),
+    (
+        "env-config-not-a-mapping",
+        {"env": {"config": [1, 2]}},
+        [],
+        "env.config: must be a mapping of strings to plain data",
+    ),
+    (
+        "env-config-nested-int-key",
+        {"env": {"config": {"op_probs": {0: 0.5}}}},
+        [],
+        "env.config.op_probs: must be plain data (strings, finite numbers, true/false, null, lists, and mappings "
+        "with string keys), got {0: 0.5}",
+    ),
+    (
+        "env-config-date-value",
+        {"env": {"config": {"start": datetime.date(2024, 1, 1)}}},
+        [],
+        "env.config.start: must be plain data",
+    ),
+    (
+        "head-names-not-a-list",
+        {"model": {"head_names": "op"}},
+        [],
+        "model.head_names: must be a list of non-empty strings or null, got 'op'",
+    ),
+    (
+        "head-names-item-not-a-string",
+        {"model": {"head_names": ["a", 3]}},
+        [],
+        "model.head_names[1]: must be a non-empty string, got 3",
+    ),
+    (
+        "head-names-duplicate",
+        {"model": {"head_names": ["a", "a"]}},
+        [],
+        "model.head_names: must be distinct head names",
+    ),
+    (
+        "run-name-not-a-string",
+        {"mlflow": {"run_name": 7}},
+        [],
+        "mlflow.run_name: must be a non-empty string or null, got 7",
+    ),
+    ("seed-not-an-integer", {"seed": 1.5}, [], "seed: must be an integer >= 0 or null, got 1.5"),
+    ("grad-clip-string", {"ppo": {"grad_clip": "off"}}, [], "ppo.grad_clip: must be a number > 0.0 or null, got 'off'"),
+    ("inf-lr", {"ppo": {"lr": float("inf")}}, [], "ppo.lr: must be a finite number > 0.0, got inf"),
+    (
+        "nan-regularizer-weight",
+        {"regularizers": [{"name": "logit_l2", "weight": float("nan")}]},
+        [],
+        "regularizers[0].weight: must be a finite number, got nan",
+    ),
+    ("regularizer-missing-name", {"regularizers": [{"fn": "logit_l2"}]}, [], "regularizers[0].name: is required"),
+    (
+        "regularizer-fn-not-a-string",
+        {"regularizers": [{"name": "r", "fn": 3}]},
+        [],
+        "regularizers[0].fn: must be a non-empty string or null, got 3",
+    ),
+    (
+        "regularizer-module-fails-on-import",
+        {"regularizers": [{"name": "r", "fn": "tests.fixtures.broken_import:fn"}]},
+        [],
+        "regularizers[0].fn: regularizer 'r': cannot import 'tests.fixtures.broken_import:fn': RuntimeError: simulator",
+    ),
+    ("section-not-a-mapping", {"vgs": [1]}, [], "vgs: must be a mapping of enabled, beta, alpha"),
+    ("bool-as-string", {"telemetry": {"enabled": "yes"}}, [], "telemetry.enabled: must be true or false, got 'yes'"),
+    (
+        "cli-set-logit-scale-zero",
+        {},
+        ["--set", "model.head_logit_scale.op=0"],
+        "model.head_logit_scale.op: must be > 0.0, got 0",
+    ),
 ]
 
 

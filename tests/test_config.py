@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -43,7 +42,7 @@ def test_tracking_uri_precedence_explicit_then_mlflow_env_then_embedded_store(mo
         ({"ppo": {"grad_clip_by": "l1"}}, "ppo.grad_clip_by", "one of 'global_norm', 'norm', 'value'"),
         ({"model": {"activation": "gelu"}}, "model.activation", "one of 'tanh', 'relu', 'silu'"),
         ({"model": {"trunk_hiddens": [64, 0]}}, "model.trunk_hiddens[1]", ">= 1"),
-        ({"model": {"trunk_hiddens": 64}}, "model.trunk_hiddens", "a list of an integer"),
+        ({"model": {"trunk_hiddens": 64}}, "model.trunk_hiddens", "must be a list of integers >= 1, got 64"),
         ({"telemetry": {"enabled": "yes"}}, "telemetry.enabled", "true or false"),
         ({"mlflow": {"tracking_uri": ""}}, "mlflow.tracking_uri", "non-empty string"),
         ({"ppo": 3}, "ppo", "must be a mapping"),
@@ -84,7 +83,7 @@ def test_tracking_uri_precedence_explicit_then_mlflow_env_then_embedded_store(mo
         (
             {"telemetry": {"bands": {"action": {"elevated_max": float("inf")}}}},
             "telemetry.bands.action.elevated_max",
-            "must be a finite number > 0, got inf",
+            "must be a finite number > 0.0, got inf",
         ),
         ({"telemetry": {"bands": {"action": {"explode": 9}}}}, "telemetry.bands.action.explode", "dead_below, weak"),
         ({"telemetry": {"bands": {"critic": {}}}}, "telemetry.bands.critic", "allowed keys here: action, value"),
@@ -124,19 +123,22 @@ def test_bad_files(tmp_path, text, fragment):
 
 
 def test_every_field_has_a_doc():
-    def walk(cls):
-        for f in dataclasses.fields(cls):
-            if dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.type.endswith("Section")):
+    """Every field of every section, from the JSON schema (what docs and editors read)."""
+    from gradmon_ray.sweep import SweepConfig
+
+    for model in (GradmonConfig, SweepConfig):
+        schema = model.model_json_schema()
+        sections = {model.__name__: schema, **schema.get("$defs", {})}
+        checked = 0
+        for name, section in sections.items():
+            if "properties" not in section:
                 continue
-            assert f.metadata.get("doc"), f"{cls.__name__}.{f.name} has no doc"
-
-    from gradmon_ray import config as c
-
-    sections = (c.GradmonConfig, c.EnvSection, c.ModelSection, c.PPOSection, c.ResourcesSection, c.MlflowSection)
-    for cls in (*sections, c.VgsSection, c.UpgdSection, c.TelemetrySection, c.ProbeSection, c.RegularizerEntry):
-        walk(cls)
-    for cls in (c.HealthStopSection, c.ActionBandsSection, c.ValueBandsSection):
-        walk(cls)
+            assert section.get("description"), f"{name} has no docstring"
+            for field, prop in section["properties"].items():
+                ref = prop.get("$ref", "").rpartition("/")[2]  # a section: its docstring
+                assert prop.get("description") or sections[ref].get("description"), f"{name}.{field} has no doc"
+                checked += 1
+        assert checked > (80 if model is GradmonConfig else 10)
 
 
 def test_flat_params():
@@ -205,10 +207,134 @@ def test_band_edges_default_to_the_telemetry_bands_and_reach_the_learner():
     from gradmon_ray.telemetry import ACTION_BANDS, VALUE_BANDS, BandSet, HealthBands
 
     cfg = GradmonConfig()
-    assert dataclasses.astuple(cfg.telemetry.bands.action) == ACTION_BANDS.edges
-    assert dataclasses.astuple(cfg.telemetry.bands.value) == VALUE_BANDS.edges
+    assert tuple(cfg.telemetry.bands.action.model_dump().values()) == ACTION_BANDS.edges
+    assert tuple(cfg.telemetry.bands.value.model_dump().values()) == VALUE_BANDS.edges
     assert cfg.health_stop.include_value_head is False
     custom = config_from_dict({"telemetry": {"bands": {"value": {"healthy_max": 20, "elevated_max": 80}}}})
     assert custom.telemetry.bands.value.healthy_max == 20.0 and custom.telemetry.bands.action.elevated_max == 5.0
     settings = build_ppo_config(custom).learner_config_dict[LEARNER_CONFIG_KEY]
     assert BandSet.from_dict(settings["bands"]) == BandSet(ACTION_BANDS, HealthBands(0.01, 0.1, 20.0, 80.0))
+
+
+def test_config_validation_imports_neither_the_probe_nor_torch_nor_ray():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from gradmon_ray.config import config_from_dict; "
+        "config_from_dict({'regularizers': [{'name': 'logit_l2'}, {'name': 'u', 'fn': 'json:dumps'}]}); "
+        "print(sorted(m for m in sys.modules "
+        "if m.split('.')[0] in ('torch', 'ray') or m.startswith('gradmon_ray.probe')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
+def test_builtin_regularizer_names_match_the_probe_table():
+    from gradmon_ray.import_paths import BUILTIN_REGULARIZER_NAMES
+    from gradmon_ray.probe.regularizers import BUILTIN_REGULARIZERS
+
+    assert tuple(BUILTIN_REGULARIZERS) == BUILTIN_REGULARIZER_NAMES
+
+
+def _leaf_paths(model, prefix=""):
+    from pydantic import BaseModel
+
+    for name, info in model.model_fields.items():
+        tp = info.annotation
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            yield from _leaf_paths(tp, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}"
+
+
+@pytest.mark.parametrize("path", sorted(_leaf_paths(GradmonConfig)))
+def test_every_field_refuses_a_wrong_type_with_one_line_naming_it(path):
+    from gradmon_ray.config import apply_overrides
+
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(apply_overrides({}, {path: {1, 2}}))  # a set: no field takes one
+    assert info.value.field_path == path
+    assert str(info.value).startswith(f"{path}: must be ") and str(info.value).endswith(", got {1, 2}")
+    assert "\n" not in str(info.value)
+
+
+def test_sections_are_changed_in_place_with_validation():
+    cfg = config_from_dict({})
+    cfg.telemetry.fused_optimizer = False
+    cfg.vgs.alpha = 5  # an integer is a number
+    assert cfg.telemetry.fused_optimizer is False and cfg.vgs.alpha == 5.0 and isinstance(cfg.vgs.alpha, float)
+    with pytest.raises(
+        ConfigError, match=r"^ppo\.minibatch_size: must be <= ppo\.train_batch_size \(1024\), got 4096$"
+    ):
+        cfg.ppo.minibatch_size = 4096
+    with pytest.raises(ConfigError, match=r"^vgs\.alpha: must be >= 0\.0, got -1$"):
+        cfg.vgs.alpha = -1
+    with pytest.raises(ConfigError, match=r"^telemetry\.bands\.value\.healthy_max: cannot be changed in place"):
+        cfg.telemetry.bands.value.healthy_max = 20.0  # an edge set is one value: replace it whole
+    cfg.telemetry.bands = {"value": {"healthy_max": 20, "elevated_max": 80}}
+    assert cfg.telemetry.bands.value.healthy_max == 20.0 and cfg.telemetry.bands.action.elevated_max == 5.0
+    assert cfg.ppo.minibatch_size == 128 and cfg.vgs.alpha == 5.0  # a refused assignment changes nothing
+
+
+def test_validate_config_checks_across_sections_after_a_change():
+    from gradmon_ray.config import validate_config
+
+    cfg = config_from_dict({"regularizers": [{"name": "logit_l2"}], "probe": {"track_grad_norms": True}})
+    validate_config(cfg)
+    with pytest.raises(ConfigError, match=r"^probe\.track_grad_norms: is true but no enabled entry"):
+        cfg.regularizers = []  # an assignment on the whole config is checked across sections at once
+    assert len(cfg.regularizers) == 1
+    plain = config_from_dict({})
+    plain.probe.track_grad_norms = True  # a section alone cannot see the regularizers
+    with pytest.raises(ConfigError, match=r"^probe\.track_grad_norms: is true but no enabled entry"):
+        validate_config(plain)
+
+
+def test_an_empty_section_means_its_defaults_and_configs_pickle(tmp_path):
+    import copy
+    import pickle
+
+    path = tmp_path / "c.yaml"
+    path.write_text("vgs:\nppo:\n  lr: 1e-3\n")
+    cfg = load_config(path, {"vgs.enabled": True})
+    assert cfg.vgs.enabled and cfg.vgs.beta == 0.99 and cfg.ppo.lr == 1e-3
+    assert pickle.loads(pickle.dumps(cfg)) == cfg == copy.deepcopy(cfg)
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "message"),
+    [
+        ({"model": {"head_logit_scale": {"op": 0}}}, "model.head_logit_scale.op", "must be > 0.0, got 0"),
+        ({"model": {"head_logit_scale": {7: 2.0}}}, "model.head_logit_scale", "keys must be strings, got 7"),
+        ({"model": {"head_logit_scale": [1.0]}}, "model.head_logit_scale", "must be a mapping of strings to numbers"),
+        ({"model": {"head_names": []}}, "model.head_names", "must be a non-empty list of distinct head names or null"),
+        ({"model": {"head_names": ["", "b"]}}, "model.head_names[0]", "must be a non-empty string, got ''"),
+        ({"env": {"config": {"a": [1, {2: 3}]}}}, "env.config.a", "must be plain data"),
+        ({"env": {"config": {"a": float("inf")}}}, "env.config.a", "must be a finite number, got inf"),
+        ({"env": {"id": 3}}, "env.id", "must be a non-empty string, got 3"),
+        (
+            {"regularizers": [{"name": "x", "fn": "json:decoder"}]},
+            "regularizers[0].fn",
+            "'json:decoder' is not callable",
+        ),
+        ({"regularizers": [7]}, "regularizers[0]", "must be a mapping of name, fn, weight, enabled, got 7"),
+        ({"resources": {"num_gpus_per_learner": 1.5}}, "resources.num_gpus_per_learner", "whole number, got 1.5"),
+        ({"ppo": {"kl_target": float("nan")}}, "ppo.kl_target", "must be a finite number > 0.0, got nan"),
+        ({"iterations": "3"}, "iterations", "must be an integer >= 1, got '3'"),
+    ],
+)
+def test_dicts_lists_and_nullable_fields_are_checked(data, field, message):
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data)
+    assert info.value.field_path == field and message in info.value.message, str(info.value)
+
+
+def test_a_user_regularizer_resolves_without_the_probe():
+    cfg = config_from_dict({"regularizers": [{"name": "mine", "fn": "tests.fixtures.user_envs:head_bias_l1"}]})
+    assert cfg.regularizers[0].model_dump() == {
+        "name": "mine",
+        "fn": "tests.fixtures.user_envs:head_bias_l1",
+        "weight": 1.0,
+        "enabled": True,
+    }

@@ -10,7 +10,6 @@ the probe or training.
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 from ray.rllib.core.columns import Columns
 
+from gradmon_ray.import_paths import resolve_regularizer_fn
 from gradmon_ray.rllib.ppo_loss import masked_mean
 
 RegularizerFn = Callable[[torch.nn.Module, Mapping[str, Any], Mapping[str, Any]], torch.Tensor]
@@ -64,22 +64,7 @@ def resolve_regularizer(
 ) -> RegularizerSpec:
     """A spec from config: ``fn`` is a built-in name, ``"pkg.module:function"``, or a callable
     (default: the built-in called ``name``).  Unknown names and failed imports are errors
-    that name the regularizer and the allowed built-ins."""
-    target = name if fn is None else fn
-    if callable(target):
-        return RegularizerSpec(name, target, float(weight), bool(enabled))
-    if target in BUILTIN_REGULARIZERS:
-        return RegularizerSpec(name, BUILTIN_REGULARIZERS[target], float(weight), bool(enabled))
-    if ":" in target:
-        module_name, _, attr = target.partition(":")
-        try:
-            resolved = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"regularizer {name!r}: cannot import {target!r}: {exc}") from None
-        if not callable(resolved):
-            raise ValueError(f"regularizer {name!r}: {target!r} is not callable")
-        return RegularizerSpec(name, resolved, float(weight), bool(enabled))
-    raise ValueError(
-        f"regularizer {name!r}: unknown function {target!r}; use one of {sorted(BUILTIN_REGULARIZERS)} "
-        "or 'package.module:function'"
-    )
+    that name the regularizer and the allowed built-ins (``gradmon_ray.import_paths``)."""
+    resolved = resolve_regularizer_fn(name, fn)
+    function = BUILTIN_REGULARIZERS[resolved] if isinstance(resolved, str) else resolved
+    return RegularizerSpec(name, function, float(weight), bool(enabled))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from typing import Any
 
@@ -84,16 +83,16 @@ def build_ppo_config(cfg: GradmonConfig, *, probe_actor: str | None = None) -> P
                 LEARNER_CONFIG_KEY: {
                     "telemetry": cfg.telemetry.enabled,
                     "fused_optimizer": cfg.telemetry.fused_optimizer,
-                    "bands": dataclasses.asdict(cfg.telemetry.bands),  # {"action": {edges}, "value": {edges}}
+                    "bands": cfg.telemetry.bands.model_dump(),  # {"action": {edges}, "value": {edges}}
                     "optimizer": cfg.optimizer,
-                    "upgd": dataclasses.asdict(cfg.upgd),
-                    "vgs": dataclasses.asdict(cfg.vgs),
+                    "upgd": cfg.upgd.model_dump(),
+                    "vgs": cfg.vgs.model_dump(),
                     "collective_group": new_group_name(),
                     "collective_backend": cfg.distributed.backend,
                     "reduce_telemetry": cfg.distributed.reduce_telemetry,
                     "noise_scale": cfg.distributed.noise_scale,
                     "replica_check_every": cfg.distributed.replica_check_every,
-                    "regularizers": [dataclasses.asdict(r) for r in cfg.regularizers],
+                    "regularizers": [r.model_dump() for r in cfg.regularizers],
                     "probe": probe,
                 }
             },

@@ -1,0 +1,328 @@
+"""The sections of a run config: pydantic models, one ``Field(description=...)`` per field.
+
+Bounds are ``Field`` constraints; checks across fields are validators that raise
+``ConfigError`` (see ``gradmon_ray.config.base`` for how errors are worded).  Band edge
+sets and regularizer entries are frozen values; the other sections may be changed
+in place, each assignment validated.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+from typing import Annotated, Literal, Union
+
+from pydantic import ConfigDict, Field, JsonValue, field_validator, model_validator
+
+from gradmon_ray.config.base import ConfigError, ConfigModel
+from gradmon_ray.import_paths import resolve_regularizer_fn
+
+Text = Annotated[str, Field(min_length=1)]
+"""A non-empty string."""
+Width = Annotated[int, Field(ge=1)]
+"""A layer width."""
+PositiveNumber = Annotated[float, Field(gt=0.0)]
+
+
+class EnvSection(ConfigModel):
+    """Which environment to train on."""
+
+    id: Text = Field(
+        "gradmon/FactoredOps-v0",
+        description="A registered Gymnasium/Ray Tune env name, or 'package.module:ClassName'.",
+    )
+    config: dict[str, JsonValue] = Field(default_factory=dict, description="Keyword config passed to the env.")
+
+
+class ModelSection(ConfigModel):
+    """Shape of the FactoredActorCritic RLModule."""
+
+    trunk_hiddens: list[Width] = Field(default_factory=lambda: [128, 128], description="Shared trunk widths.")
+    head_hiddens: list[Width] = Field(default_factory=list, description="Hidden widths inside each action head.")
+    value_hiddens: list[Width] = Field(default_factory=list, description="Hidden widths inside the value head.")
+    activation: Literal["tanh", "relu", "silu"] = Field("tanh", description="Hidden activation.")
+    head_logit_scale: dict[Text, PositiveNumber] = Field(
+        default_factory=dict,
+        description="Multiply a head's logits, e.g. {op: 100.0} (diagnostics: provokes an exploding head).",
+    )
+    head_names: Union[list[Text], None] = Field(
+        None, description="Head names for MultiDiscrete/Discrete spaces (Dict spaces use their keys)."
+    )
+
+    @field_validator("head_names")
+    @classmethod
+    def _distinct_head_names(cls, names: list[str] | None) -> list[str] | None:
+        if names is not None:
+            if not names:
+                raise ConfigError("", "must be a non-empty list of distinct head names or null, got []")
+            repeated = sorted({n for n in names if names.count(n) > 1})
+            if repeated:
+                raise ConfigError("", f"must be distinct head names, got {names!r} ({repeated} repeated)")
+        return names
+
+
+class PPOSection(ConfigModel):
+    """PPO hyperparameters (RLlib's names)."""
+
+    lr: float = Field(3e-4, gt=0.0, description="Adam learning rate.")
+    gamma: float = Field(0.99, ge=0.0, le=1.0, description="Discount factor.")
+    lambda_: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda.")
+    clip_param: float = Field(0.2, gt=0.0, description="PPO ratio clip.")
+    vf_clip_param: float = Field(10.0, gt=0.0, description="Clip for the squared value error.")
+    vf_loss_coeff: float = Field(0.5, ge=0.0, description="Weight of the value loss.")
+    entropy_coeff: float = Field(0.01, ge=0.0, description="Weight of the entropy bonus.")
+    use_kl_loss: bool = Field(False, description="Add the adaptive KL penalty.")
+    kl_coeff: float = Field(0.2, ge=0.0, description="Initial KL coefficient.")
+    kl_target: float = Field(0.01, gt=0.0, description="KL target of the adaptive coefficient.")
+    train_batch_size: int = Field(1024, ge=1, description="Env steps per training iteration.")
+    minibatch_size: int = Field(128, ge=1, description="SGD minibatch size.")
+    num_epochs: int = Field(4, ge=1, description="Passes over each train batch.")
+    grad_clip: Union[float, None] = Field(0.5, gt=0.0, description="Gradient clip (null: off).")
+    grad_clip_by: Literal["global_norm", "norm", "value"] = Field("global_norm", description="Clip mode.")
+
+    @model_validator(mode="after")
+    def _minibatch_fits_the_batch(self) -> PPOSection:
+        if self.minibatch_size > self.train_batch_size:
+            raise ConfigError(
+                "minibatch_size",
+                f"must be <= ppo.train_batch_size ({self.train_batch_size}), got {self.minibatch_size}",
+            )
+        return self
+
+
+class ResourcesSection(ConfigModel):
+    """Where things run."""
+
+    num_env_runners: int = Field(1, ge=0, description="Remote EnvRunner actors (0: sample on the driver).")
+    num_envs_per_env_runner: int = Field(1, ge=1, description="Vectorised envs per EnvRunner.")
+    num_learners: int = Field(0, ge=0, description="Remote learner actors (0: learn on the driver).")
+    num_gpus_per_learner: float = Field(0.0, ge=0.0, description="GPUs per learner (0: CPU).")
+    ray_address: Union[Text, None] = Field(None, description="Ray cluster address (null: start local Ray).")
+    num_cpus: Union[int, None] = Field(None, ge=1, description="CPUs for a local Ray (null: Ray detects).")
+    env_runner_restart_delay_s: float = Field(
+        5.0, ge=0.0, description="Wait before restarting a crashed EnvRunner (RLlib's own default: 60 s)."
+    )
+    max_env_runner_restarts: int = Field(
+        1000, ge=0, description="EnvRunner restarts allowed over the run before it fails."
+    )
+
+    @field_validator("num_gpus_per_learner")
+    @classmethod
+    def _fraction_or_whole(cls, gpus: float) -> float:
+        if gpus > 1 and gpus != int(gpus):
+            raise ConfigError("", f"must be a fraction <= 1 or a whole number, got {gpus!r}")
+        return gpus
+
+
+class BandEdges(ConfigModel):
+    """Health band edges: each positive, finite and strictly increasing."""
+
+    model_config = ConfigDict(frozen=True)
+
+    @model_validator(mode="after")
+    def _edges_strictly_increase(self) -> BandEdges:
+        names = list(type(self).model_fields)
+        for lower, name in itertools.pairwise(names):
+            value, below = getattr(self, name), getattr(self, lower)
+            if not value > below:
+                raise ConfigError(name, f"must be > {lower} ({below!r}; edges strictly increase), got {value!r}")
+        return self
+
+
+_EDGE_DOCS = {
+    "dead_below": "Below this a head is dead.",
+    "weak_below": "Below this (and >= dead_below) a head is weak.",
+    "healthy_max": "Up to this (and >= weak_below) a head is healthy.",
+    "elevated_max": "Up to this (and > healthy_max) a head is elevated; above it, exploding.",
+}
+
+
+def _edge(default: float, name: str) -> float:
+    return Field(default, gt=0.0, description=_EDGE_DOCS[name])
+
+
+class ActionBandsSection(BandEdges):
+    """Health band edges of the action heads' gradient norms (TELE-320: 10 x the 0.5 clip norm explodes)."""
+
+    dead_below: float = _edge(0.01, "dead_below")
+    weak_below: float = _edge(0.1, "weak_below")
+    healthy_max: float = _edge(2.0, "healthy_max")
+    elevated_max: float = _edge(5.0, "elevated_max")
+
+
+class ValueBandsSection(BandEdges):
+    """Health band edges of the value head's gradient norm (a squared-error critic runs larger)."""
+
+    dead_below: float = _edge(0.01, "dead_below")
+    weak_below: float = _edge(0.1, "weak_below")
+    healthy_max: float = _edge(10.0, "healthy_max")
+    elevated_max: float = _edge(50.0, "elevated_max")
+
+
+class BandsSection(ConfigModel):
+    """Health band edges: dead < dead_below <= weak < weak_below <= healthy <= healthy_max < elevated
+    <= elevated_max < exploding.  Each set must be positive, finite and strictly increasing."""
+
+    model_config = ConfigDict(frozen=True)
+
+    action: ActionBandsSection = Field(default_factory=ActionBandsSection, description="The action heads' edges.")
+    value: ValueBandsSection = Field(default_factory=ValueBandsSection, description="The value head's edges.")
+
+
+class TelemetrySection(ConfigModel):
+    """Gradient telemetry switches."""
+
+    enabled: bool = Field(True, description="Per-head norms, latches and counts (off: plain PPO).")
+    fused_optimizer: bool = Field(
+        True, description="Fused Adam, which skips non-finite updates on the device (no host sync)."
+    )
+    bands: BandsSection = Field(default_factory=BandsSection, description="Health band edges of gradient norms.")
+
+
+class VgsSection(ConfigModel):
+    """Variance Gradient Scaler (seed 002's `vgs:` block, plus `granularity`)."""
+
+    enabled: bool = Field(False, description="Scale gradients by their temporal variance (opt-in).")
+    beta: float = Field(0.99, ge=0.0, lt=1.0, description="EMA decay per optimizer step.")
+    alpha: float = Field(0.1, ge=0.0, description="Scaling strength: factor = 1 / (1 + alpha * var).")
+    eps: float = Field(1e-8, gt=0.0, description="Added to the squared mean in the normalisation.")
+    warmup_steps: int = Field(100, ge=0, description="Optimizer steps before scaling starts.")
+    accept_old_checkpoint: bool = Field(
+        False,
+        description="Let restore_from take a checkpoint whose VGS state is the old spatial format (statistics reset).",
+    )
+    aggregation_method: Literal["p90", "mean", "weighted_mean"] = Field(
+        "p90", description="How per-parameter variances become one number."
+    )
+    granularity: Literal["element", "tensor"] = Field(
+        "element", description="Statistics per parameter element (like Adam) or per tensor."
+    )
+
+
+class UpgdSection(ConfigModel):
+    """UPGD hyperparameters (used when `optimizer: upgd`; the learning rate is `ppo.lr`)."""
+
+    weight_decay: float = Field(0.001, ge=0.0, description="Decoupled weight decay.")
+    beta_utility: float = Field(0.999, ge=0.0, lt=1.0, description="Utility EMA decay.")
+    sigma: float = Field(0.001, ge=0.0, description="Perturbation noise std.")
+
+
+class DistributedSection(ConfigModel):
+    """How learners agree (only matters with resources.num_learners >= 2)."""
+
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="Ray collective backend: auto = NCCL on GPUs with cupy, else gloo."
+    )
+    reduce_telemetry: bool = Field(
+        True, description="One packed collective per iteration (off: each learner reports its own view)."
+    )
+    noise_scale: bool = Field(
+        True, description="Per-head gradient noise scale via a DDP comm hook (needs reduce_telemetry)."
+    )
+    replica_check_every: int = Field(
+        10, ge=0, description="Compare parameter checksums across learners every N iterations (0: off)."
+    )
+
+
+RESERVED_REGULARIZER_NAMES = ("task", "entropy", "kl", "value", "total")
+_NAME_RULE = "letters, digits, '_', '.' or '-' and not task/entropy/kl/value/total"
+
+
+class RegularizerEntry(ConfigModel):
+    """One regularizer the probe tracks (ADR-009): ``weight * fn(module, batch, fwd_out)``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str = Field(
+        description="Metric name of the regularizer (required; letters, digits, _ . -).",
+        json_schema_extra={"allowed": _NAME_RULE},
+    )
+    fn: Union[Text, None] = Field(
+        None,
+        description="A built-in (logit_l2, uniform_prior_kl, weight_l2) or 'package.module:function' (null: name).",
+    )
+    weight: float = Field(1.0, description="Coefficient the regularizer enters the loss with.")
+    enabled: bool = Field(True, description="Track this regularizer.")
+
+    @field_validator("name")
+    @classmethod
+    def _metric_name(cls, name: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name in RESERVED_REGULARIZER_NAMES:
+            raise ConfigError("", f"must be {_NAME_RULE}, got {name!r}")
+        return name
+
+    @model_validator(mode="after")
+    def _fn_resolves(self) -> RegularizerEntry:
+        try:  # a built-in name, or an import of 'package.module:function' (no torch, no probe here)
+            resolve_regularizer_fn(self.name, self.fn)
+        except ValueError as exc:
+            raise ConfigError("fn", str(exc)) from None
+        return self
+
+
+class ProbeSection(ConfigModel):
+    """The GradientProbe actor (seeds 004 and 003): bucketed, non-destructive gradient probes."""
+
+    gradient_analysis_every: int = Field(0, ge=0, description="Probe every N training iterations (0: off).")
+    num_buckets: int = Field(4, ge=1, description="Reward-variance buckets (bucket_1 = lowest).")
+    group_key: Text = Field(
+        "group_id", description="Key in the env's reset info that groups episodes (absent: one per group)."
+    )
+    num_cpus: float = Field(1.0, ge=0.0, description="CPUs reserved for the probe actor.")
+    num_gpus: float = Field(0.0, ge=0.0, description="GPU (fraction) for the probe actor (0: CPU).")
+    max_restarts: int = Field(3, ge=-1, description="Restarts of a crashed probe actor (-1: unlimited).")
+    track_grad_norms: bool = Field(
+        False, description="ADR-009: also take each regularizer's own gradient (one backward pass each)."
+    )
+
+
+class HealthStopSection(ConfigModel):
+    """Gradient-health early stopping (each rule off by default)."""
+
+    dead_iterations: int = Field(
+        0,
+        ge=0,
+        description="Stop when a head is dead (action heads: norm < 0.01) this many iterations in a row (0: off).",
+    )
+    exploding_iterations: int = Field(
+        0,
+        ge=0,
+        description="Stop when a head is exploding (action heads: norm > 5) this many iterations in a row (0: off).",
+    )
+    nan_latch: bool = Field(False, description="Stop as soon as any head's NaN log-prob latch fires.")
+    inf_latch: bool = Field(False, description="Stop as soon as any head's Inf log-prob latch fires.")
+    include_value_head: bool = Field(
+        False,
+        description="Also judge the value head, by its own telemetry.bands.value edges, in the dead/exploding rules "
+        "and the progress line's worst head (false: action heads only).",
+    )
+
+
+EMBEDDED_TRACKING_URI = "sqlite:///mlflow.db"
+"""Where runs go when neither the config, ``--mlflow-uri`` nor ``MLFLOW_TRACKING_URI`` say otherwise."""
+
+
+def default_tracking_uri() -> str:
+    """MLflow's own convention first (``MLFLOW_TRACKING_URI``; cluster.yaml sets it on every node),
+    then the embedded sqlite store in the working directory."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or EMBEDDED_TRACKING_URI
+
+
+class MlflowSection(ConfigModel):
+    """Where metrics go."""
+
+    tracking_uri: Text = Field(
+        default_factory=default_tracking_uri,
+        description="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db).",
+    )
+    experiment: Text = Field("gradmon-ray", description="MLflow experiment name.")
+    run_name: Union[Text, None] = Field(None, description="MLflow run name (null: MLflow picks one).")
+    queue_size: int = Field(1000, ge=1, description="Iterations buffered before the oldest are dropped.")
+    spill_dir: Text = Field(
+        "gradmon-spill",
+        description="Where iterations MLflow could not take are kept (replay: gradmon-ray replay FILE).",
+    )
+    plots_every: int = Field(
+        10, ge=0, description="Log the gradient-health plots as artifacts every N iterations and at the end (0: off)."
+    )
