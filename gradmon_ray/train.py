@@ -15,6 +15,7 @@ from gradmon_ray.config import GradmonConfig
 from gradmon_ray.telemetry.bands import BandSet
 from gradmon_ray.telemetry.health_stop import HealthStopMonitor, HealthStopRules
 from gradmon_ray.tracking import MlflowSink, heads_in, latched_heads, progress_line, result_to_metrics
+from gradmon_ray.tracking.mlflow_sink import PlotFn
 from gradmon_ray.tracking.results import order_heads
 from gradmon_ray.tracking.spill import default_spill_path
 
@@ -82,6 +83,15 @@ IterationReporter = Callable[[int, dict[str, float], Any, "HealthStopMonitor | N
 """``reporter(iteration, metrics, algo, health_monitor, stop_reason)``, after every iteration (Tune uses it)."""
 
 
+def plotter(plots_every: int) -> PlotFn | None:
+    """The sink's ``plot_fn`` when plots are on: viz's ``log_plots``, wired here because tracking never imports viz."""
+    if plots_every <= 0:
+        return None
+    from gradmon_ray.viz.report import log_plots  # matplotlib: only when plots are drawn
+
+    return log_plots
+
+
 def ensure_ray(cfg: GradmonConfig) -> bool:
     """Start (or connect to) Ray; True if this call started it (so it should shut it down)."""
     import ray
@@ -132,6 +142,7 @@ def run_training(
             tags={mn.TAG_STATUS: "running"},
             max_pending=cfg.mlflow.queue_size,
             plots_every=cfg.mlflow.plots_every,
+            plot_fn=plotter(cfg.mlflow.plots_every),
             spill_path=default_spill_path(cfg.mlflow.spill_dir, cfg.mlflow.run_name),
         )
     outcome = TrainingOutcome(run_id=None, iterations_done=resume.iterations_done if resume else 0)
