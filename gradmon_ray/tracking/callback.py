@@ -29,8 +29,8 @@ from gradmon_ray.tracking.spill import default_spill_path
 
 logger = logging.getLogger(__name__)
 
-TAG_TRIAL_ID = "ray.tune.trial_id"
-"""Run tag under Tune: the trial's id (the run name is the trial's name)."""
+TAG_TRIAL_DIR = "ray.tune.trial_dir_name"
+"""Run tag under Tune: the trial's directory name, which holds its id (the run is named after it too)."""
 
 
 @dataclass(frozen=True)
@@ -38,12 +38,13 @@ class CallbackSettings:
     """What ``GradmonMLflowCallback.configured(**settings)`` takes."""
 
     tracking_uri: str | None = None
-    """MLflow tracking URI; None: ``mlflow.get_tracking_uri()`` where the algorithm runs.  Relative
-    ``sqlite:///`` / file paths are made absolute by ``configured`` (Tune changes a trial's cwd)."""
+    """MLflow tracking URI; None: ``mlflow.get_tracking_uri()``, taken by ``configured`` on the driver
+    (by the unconfigured class: where the algorithm runs).  Relative ``sqlite:///`` / file paths are
+    made absolute by ``configured`` (Tune changes a trial's cwd)."""
     experiment: str = "gradmon"
     """Experiment name, created when missing."""
     run_name: str | None = None
-    """Run name; None: the Tune trial's name, or MLflow's choice outside Tune."""
+    """Run name; None: the Tune trial's directory name, or MLflow's choice outside Tune."""
     tags: Mapping[str, str] = field(default_factory=dict)
     """Extra run tags."""
     params: Mapping[str, Any] = field(default_factory=dict)
@@ -85,6 +86,20 @@ def absolute_tracking_uri(uri: str) -> str:
     return uri
 
 
+def create_sqlite_store(uri: str) -> None:
+    """Create a ``sqlite:`` store's tables now, once: Tune trials starting together would otherwise all
+    run MLflow's schema migration on the same file and can leave it broken (``_alembic_tmp_* already exists``).
+    Other URIs are left alone (no network on the driver); a failure is only logged."""
+    if not uri.startswith("sqlite:"):
+        return
+    try:
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(uri).search_experiments(max_results=1)
+    except Exception as exc:
+        logger.warning("gradmon callback: could not create the MLflow store %s (%s: %s)", uri, type(exc).__name__, exc)
+
+
 def module_head_order(algorithm: Any, module_id: str) -> tuple[str, ...]:
     """The module's action heads in its action-space order, for the ``gradmon.head_names`` tag.
 
@@ -112,10 +127,16 @@ def config_params(config: Any) -> dict[str, Any]:
     return {k: v for k, v in sorted(items) if isinstance(v, (bool, int, float, str)) or v is None}
 
 
-def _trial(algorithm: Any) -> tuple[str | None, str | None]:
-    """``(trial_name, trial_id)`` under Tune; ``(None, None)`` for a plain ``algo.train()`` loop."""
-    name, trial_id = algorithm.trial_name, algorithm.trial_id  # Trainable's: "default" outside Tune
-    return (None, None) if trial_id == "default" else (name, trial_id)
+def tune_trial_dir_name(algorithm: Any) -> str | None:
+    """The Tune trial's directory name (``<trainable>_<trial_id>_<index>_<params>_<date>``); None outside Tune.
+
+    Not ``algorithm.trial_name``/``trial_id``: RLlib drops Tune's trial info when it turns the
+    trial's config into an ``AlgorithmConfig`` (``update_from_dict`` skips ``__trial_info__``),
+    so those say "default" in a trial too.  Private Ray API (``Trainable._storage``, set by Tune
+    only), read defensively: without it the run is simply not named after the trial.
+    """
+    name = getattr(getattr(algorithm, "_storage", None), "trial_dir_name", None)
+    return str(name) if name else None
 
 
 class GradmonMLflowCallback(RLlibCallback):
@@ -135,9 +156,12 @@ class GradmonMLflowCallback(RLlibCallback):
     @classmethod
     def configured(cls, **settings: Any) -> type[GradmonMLflowCallback]:
         """A subclass with ``settings`` (the fields of ``CallbackSettings``) for ``config.callbacks(...)``."""
+        import mlflow
+
         resolved = dataclasses.replace(cls.settings, **settings)  # unknown names: TypeError, here
-        if resolved.tracking_uri is not None:
-            resolved = dataclasses.replace(resolved, tracking_uri=absolute_tracking_uri(resolved.tracking_uri))
+        uri = absolute_tracking_uri(resolved.tracking_uri or mlflow.get_tracking_uri())  # pinned where configured
+        create_sqlite_store(uri)
+        resolved = dataclasses.replace(resolved, tracking_uri=uri)
         return type(cls)(cls.__name__, (cls,), {"settings": resolved, "__module__": cls.__module__})
 
     def __init__(self) -> None:
@@ -201,9 +225,9 @@ class GradmonMLflowCallback(RLlibCallback):
             import mlflow
 
             uri = absolute_tracking_uri(mlflow.get_tracking_uri())
-        trial_name, trial_id = _trial(algorithm)
-        run_name = s.run_name or trial_name
-        tags = {mn.TAG_STATUS: "running", **({TAG_TRIAL_ID: trial_id} if trial_id else {}), **s.tags}
+        trial = tune_trial_dir_name(algorithm)
+        run_name = s.run_name or trial
+        tags = {mn.TAG_STATUS: "running", **({TAG_TRIAL_DIR: trial} if trial else {}), **s.tags}
         params = {**(config_params(algorithm.config) if s.log_config else {}), **s.params}
         return MlflowSink(
             uri,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -22,13 +23,14 @@ from gradmon_ray import metric_names as mn
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.rllib.config import build_ppo_config
 from gradmon_ray.tracking import GradmonMLflowCallback
-from gradmon_ray.tracking.callback import TAG_TRIAL_ID, absolute_tracking_uri
+from gradmon_ray.tracking.callback import TAG_TRIAL_DIR, absolute_tracking_uri
 from gradmon_ray.tracking.mlflow_io import mlflow_value
 from gradmon_ray.tracking.results import result_to_metrics
 from gradmon_ray.tracking.spill import read_spill, replay_spill
 from gradmon_ray.train import reported_head_order
 from gradmon_ray.viz.report import log_plots
 
+DOC = Path(__file__).resolve().parents[2] / "docs" / "callback.md"
 HEAD_NAMES = ["zeta", "alpha"]  # not sorted: the tag must follow the action space, as the CLI's does
 GRADMON_PREFIXES = ("grad/", "latch/", "update/", "vgs/", "probe/")
 
@@ -71,7 +73,10 @@ def test_configured_makes_relative_store_paths_absolute_and_rejects_bad_settings
     monkeypatch.chdir(tmp_path)
     cls = GradmonMLflowCallback.configured(tracking_uri="sqlite:///m.db", experiment="x")
     assert issubclass(cls, GradmonMLflowCallback) and cls.settings.tracking_uri == f"sqlite:///{tmp_path}/m.db"
+    assert (tmp_path / "m.db").is_file()  # the store's tables exist before any trial starts
     assert GradmonMLflowCallback.settings.tracking_uri is None  # the base class is untouched
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///default.db")
+    assert GradmonMLflowCallback.configured().settings.tracking_uri == f"sqlite:///{tmp_path}/default.db"
     assert absolute_tracking_uri("http://h:5000") == "http://h:5000"
     assert absolute_tracking_uri("sqlite:////abs/m.db") == "sqlite:////abs/m.db"
     with pytest.raises(TypeError):
@@ -136,18 +141,17 @@ def test_users_own_tuner_gets_one_run_per_trial(ray_session, tmp_path):
         run_config=tune.RunConfig(stop={"training_iteration": 2}, storage_path=str(tmp_path / "tune"), verbose=0),
     ).fit()
     assert not grid.errors
-    trials = {r.metrics["trial_id"]: r for r in grid}
-    assert len(trials) == 2
+    trials = {Path(r.path).name: r for r in grid}  # the trials' directory names
+    assert len(trials) == 2 and all(r.metrics["trial_id"] in name for name, r in trials.items())
 
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("tune").experiment_id])
-    assert sorted(r.data.tags[TAG_TRIAL_ID] for r in runs) == sorted(trials)  # one run per trial, no other
+    assert sorted(r.data.tags[TAG_TRIAL_DIR] for r in runs) == sorted(trials)  # one run per trial, no other
     assert sorted(float(r.data.params["lr"]) for r in runs) == [1e-4, 3e-4]
     for run in runs:
-        result = trials[run.data.tags[TAG_TRIAL_ID]]
+        result = trials[run.data.tags[TAG_TRIAL_DIR]]
         assert run.info.status == "FINISHED"
-        assert run.data.tags[TAG_TRIAL_ID] in run.info.run_name  # named after the trial
-        assert Path(result.path).name.startswith(run.info.run_name)
+        assert run.info.run_name == run.data.tags[TAG_TRIAL_DIR]  # named after the trial
         assert run.data.tags[mn.TAG_HEAD_NAMES] == "zeta,alpha,value"
         assert float(run.data.params["lr"]) == result.config["lr"]
         # the trial's last result, as Tune kept it, is what MLflow holds at step 2
@@ -200,3 +204,40 @@ def test_dead_tracking_server_neither_slows_nor_breaks_training(ray_session, tmp
     replayed = replay_spill(spill, tracking_uri=store)
     expected = {step: result_to_metrics(result) for step, result in enumerate(results, 1)}
     assert_mlflow_holds(MlflowClient(store), replayed.run_id, expected)
+
+
+def docs_example() -> str:
+    match = re.search(r"<!-- callback:example -->\s*```python\n(.+?)\n```", DOC.read_text(encoding="utf-8"), re.S)
+    assert match, "docs/callback.md has no <!-- callback:example --> python block"
+    return match.group(1)
+
+
+def test_the_docs_example_is_at_most_ten_lines():
+    assert len(docs_example().splitlines()) <= 10
+
+
+@pytest.mark.e2e
+def test_the_docs_example_runs_as_written(ray_session, tmp_path, monkeypatch):
+    from ray.rllib.algorithms.ppo import PPOConfig
+
+    monkeypatch.chdir(tmp_path)  # the example's relative sqlite:///mlflow.db
+    code = docs_example()
+    stop = 'tune.RunConfig(stop={"training_iteration": 100})'
+    assert stop in code
+    short = f'tune.RunConfig(stop={{"training_iteration": 1}}, storage_path={str(tmp_path / "tune")!r}, verbose=0)'
+    config = (  # "your existing PPOConfig"
+        PPOConfig()
+        .environment("CartPole-v1")
+        .env_runners(num_env_runners=0)
+        .training(train_batch_size=256, minibatch_size=128, num_epochs=1)
+    )
+    exec(compile(code.replace(stop, short), str(DOC), "exec"), {"config": config})
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("my-ppo").experiment_id])
+    assert len(runs) == 2
+    for run in runs:
+        assert run.info.status == "FINISHED"
+        assert run.data.tags[mn.TAG_HEAD_NAMES] == "action,value"
+        assert {mn.head_metric(mn.HEAD_GRAD_NORM, h) for h in ("action", "value")} <= run.data.metrics.keys()
+        assert mn.EPISODE_RETURN_MEAN in run.data.metrics or mn.ENV_STEPS_SAMPLED_LIFETIME in run.data.metrics
