@@ -29,6 +29,7 @@ from gradmon_ray.tracking.results import result_to_metrics
 from gradmon_ray.tracking.spill import read_spill, replay_spill
 from gradmon_ray.train import reported_head_order
 from gradmon_ray.viz.report import log_plots
+from tests.fixtures.user_envs import MatchTwoEnv
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "callback.md"
 HEAD_NAMES = ["zeta", "alpha"]  # not sorted: the tag must follow the action space, as the CLI's does
@@ -241,3 +242,36 @@ def test_the_docs_example_runs_as_written(ray_session, tmp_path, monkeypatch):
         assert run.data.tags[mn.TAG_HEAD_NAMES] == "action,value"
         assert {mn.head_metric(mn.HEAD_GRAD_NORM, h) for h in ("action", "value")} <= run.data.metrics.keys()
         assert mn.EPISODE_RETURN_MEAN in run.data.metrics or mn.ENV_STEPS_SAMPLED_LIFETIME in run.data.metrics
+
+
+class ExplodingEnv(MatchTwoEnv):
+    """MatchTwoEnv whose step raises once the first training iteration's batch has been sampled."""
+
+    steps = 0
+
+    def step(self, action):
+        ExplodingEnv.steps += 1
+        if ExplodingEnv.steps > 300:
+            raise RuntimeError("env exploded")
+        return super().step(action)
+
+
+def test_a_training_step_that_raises_ends_the_run_failed(ray_session, tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = ppo_config().environment(env=ExplodingEnv).fault_tolerance(restart_failed_sub_environments=False)
+    algo = config.callbacks(GradmonMLflowCallback.configured(tracking_uri=uri, experiment="boom")).build_algo()
+    ExplodingEnv.steps = 0
+    done = []
+    try:
+        with pytest.raises(RuntimeError) as raised:  # RLlib's bare RuntimeError, from the env's
+            for _ in range(5):
+                done.append(algo.train()["training_iteration"])
+    finally:
+        algo.stop()
+    assert "env exploded" in str(raised.value.__cause__)
+    assert done == [1] and ExplodingEnv.steps > 300
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("boom").experiment_id])
+    assert run.info.status == "FAILED"
+    assert run.data.tags[mn.TAG_STATUS] == "failed"
+    assert [p.step for p in client.get_metric_history(run.info.run_id, mn.LEARNERS_UPDATED)] == [1]
