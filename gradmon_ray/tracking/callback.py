@@ -177,9 +177,9 @@ class GradmonMLflowCallback(RLlibCallback):
     # --- RLlib hooks (on the algorithm: the driver, or the Tune trial's actor) --------------
     def on_algorithm_init(self, *, algorithm: Any, metrics_logger: Any = None, **kwargs: Any) -> None:
         try:
-            self.sink = self._open_sink(algorithm)
             self._head_order = module_head_order(algorithm, self.settings.module_id)
-            self._hook_stop(algorithm)
+            self._hook_stop(algorithm)  # close() is a no-op until the sink exists
+            self.sink = self._open_sink(algorithm)  # last: nothing after it can leave a run open
         except Exception as exc:  # an observer: training goes on without it
             logger.warning("gradmon callback: MLflow logging off (%s: %s)", type(exc).__name__, exc)
             self.sink = None
