@@ -282,7 +282,7 @@ def _trial(params: dict[str, Any]) -> None:
 
     from gradmon_ray.tracking import MlflowSink
     from gradmon_ray.tracking.spill import default_spill_path
-    from gradmon_ray.train import ResumePoint, last_logged_iteration, learner_state_digest, run_training
+    from gradmon_ray.train import ResumePoint, last_logged_iteration, learner_state_digest, plotter, run_training
 
     meta = params["__gradmon__"]
     overrides = {k: v for k, v in params.items() if k != "__gradmon__"}
@@ -311,6 +311,7 @@ def _trial(params: dict[str, Any]) -> None:
         tags={PARENT_RUN_TAG: meta["parent_run_id"], mn.TAG_SWEEP: meta["sweep"], mn.TAG_STATUS: "running"},
         max_pending=cfg.mlflow.queue_size,
         plots_every=cfg.mlflow.plots_every,
+        plot_fn=plotter(cfg.mlflow.plots_every),
         spill_path=default_spill_path(cfg.mlflow.spill_dir, context.get_trial_name()),
         run_id=run_id,
         end_run=True,

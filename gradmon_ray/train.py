@@ -13,8 +13,9 @@ from gradmon_ray import metric_names as mn
 from gradmon_ray.config import GradmonConfig
 from gradmon_ray.telemetry.bands import BandSet
 from gradmon_ray.telemetry.health_stop import HealthStopMonitor, HealthStopRules
-from gradmon_ray.tracking import MlflowSink, heads_in, latched_heads, progress_line, result_to_metrics
-from gradmon_ray.tracking.results import order_heads
+from gradmon_ray.tracking import MlflowSink, progress_line, result_to_metrics
+from gradmon_ray.tracking.mlflow_sink import PlotFn
+from gradmon_ray.tracking.results import latch_tags
 from gradmon_ray.tracking.spill import default_spill_path
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,15 @@ IterationReporter = Callable[[int, dict[str, float], Any, "HealthStopMonitor | N
 """``reporter(iteration, metrics, algo, health_monitor, stop_reason)``, after every iteration (Tune uses it)."""
 
 
+def plotter(plots_every: int) -> PlotFn | None:
+    """The sink's ``plot_fn`` when plots are on: viz's ``log_plots``, wired here because tracking never imports viz."""
+    if plots_every <= 0:
+        return None
+    from gradmon_ray.viz.report import log_plots  # matplotlib: only when plots are drawn
+
+    return log_plots
+
+
 def ensure_ray(cfg: GradmonConfig) -> bool:
     """Start (or connect to) Ray; True if this call started it (so it should shut it down)."""
     import ray
@@ -131,6 +141,7 @@ def run_training(
             tags={mn.TAG_STATUS: "running"},
             max_pending=cfg.mlflow.queue_size,
             plots_every=cfg.mlflow.plots_every,
+            plot_fn=plotter(cfg.mlflow.plots_every),
             spill_path=default_spill_path(cfg.mlflow.spill_dir, cfg.mlflow.run_name),
         )
     outcome = TrainingOutcome(run_id=None, iterations_done=resume.iterations_done if resume else 0)
@@ -170,7 +181,7 @@ def run_training(
         for iteration in range(outcome.iterations_done + 1, cfg.iterations + 1):
             result = algo.train()
             metrics = result_to_metrics(result)
-            tags = _latch_tags(metrics, named_heads, head_order)
+            tags = latch_tags(metrics, named_heads, head_order)
             named_heads = named_heads or mn.TAG_HEAD_NAMES in tags
             if iteration > logged_through:  # the first iteration MLflow has not seen carries the resume tags
                 tags.update(resumed_tags)
@@ -339,18 +350,3 @@ def _head_order(algo: Any, cfg: GradmonConfig) -> tuple[str, ...]:
     except Exception as exc:  # only the tag's order depends on it: sorted heads, then value
         logger.warning("could not work out the head order (%s: %s); heads are tagged sorted", type(exc).__name__, exc)
         return ()
-
-
-def _latch_tags(metrics: dict[str, float], heads_named: bool, head_order: Sequence[str] = ()) -> dict[str, str]:
-    """The head-names tag (once: while not ``heads_named``) and the latched-heads tags, in ``head_order``.
-
-    Heads missing from ``head_order`` follow it sorted, ``value`` last (``order_heads``): never
-    in the metrics' key order.
-    """
-    heads = heads_in(metrics, head_order)
-    tags = {mn.TAG_HEAD_NAMES: ",".join(heads)} if heads and not heads_named else {}
-    for kind, tag in (("nan", mn.TAG_NAN_LATCHED_HEADS), ("inf", mn.TAG_INF_LATCHED_HEADS)):
-        heads = order_heads(latched_heads(metrics, kind), head_order)
-        if heads:
-            tags[tag] = ",".join(heads)
-    return tags

@@ -17,7 +17,8 @@ from gradmon_ray import metric_names as mn
 from gradmon_ray.envs import HEAD_NAMES, HEAD_SIZES
 from gradmon_ray.rllib.module import resolve_heads
 from gradmon_ray.tracking.results import heads_in, order_heads
-from gradmon_ray.train import _head_order, _latch_tags, reported_head_order
+from gradmon_ray.tracking.results import latch_tags as _latch_tags
+from gradmon_ray.train import _head_order, reported_head_order
 from gradmon_ray.viz.runs import run_heads
 
 DICT_SPACE = gym.spaces.Dict({h: gym.spaces.Discrete(HEAD_SIZES[h]) for h in HEAD_NAMES})

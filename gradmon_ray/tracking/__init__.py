@@ -1,4 +1,5 @@
-"""Where telemetry goes: the asynchronous MLflow sink, its spill file, and RLlib-result flattening.
+"""Where telemetry goes: the asynchronous MLflow sink, its spill file, RLlib-result flattening, and
+``GradmonMLflowCallback`` (an RLlib callback streaming a user's own algorithm through the same sink).
 
 Exports are resolved lazily (PEP 562) so that the CLI can import ``tracking.spill`` without
 pulling in torch through ``results``.
@@ -10,6 +11,8 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
+    "CallbackSettings": "gradmon_ray.tracking.callback",
+    "GradmonMLflowCallback": "gradmon_ray.tracking.callback",
     "MlflowSink": "gradmon_ray.tracking.mlflow_sink",
     "heads_in": "gradmon_ray.tracking.results",
     "latched_heads": "gradmon_ray.tracking.results",

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,9 @@ from gradmon_ray.tracking.spill import SpillWriter
 logger = logging.getLogger(__name__)
 
 MAX_PARAM_VALUE_LEN = 6000
+
+PlotFn = Callable[[Any, str], list[str]]
+"""``plot_fn(client, run_id) -> artifact paths``: draws the run's plots into MLflow (viz.report.log_plots)."""
 
 
 @dataclass
@@ -53,9 +56,11 @@ class MlflowSink:
             run's status alone, because the run belongs to someone else.
         end_run: whether ``close`` ends the run (default: only a run this sink created); a
             resumed Tune trial passes True for its own earlier run.
-        plots_every: every this many iterations, and once more when the sink closes, draw the
-            run's plots (``gradmon_ray.viz``) from what MLflow holds and log them as artifacts
-            under ``plots/``; on this sink's thread, never the caller's. 0: no plots.
+        plots_every: every this many iterations, and once more when the sink closes, call
+            ``plot_fn(client, run_id)`` to draw the run's plots from what MLflow holds and log
+            them as artifacts; on this sink's thread, never the caller's. 0: no plots.
+        plot_fn: the plotter (``gradmon_ray.viz.report.log_plots``), passed in by the caller:
+            tracking sits below viz and never imports it. Required when ``plots_every > 0``.
         spill_path: where iterations MLflow cannot take go instead of being lost: those pushed
             out of a full buffer, and those still pending when ``close`` gives up. Created only
             when needed; ``gradmon-ray replay`` writes it into MLflow later. None: they are dropped.
@@ -74,8 +79,11 @@ class MlflowSink:
         run_id: str | None = None,
         end_run: bool | None = None,
         plots_every: int = 0,
+        plot_fn: PlotFn | None = None,
         spill_path: str | Path | None = None,
     ) -> None:
+        if plots_every > 0 and plot_fn is None:
+            raise ValueError("MlflowSink: plots_every > 0 needs plot_fn (e.g. gradmon_ray.viz.report.log_plots)")
         self.tracking_uri = tracking_uri
         self.experiment = experiment
         self.run_name = run_name
@@ -105,6 +113,7 @@ class MlflowSink:
             else None
         )
         self._plots_every = plots_every
+        self._plot_fn = plot_fn
         self.plot_failures = 0
         self.plotted_artifacts: list[str] = []
         self._final_status: str = "FINISHED"
@@ -262,9 +271,7 @@ class MlflowSink:
     def _draw_plots(self, client: Any) -> None:
         # Outside the write-retry loop: a plot that cannot be drawn is counted, never retried.
         try:
-            from gradmon_ray.viz.report import log_plots
-
-            self.plotted_artifacts = log_plots(client, self.run_id)
+            self.plotted_artifacts = self._plot_fn(client, self.run_id)
         except Exception as exc:
             self.plot_failures += 1
             if self.plot_failures == 1:

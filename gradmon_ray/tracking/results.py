@@ -156,3 +156,18 @@ def progress_line(
     latched = sorted(set(latched_heads(metrics, "nan")) | set(latched_heads(metrics, "inf")))
     parts.append("latched: " + (", ".join(latched) if latched else "none"))
     return " | ".join(parts)
+
+
+def latch_tags(metrics: dict[str, float], heads_named: bool, head_order: Sequence[str] = ()) -> dict[str, str]:
+    """The head-names tag (once: while not ``heads_named``) and the latched-heads tags, in ``head_order``.
+
+    Heads missing from ``head_order`` follow it sorted, ``value`` last (``order_heads``): never
+    in the metrics' key order.
+    """
+    heads = heads_in(metrics, head_order)
+    tags = {mn.TAG_HEAD_NAMES: ",".join(heads)} if heads and not heads_named else {}
+    for kind, tag in (("nan", mn.TAG_NAN_LATCHED_HEADS), ("inf", mn.TAG_INF_LATCHED_HEADS)):
+        heads = order_heads(latched_heads(metrics, kind), head_order)
+        if heads:
+            tags[tag] = ",".join(heads)
+    return tags

@@ -1,7 +1,8 @@
 """``gradmon-ray report RUN_ID``: the run's plots plus a short Markdown summary, for offline reading.
 
-``log_plots`` is the same drawing for a live run: the MLflow sink calls it on its background
-thread every ``mlflow.plots_every`` iterations and at the end of the run.
+``log_plots`` is the same drawing for a live run: the MLflow sink calls it (as its ``plot_fn``,
+handed in by ``train.py`` or the user: tracking never imports viz) on its background thread
+every ``mlflow.plots_every`` iterations and at the end of the run.
 """
 
 from __future__ import annotations

@@ -1,0 +1,265 @@
+"""``GradmonMLflowCallback``: stream a user's own RLlib algorithm to MLflow, without the gradmon CLI.
+
+``config.callbacks(GradmonMLflowCallback.configured(tracking_uri=..., experiment=...))`` gives every
+``Algorithm`` built from ``config`` one MLflow run: created in ``on_algorithm_init``, one step per
+training iteration in ``on_train_result`` (gradmon's telemetry and RLlib's main results, through
+``result_to_metrics``, the same names and values ``gradmon-ray train`` logs), ended by
+``algo.stop()``.  Everything goes through the CLI's asynchronous ``MlflowSink``, so a slow or dead
+tracking server never blocks or breaks training (iterations it cannot take are spilled to a file
+for ``gradmon-ray replay``).  Under ``ray.tune`` the algorithm is the trial's trainable actor, so the
+callback runs in that actor: one run per trial, named after the trial.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from ray.rllib.callbacks.callbacks import RLlibCallback
+
+from gradmon_ray import metric_names as mn
+from gradmon_ray.tracking.mlflow_sink import MlflowSink, PlotFn
+from gradmon_ray.tracking.results import DEFAULT_MODULE_ID, latch_tags, result_to_metrics
+from gradmon_ray.tracking.spill import default_spill_path
+
+logger = logging.getLogger(__name__)
+
+TAG_TRIAL_DIR = "ray.tune.trial_dir_name"
+"""Run tag under Tune: the trial's directory name, which holds its id (the run is named after it too)."""
+
+
+@dataclass(frozen=True)
+class CallbackSettings:
+    """What ``GradmonMLflowCallback.configured(**settings)`` takes."""
+
+    tracking_uri: str | None = None
+    """MLflow tracking URI; None: ``mlflow.get_tracking_uri()``, taken by ``configured`` on the driver
+    (by the unconfigured class: where the algorithm runs).  Relative ``sqlite:///`` / file paths are
+    made absolute by ``configured`` (Tune changes a trial's cwd)."""
+    experiment: str = "gradmon"
+    """Experiment name, created when missing."""
+    run_name: str | None = None
+    """Run name; None: the Tune trial's directory name, or MLflow's choice outside Tune."""
+    tags: Mapping[str, str] = field(default_factory=dict)
+    """Extra run tags."""
+    params: Mapping[str, Any] = field(default_factory=dict)
+    """Extra run params (on top of the algorithm config's scalar settings, see ``log_config``)."""
+    log_config: bool = True
+    """Log the scalar top-level settings of ``algorithm.config`` (lr, gamma, ...) as run params."""
+    module_id: str = DEFAULT_MODULE_ID
+    """The RLModule whose learner results are read (``result["learners"][module_id]``)."""
+    plots_every: int = 0
+    """Draw the plots every this many iterations and at the end (0: never); needs ``plot_fn``."""
+    plot_fn: PlotFn | None = None
+    """The plotter, e.g. ``gradmon_ray.viz.report.log_plots`` (tracking never imports viz)."""
+    max_pending: int = 1000
+    """Iterations buffered while MLflow is unreachable; older ones go to the spill file."""
+    spill_dir: str | None = "gradmon-spill"
+    """Where iterations MLflow could not take are kept (None: dropped); relative to the process's cwd."""
+    close_timeout_s: float = 30.0
+    """How long ``algo.stop()`` waits for MLflow to take what is pending (then it spills)."""
+
+    def __post_init__(self) -> None:
+        if self.plots_every < 0:
+            raise ValueError(f"plots_every must be >= 0, got {self.plots_every}")
+        if self.plots_every > 0 and self.plot_fn is None:
+            raise ValueError("plots_every > 0 needs plot_fn=gradmon_ray.viz.report.log_plots (or your own plotter)")
+        if self.close_timeout_s < 0 or self.max_pending < 1:
+            raise ValueError("close_timeout_s must be >= 0 and max_pending >= 1")
+
+
+def absolute_tracking_uri(uri: str) -> str:
+    """``uri`` with a relative ``sqlite:///`` or local file path made absolute (other URIs unchanged)."""
+    import os
+
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////") and uri != "sqlite:///:memory:":
+        return "sqlite:///" + os.path.abspath(uri[len("sqlite:///") :])
+    if "://" not in uri and not os.path.isabs(uri):
+        return os.path.abspath(uri)
+    if uri.startswith("file:") and not uri.startswith("file:/"):
+        return "file://" + os.path.abspath(uri[len("file:") :])
+    return uri
+
+
+def create_sqlite_store(uri: str) -> None:
+    """Create a ``sqlite:`` store's tables now, once: Tune trials starting together would otherwise all
+    run MLflow's schema migration on the same file and can leave it broken (``_alembic_tmp_* already exists``).
+    Other URIs are left alone (no network on the driver); a failure is only logged."""
+    if not uri.startswith("sqlite:"):
+        return
+    try:
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(uri).search_experiments(max_results=1)
+    except Exception as exc:
+        logger.warning("gradmon callback: could not create the MLflow store %s (%s: %s)", uri, type(exc).__name__, exc)
+
+
+def module_head_order(algorithm: Any, module_id: str) -> tuple[str, ...]:
+    """The module's action heads in its action-space order, for the ``gradmon.head_names`` tag.
+
+    Asked of the module itself (``FactoredActorCritic.head_names`` is ``resolve_heads``' order,
+    what ``gradmon-ray train`` tags), else the keys of ``learner_config_dict["gradmon"]["heads"]``;
+    duck-typed, so tracking imports nothing from gradmon_ray.rllib.  Empty when neither is known:
+    ``order_heads`` then sorts the action heads, ``value`` last.
+    """
+    try:
+        names = getattr(algorithm.get_module(module_id), "head_names", None)
+        if names:
+            return tuple(str(n) for n in names)
+    except Exception as exc:
+        logger.debug("gradmon callback: no module to read head names from (%s)", exc)
+    heads = (getattr(algorithm.config, "learner_config_dict", None) or {}).get("gradmon", {}).get("heads")
+    return tuple(str(h) for h in heads) if isinstance(heads, Mapping) else ()
+
+
+def config_params(config: Any) -> dict[str, Any]:
+    """The scalar top-level settings of an ``AlgorithmConfig`` (what a Tune search usually varies)."""
+    try:
+        items = config.to_dict().items()
+    except Exception:
+        return {}
+    return {k: v for k, v in sorted(items) if isinstance(v, (bool, int, float, str)) or v is None}
+
+
+def tune_trial_dir_name(algorithm: Any) -> str | None:
+    """The Tune trial's directory name (``<trainable>_<trial_id>_<index>_<params>_<date>``); None outside Tune.
+
+    Not ``algorithm.trial_name``/``trial_id``: RLlib drops Tune's trial info when it turns the
+    trial's config into an ``AlgorithmConfig`` (``update_from_dict`` skips ``__trial_info__``),
+    so those say "default" in a trial too.  Private Ray API (``Trainable._storage``, set by Tune
+    only), read defensively: without it the run is simply not named after the trial.
+    """
+    name = getattr(getattr(algorithm, "_storage", None), "trial_dir_name", None)
+    return str(name) if name else None
+
+
+class GradmonMLflowCallback(RLlibCallback):
+    """One MLflow run per algorithm: gradmon's telemetry and RLlib's main results at step = iteration.
+
+    ``config.callbacks(GradmonMLflowCallback)`` uses the defaults (``CallbackSettings``);
+    ``GradmonMLflowCallback.configured(tracking_uri=..., experiment=..., ...)`` returns a
+    subclass carrying other settings (RLlib instantiates callback classes without arguments,
+    on the algorithm and on every EnvRunner: construction is cheap, only the algorithm's
+    instance opens a run).  The run ends FINISHED on ``algo.stop()``, FAILED when a training
+    step raised; an algorithm that is never stopped is ended when it is garbage-collected or
+    the process exits.
+    """
+
+    settings: ClassVar[CallbackSettings] = CallbackSettings()
+
+    @classmethod
+    def configured(cls, **settings: Any) -> type[GradmonMLflowCallback]:
+        """A subclass with ``settings`` (the fields of ``CallbackSettings``) for ``config.callbacks(...)``."""
+        import mlflow
+
+        resolved = dataclasses.replace(cls.settings, **settings)  # unknown names: TypeError, here
+        uri = absolute_tracking_uri(resolved.tracking_uri or mlflow.get_tracking_uri())  # pinned where configured
+        create_sqlite_store(uri)
+        resolved = dataclasses.replace(resolved, tracking_uri=uri)
+        return type(cls)(cls.__name__, (cls,), {"settings": resolved, "__module__": cls.__module__})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sink: MlflowSink | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._failed = False
+        self._last_step = 0
+        self._heads_named = False
+        self._head_order: tuple[str, ...] = ()
+
+    # --- RLlib hooks (on the algorithm: the driver, or the Tune trial's actor) --------------
+    def on_algorithm_init(self, *, algorithm: Any, metrics_logger: Any = None, **kwargs: Any) -> None:
+        try:
+            self._head_order = module_head_order(algorithm, self.settings.module_id)
+            self._hook_stop(algorithm)  # close() is a no-op until the sink exists
+            self.sink = self._open_sink(algorithm)  # last: nothing after it can leave a run open
+        except Exception as exc:  # an observer: training goes on without it
+            logger.warning("gradmon callback: MLflow logging off (%s: %s)", type(exc).__name__, exc)
+            self.sink = None
+
+    def on_train_result(self, *, algorithm: Any, metrics_logger: Any = None, result: dict, **kwargs: Any) -> None:
+        if self.sink is None or self._closed:
+            return
+        try:
+            step = int(result.get("training_iteration") or algorithm.iteration)
+            metrics = result_to_metrics(result, self.settings.module_id)
+            tags = latch_tags(metrics, self._heads_named, self._head_order)
+            self._heads_named = self._heads_named or mn.TAG_HEAD_NAMES in tags
+            self.sink.log_iteration(step, metrics, tags)  # non-blocking
+            self._last_step = step
+        except Exception as exc:
+            logger.warning("gradmon callback: iteration not logged (%s: %s)", type(exc).__name__, exc)
+
+    # --- the run's end ----------------------------------------------------------------------
+    def close(self) -> bool:
+        """End the run (FINISHED, or FAILED after a failed step); True if MLflow got everything. Idempotent."""
+        with self._lock:
+            if self._closed or self.sink is None:
+                return self._closed
+            self._closed = True
+        status = "FAILED" if self._failed else "FINISHED"
+        self.sink.log_iteration(self._last_step, {}, {mn.TAG_STATUS: status.lower()})
+        complete = self.sink.close(status=status, timeout_s=self.settings.close_timeout_s)
+        if not complete:
+            logger.warning(
+                "gradmon callback: MLflow at %s did not receive everything (%d iterations kept in %s, %d lost; %s)",
+                self.sink.tracking_uri,
+                self.sink.spilled_iterations,
+                self.sink.spill_path,
+                self.sink.dropped_iterations,
+                self.sink.last_error,
+            )
+        return complete
+
+    def _open_sink(self, algorithm: Any) -> MlflowSink:
+        s = self.settings
+        uri = s.tracking_uri
+        if uri is None:
+            import mlflow
+
+            uri = absolute_tracking_uri(mlflow.get_tracking_uri())
+        trial = tune_trial_dir_name(algorithm)
+        run_name = s.run_name or trial
+        tags = {mn.TAG_STATUS: "running", **({TAG_TRIAL_DIR: trial} if trial else {}), **s.tags}
+        params = {**(config_params(algorithm.config) if s.log_config else {}), **s.params}
+        return MlflowSink(
+            uri,
+            s.experiment,
+            run_name=run_name,
+            params=params,
+            tags=tags,
+            max_pending=s.max_pending,
+            plots_every=s.plots_every,
+            plot_fn=s.plot_fn,
+            spill_path=default_spill_path(s.spill_dir, run_name) if s.spill_dir else None,
+        )
+
+    def _hook_stop(self, algorithm: Any) -> None:
+        # RLlib 2.60 has no on_algorithm_stop and no on-error hook: wrap this instance's step (a raise
+        # means FAILED) and cleanup (Algorithm.stop() calls it, in a plain loop and in a Tune trial's
+        # actor); the finalizer ends the run of an algorithm never stopped (at gc or interpreter exit).
+        step, cleanup = algorithm.step, algorithm.cleanup
+
+        def failing_step(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return step(*args, **kwargs)
+            except BaseException:
+                self._failed = True
+                raise
+
+        def closing_cleanup(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return cleanup(*args, **kwargs)
+            finally:
+                self.close()
+
+        algorithm.step = failing_step
+        algorithm.cleanup = closing_cleanup
+        weakref.finalize(algorithm, self.close)

@@ -1,0 +1,277 @@
+"""``GradmonMLflowCallback`` on real RLlib into a real MLflow sqlite store: a plain ``algo.train()``
+loop, a user's own ``Tuner`` (one run per trial), and a dead tracking server.
+
+The oracle for every logged value is the result dict ``algo.train()`` (or Tune) handed back,
+passed through ``result_to_metrics`` and ``mlflow_value`` (+-Inf as +-float max, NaN as NaN):
+what MLflow holds at step i must equal it exactly, and hold nothing else.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import pytest
+from mlflow.tracking import MlflowClient
+
+from gradmon_ray import metric_names as mn
+from gradmon_ray.config import config_from_dict
+from gradmon_ray.rllib.config import build_ppo_config
+from gradmon_ray.tracking import GradmonMLflowCallback
+from gradmon_ray.tracking.callback import TAG_TRIAL_DIR, absolute_tracking_uri
+from gradmon_ray.tracking.mlflow_io import mlflow_value
+from gradmon_ray.tracking.results import result_to_metrics
+from gradmon_ray.tracking.spill import read_spill, replay_spill
+from gradmon_ray.train import reported_head_order
+from gradmon_ray.viz.report import log_plots
+from tests.fixtures.user_envs import MatchTwoEnv
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "callback.md"
+HEAD_NAMES = ["zeta", "alpha"]  # not sorted: the tag must follow the action space, as the CLI's does
+GRADMON_PREFIXES = ("grad/", "latch/", "update/", "vgs/", "probe/")
+
+
+def ppo_config():
+    """The user's own PPOConfig: gradmon's learner and module, sampled on the driver, a local learner."""
+    cfg = config_from_dict(
+        {
+            "seed": 0,
+            "env": {"id": "tests.fixtures.user_envs:MatchTwoEnv"},
+            "model": {"head_names": HEAD_NAMES},
+            "ppo": {"train_batch_size": 256, "minibatch_size": 128, "num_epochs": 1},
+            "resources": {"num_env_runners": 0, "num_learners": 0},
+        }
+    )
+    return build_ppo_config(cfg)
+
+
+def _same(a: float, b: float) -> bool:
+    return (math.isnan(a) and math.isnan(b)) or a == b
+
+
+def assert_mlflow_holds(client: MlflowClient, run_id: str, expected_by_step: dict[int, dict[str, float]]) -> None:
+    """Every metric of every step is in the run at that step with the value ``mlflow_value`` gives it; nothing else."""
+    keys = set().union(*expected_by_step.values())
+    assert set(client.get_run(run_id).data.metrics) == keys
+    for key in sorted(keys):
+        history = {p.step: p.value for p in client.get_metric_history(run_id, key)}
+        want = {step: mlflow_value(m[key]) for step, m in expected_by_step.items() if key in m}
+        assert history.keys() == want.keys(), key
+        for step, value in want.items():
+            assert _same(history[step], value), (key, step, history[step], value)
+
+
+def _gradmon_callback(algo: Any) -> GradmonMLflowCallback:
+    return next(c for c in algo.callbacks if isinstance(c, GradmonMLflowCallback))
+
+
+def test_configured_makes_relative_store_paths_absolute_and_rejects_bad_settings(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cls = GradmonMLflowCallback.configured(tracking_uri="sqlite:///m.db", experiment="x")
+    assert issubclass(cls, GradmonMLflowCallback) and cls.settings.tracking_uri == f"sqlite:///{tmp_path}/m.db"
+    assert (tmp_path / "m.db").is_file()  # the store's tables exist before any trial starts
+    assert GradmonMLflowCallback.settings.tracking_uri is None  # the base class is untouched
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///default.db")
+    assert GradmonMLflowCallback.configured().settings.tracking_uri == f"sqlite:///{tmp_path}/default.db"
+    assert absolute_tracking_uri("http://h:5000") == "http://h:5000"
+    assert absolute_tracking_uri("sqlite:////abs/m.db") == "sqlite:////abs/m.db"
+    with pytest.raises(TypeError):
+        GradmonMLflowCallback.configured(experimnet="typo")
+    with pytest.raises(ValueError, match="plot_fn"):
+        GradmonMLflowCallback.configured(plots_every=5)
+
+
+def test_plain_train_loop_streams_every_gradmon_metric_and_ends_the_run_on_stop(ray_session, tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    callback = GradmonMLflowCallback.configured(
+        tracking_uri=uri, experiment="cb", plots_every=2, plot_fn=log_plots, spill_dir=str(tmp_path / "spill")
+    )
+    algo = ppo_config().callbacks(callback).build_algo()
+    try:
+        results = [copy.deepcopy(algo.train()) for _ in range(2)]
+        run_id = _gradmon_callback(algo).sink.wait_for_run(30)
+    finally:
+        algo.stop()
+
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("cb").experiment_id])
+    assert [r.info.run_id for r in runs] == [run_id]  # one run per algorithm
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.tags[mn.TAG_STATUS] == "finished"
+    cli_order = reported_head_order(gym.spaces.MultiDiscrete([3, 4]), HEAD_NAMES)  # what gradmon-ray train tags
+    assert run.data.tags[mn.TAG_HEAD_NAMES] == ",".join(cli_order) == "zeta,alpha,value"
+    assert float(run.data.params["lr"]) == algo.config.lr
+
+    expected = {}
+    for step, result in enumerate(results, 1):
+        assert result["training_iteration"] == step
+        metrics = result_to_metrics(result)
+        learner = result["learners"]["default_policy"]
+        logged_by_learner = {k for k, v in learner.items() if k.startswith(GRADMON_PREFIXES) and not math.isnan(v)}
+        assert logged_by_learner <= metrics.keys()  # every gradmon metric the learner reported
+        for head in cli_order:
+            assert mn.head_metric(mn.HEAD_GRAD_NORM, head) in metrics
+        for name in (mn.ITERATION_TIME_S, mn.ENV_STEPS_SAMPLED_LIFETIME, mn.POLICY_LOSS, mn.VF_LOSS, mn.TOTAL_LOSS):
+            assert name in metrics  # RLlib's main results too
+        expected[step] = metrics
+    assert_mlflow_holds(client, run_id, expected)
+    plots = [a.path for a in client.list_artifacts(run_id, "plots")]
+    assert plots, "plot_fn was not called"
+    assert not (tmp_path / "spill").exists()  # nothing needed spilling
+
+
+@pytest.mark.e2e
+def test_users_own_tuner_gets_one_run_per_trial(ray_session, tmp_path):
+    from ray import tune
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = (
+        ppo_config()
+        .callbacks(GradmonMLflowCallback.configured(tracking_uri=uri, experiment="tune", spill_dir=str(tmp_path)))
+        .training(lr=tune.grid_search([1e-4, 3e-4]))
+    )
+    grid = tune.Tuner(
+        config.algo_class,
+        param_space=config,
+        run_config=tune.RunConfig(stop={"training_iteration": 2}, storage_path=str(tmp_path / "tune"), verbose=0),
+    ).fit()
+    assert not grid.errors
+    trials = {Path(r.path).name: r for r in grid}  # the trials' directory names
+    assert len(trials) == 2 and all(r.metrics["trial_id"] in name for name, r in trials.items())
+
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("tune").experiment_id])
+    assert sorted(r.data.tags[TAG_TRIAL_DIR] for r in runs) == sorted(trials)  # one run per trial, no other
+    assert sorted(float(r.data.params["lr"]) for r in runs) == [1e-4, 3e-4]
+    for run in runs:
+        result = trials[run.data.tags[TAG_TRIAL_DIR]]
+        assert run.info.status == "FINISHED"
+        assert run.info.run_name == run.data.tags[TAG_TRIAL_DIR]  # named after the trial
+        assert run.data.tags[mn.TAG_HEAD_NAMES] == "zeta,alpha,value"
+        assert float(run.data.params["lr"]) == result.config["lr"]
+        # the trial's last result, as Tune kept it, is what MLflow holds at step 2
+        last = result_to_metrics(result.metrics)
+        for key, value in last.items():
+            points = {p.step: p.value for p in client.get_metric_history(run.info.run_id, key)}
+            assert _same(points[2], mlflow_value(value)), key
+        assert {p.step for p in client.get_metric_history(run.info.run_id, mn.LEARNERS_UPDATED)} == {1, 2}
+
+
+def test_dead_tracking_server_neither_slows_nor_breaks_training(ray_session, tmp_path, dead_uri):
+    hook_s: list[tuple[str, float]] = []
+    base = GradmonMLflowCallback.configured(
+        tracking_uri=dead_uri, experiment="dead", close_timeout_s=1.0, spill_dir=str(tmp_path / "spill")
+    )
+
+    class Timed(base):  # measures the callback's own time in RLlib's hooks
+        def on_algorithm_init(self, **kwargs: Any) -> None:
+            start = time.perf_counter()
+            super().on_algorithm_init(**kwargs)
+            hook_s.append(("init", time.perf_counter() - start))
+
+        def on_train_result(self, **kwargs: Any) -> None:
+            start = time.perf_counter()
+            super().on_train_result(**kwargs)
+            hook_s.append(("train_result", time.perf_counter() - start))
+
+    algo = ppo_config().callbacks(Timed).build_algo()
+    try:
+        results = [copy.deepcopy(algo.train()) for _ in range(2)]
+    finally:
+        callback = _gradmon_callback(algo)
+        start = time.perf_counter()
+        algo.stop()
+        stop_s = time.perf_counter() - start
+
+    assert [r["training_iteration"] for r in results] == [1, 2]
+    assert all(result_to_metrics(r)[mn.LEARNERS_UPDATED] == 1.0 for r in results)
+    assert [name for name, _ in hook_s] == ["init", "train_result", "train_result"]
+    assert max(s for _, s in hook_s) < 0.5, hook_s  # never waits on MLflow
+    assert stop_s < 1.0 + 15.0  # close_timeout_s, plus RLlib's own shutdown
+    assert callback.sink.run_id is None and callback.sink.failed_writes >= 1
+
+    # Nothing is lost: the spill file holds both iterations, and replaying it gives MLflow the same values.
+    spill = callback.sink.spill_path
+    assert spill is not None
+    _, records, _ = read_spill(spill)
+    assert {int(r["step"]) for r in records if r.get("metrics")} == {1, 2}
+    store = f"sqlite:///{tmp_path / 'replayed.db'}"
+    replayed = replay_spill(spill, tracking_uri=store)
+    expected = {step: result_to_metrics(result) for step, result in enumerate(results, 1)}
+    assert_mlflow_holds(MlflowClient(store), replayed.run_id, expected)
+
+
+def docs_example() -> str:
+    match = re.search(r"<!-- callback:example -->\s*```python\n(.+?)\n```", DOC.read_text(encoding="utf-8"), re.S)
+    assert match, "docs/callback.md has no <!-- callback:example --> python block"
+    return match.group(1)
+
+
+def test_the_docs_example_is_at_most_ten_lines():
+    assert len(docs_example().splitlines()) <= 10
+
+
+@pytest.mark.e2e
+def test_the_docs_example_runs_as_written(ray_session, tmp_path, monkeypatch):
+    from ray.rllib.algorithms.ppo import PPOConfig
+
+    monkeypatch.chdir(tmp_path)  # the example's relative sqlite:///mlflow.db
+    code = docs_example()
+    stop = 'tune.RunConfig(stop={"training_iteration": 100})'
+    assert stop in code
+    short = f'tune.RunConfig(stop={{"training_iteration": 1}}, storage_path={str(tmp_path / "tune")!r}, verbose=0)'
+    config = (  # "your existing PPOConfig"
+        PPOConfig()
+        .environment("CartPole-v1")
+        .env_runners(num_env_runners=0)
+        .training(train_batch_size=256, minibatch_size=128, num_epochs=1)
+    )
+    exec(compile(code.replace(stop, short), str(DOC), "exec"), {"config": config})
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("my-ppo").experiment_id])
+    assert len(runs) == 2
+    for run in runs:
+        assert run.info.status == "FINISHED"
+        assert run.data.tags[mn.TAG_HEAD_NAMES] == "action,value"
+        assert {mn.head_metric(mn.HEAD_GRAD_NORM, h) for h in ("action", "value")} <= run.data.metrics.keys()
+        assert mn.EPISODE_RETURN_MEAN in run.data.metrics or mn.ENV_STEPS_SAMPLED_LIFETIME in run.data.metrics
+
+
+class ExplodingEnv(MatchTwoEnv):
+    """MatchTwoEnv whose step raises once the first training iteration's batch has been sampled."""
+
+    steps = 0
+
+    def step(self, action):
+        ExplodingEnv.steps += 1
+        if ExplodingEnv.steps > 300:
+            raise RuntimeError("env exploded")
+        return super().step(action)
+
+
+def test_a_training_step_that_raises_ends_the_run_failed(ray_session, tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = ppo_config().environment(env=ExplodingEnv).fault_tolerance(restart_failed_sub_environments=False)
+    algo = config.callbacks(GradmonMLflowCallback.configured(tracking_uri=uri, experiment="boom")).build_algo()
+    ExplodingEnv.steps = 0
+    done = []
+    try:
+        with pytest.raises(RuntimeError) as raised:  # RLlib's bare RuntimeError, from the env's
+            for _ in range(5):
+                done.append(algo.train()["training_iteration"])
+    finally:
+        algo.stop()
+    assert "env exploded" in str(raised.value.__cause__)
+    assert done == [1] and ExplodingEnv.steps > 300
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("boom").experiment_id])
+    assert run.info.status == "FAILED"
+    assert run.data.tags[mn.TAG_STATUS] == "failed"
+    assert [p.step for p in client.get_metric_history(run.info.run_id, mn.LEARNERS_UPDATED)] == [1]
