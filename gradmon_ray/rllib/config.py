@@ -12,10 +12,11 @@ from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 from gradmon_ray.config import ConfigError, GradmonConfig
 from gradmon_ray.distributed import new_group_name
 from gradmon_ray.envs import BUILTIN_ENV_ID, register_builtin_env
-from gradmon_ray.probe.actor import probe_actor_name
 from gradmon_ray.rllib.connectors import AddGroupIdsToTrainBatch
-from gradmon_ray.rllib.learner import LEARNER_CONFIG_KEY, GradmonPPOTorchLearner
+from gradmon_ray.rllib.learner import GradmonPPOTorchLearner
 from gradmon_ray.rllib.module import FactoredActorCritic
+from gradmon_ray.rllib.probe_client import probe_actor_name
+from gradmon_ray.rllib.settings import LEARNER_CONFIG_KEY
 
 
 def resolve_env(env_id: str) -> Any:
@@ -63,7 +64,7 @@ def build_ppo_config(cfg: GradmonConfig, *, probe_actor: str | None = None) -> P
         model_config["head_names"] = list(cfg.model.head_names)
     config = (
         PPOConfig()
-        .framework("torch")
+        .framework("torch", torch_skip_nan_gradients=True)  # skip a non-finite minibatch
         .environment(env=resolve_env(cfg.env.id), env_config=dict(cfg.env.config))
         .env_runners(num_env_runners=res.num_env_runners, num_envs_per_env_runner=res.num_envs_per_env_runner)
         .fault_tolerance(
