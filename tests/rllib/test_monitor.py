@@ -218,3 +218,48 @@ def test_log_gradients_is_honoured_with_rllibs_key():
     finally:
         runner.stop()
         learner.shutdown()
+
+
+def _default_ppo_module(action_space):
+    spec = PPOConfig().get_default_rl_module_spec()
+    spec.observation_space = gym.spaces.Box(-1.0, 1.0, (5,))
+    spec.action_space = action_space
+    spec.model_config = PPOConfig().model_config
+    return spec.build()
+
+
+@pytest.mark.parametrize(
+    ("space", "names"),
+    [
+        (gym.spaces.MultiDiscrete([3, 4]), ("head_0", "head_1")),
+        (gym.spaces.Dict({"b": gym.spaces.Discrete(4), "a": gym.spaces.Discrete(3)}), ("a", "b")),
+        (gym.spaces.Discrete(3), ("policy",)),
+    ],
+)
+def test_default_module_latches_per_action_component(space, names):
+    """Per-head log-probs through RLlib's own distributions == log_softmax of each head's logit slice
+    (sorted Dict keys, as dm-tree flattens); NaN logits of one head flag that head only."""
+    from gradmon_ray.rllib.heads import latch_heads, per_head_logp
+
+    module = _default_ppo_module(space)
+    assert latch_heads(module) == names
+    sizes = [3, 4] if len(names) == 2 else [3]
+    logits = torch.randn(6, sum(sizes))
+    samples = [torch.randint(n, (6,)) for n in sizes]
+    if isinstance(space, gym.spaces.MultiDiscrete):
+        actions = torch.stack(samples, dim=-1)
+    elif isinstance(space, gym.spaces.Dict):
+        actions = dict(zip(names, samples, strict=True))
+    else:
+        actions = samples[0]
+    got = per_head_logp(module, logits, actions, len(names))
+    start = 0
+    for i, n in enumerate(sizes):
+        expected = torch.log_softmax(logits[:, start : start + n], -1).gather(-1, samples[i][:, None])[:, 0]
+        torch.testing.assert_close(got[:, i], expected)
+        start += n
+    if len(names) == 2:
+        poisoned = logits.clone()
+        poisoned[:, 3:] = float("nan")  # the second head's logits
+        flags = torch.isnan(per_head_logp(module, poisoned, actions, 2)).any(0).tolist()
+        assert flags == [False, True]
