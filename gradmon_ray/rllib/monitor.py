@@ -262,12 +262,14 @@ class GradmonMonitor(GradmonReporting):
     def shutdown(self) -> None:
         try:
             super().shutdown()  # IMPALA/APPO: stops the learner thread first
-        finally:
-            for handle in self._hook_handles:
+        finally:  # what build made, also when build failed half-way
+            for handle in getattr(self, "_hook_handles", ()):
                 handle.remove()
             self._hook_handles = []
-            self._noise_hook.remove()
-            self._collective.destroy()
+            if getattr(self, "_noise_hook", None) is not None:
+                self._noise_hook.remove()
+            if getattr(self, "_collective", None) is not None:
+                self._collective.destroy()
 
 
 _CACHE: dict[type, type] = {}

@@ -263,3 +263,13 @@ def test_default_module_latches_per_action_component(space, names):
         poisoned[:, 3:] = float("nan")  # the second head's logits
         flags = torch.isnan(per_head_logp(module, poisoned, actions, 2)).any(0).tolist()
         assert flags == [False, True]
+
+
+def test_shutdown_removes_the_tensor_hooks_it_installed():
+    fault = {"grad": [{"rank": 0, "head": "pi", "iteration": 99, "value": "nan"}]}
+    learner = _build({"heads": HEADS, "fault_injection": fault})
+    first_pi = next(p for n, p in learner.module[MID].unwrapped().named_parameters() if n.startswith("pi."))
+    assert len(first_pi._backward_hooks) == 1
+    learner.shutdown()
+    assert len(first_pi._backward_hooks) == 0
+    assert not learner._noise_hook.enabled
