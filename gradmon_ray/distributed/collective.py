@@ -135,15 +135,16 @@ def reduce_iteration(
     """Drain ``accumulator`` with ``[checksum, noise]`` riding in its ONE reduction and ``local``
     in its one host copy; with a single learner nothing is reduced.  Zeroes nothing but the
     accumulator's buffer."""
+    extra = Segments({"checksum": checksum, "noise": noise})
     lanes, reduced_extra, local_host = accumulator.drain(
-        reduced_extra=torch.cat([checksum.reshape(-1).double(), noise.reshape(-1).double()]),
+        reduced_extra=extra.pack(),
         local_extra=local,
         allreduce=collective.allreduce_sum if collective.active else None,
         reduce_on_device=collective.backend == "nccl",
         world_size=collective.world_size,
     )
-    n = checksum.numel()
-    return ReducedIteration(lanes, reduced_extra[:n], reduced_extra[n:], local_host)
+    parts = extra.unpack(reduced_extra)
+    return ReducedIteration(lanes, parts["checksum"], parts["noise"], local_host)
 
 
 class Segments:

@@ -45,6 +45,7 @@ from gradmon_ray.rllib.monitor import (
 from gradmon_ray.rllib.ppo_loss import explained_variance, ppo_loss_from_batch
 from gradmon_ray.rllib.probe_client import LossSettings, ProbeClient, ProbeRequest
 from gradmon_ray.rllib.regularizers import resolve_regularizer
+from gradmon_ray.rllib.reporting import GradmonReporting
 from gradmon_ray.rllib.settings import LEARNER_CONFIG_KEY
 
 logger = logging.getLogger(__name__)
@@ -166,6 +167,7 @@ class GradmonPPOTorchLearner(compat.TrainBatchHook, with_gradmon(PPOTorchLearner
             "kl_coeff": torch.as_tensor(self.curr_kl_coeffs_per_module[mid]).detach().clone(),
         }
 
+    @override(GradmonReporting)
     def gradmon_extra_metrics(self) -> dict[str, float]:
         """The probe hand-off (once per probed iteration; the copy to the host is here) and its counters."""
         if self._probe is None:
