@@ -24,11 +24,20 @@ import torch
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.probe.analysis import TooFewGroupsError, analyse_batch
-from gradmon_ray.rllib.probe_client import ProbeOutcome, ProbeRequest
+from gradmon_ray.rllib.probe_client import PROBE_ACTOR_PREFIX, ProbeOutcome, ProbeRequest, probe_actor_name
 from gradmon_ray.rllib.regularizers import RegularizerSpec, resolve_regularizer
 from gradmon_ray.tracking.mlflow_sink import MlflowSink
 
 logger = logging.getLogger(__name__)
+
+__all__ = [
+    "PROBE_ACTOR_PREFIX",
+    "GradientProbe",
+    "ProbeOutcome",
+    "ProbeRequest",
+    "probe_actor_name",
+    "start_probe_actor",
+]
 
 
 class GradientProbe:

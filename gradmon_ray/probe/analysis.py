@@ -28,6 +28,8 @@ from gradmon_ray.rllib.probe_client import LossSettings
 from gradmon_ray.rllib.regularizers import RegularizerSpec
 from gradmon_ray.telemetry.buckets import bucket_names, group_reward_stds, split_into_buckets
 
+__all__ = ["EpisodeTable", "LossSettings", "TooFewGroupsError", "analyse_batch", "episodes_from_batch"]
+
 
 @dataclass
 class EpisodeTable:
