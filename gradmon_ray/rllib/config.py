@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
+from collections.abc import Mapping
 from typing import Any
 
 from ray.rllib.algorithms.ppo import PPOConfig
@@ -35,6 +35,17 @@ def resolve_env(env_id: str) -> Any:
         except (ImportError, AttributeError) as exc:
             raise ConfigError("env.id", f"cannot import {env_id!r}: {exc}") from None
     return env_id
+
+
+def _plain(value: Any) -> Any:
+    """A config section as plain data through attribute access only (a dataclass or a pydantic model)."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return {k: _plain(v) for k, v in vars(value).items() if not k.startswith("_")}
 
 
 def build_ppo_config(cfg: GradmonConfig, *, probe_actor: str | None = None) -> PPOConfig:
@@ -85,16 +96,16 @@ def build_ppo_config(cfg: GradmonConfig, *, probe_actor: str | None = None) -> P
                 LEARNER_CONFIG_KEY: {
                     "telemetry": cfg.telemetry.enabled,
                     "fused_optimizer": cfg.telemetry.fused_optimizer,
-                    "bands": dataclasses.asdict(cfg.telemetry.bands),  # {"action": {edges}, "value": {edges}}
+                    "bands": _plain(cfg.telemetry.bands),  # {"action": {edges}, "value": {edges}}
                     "optimizer": cfg.optimizer,
-                    "upgd": dataclasses.asdict(cfg.upgd),
-                    "vgs": dataclasses.asdict(cfg.vgs),
+                    "upgd": _plain(cfg.upgd),
+                    "vgs": _plain(cfg.vgs),
                     "collective_group": new_group_name(),
                     "collective_backend": cfg.distributed.backend,
                     "reduce_telemetry": cfg.distributed.reduce_telemetry,
                     "noise_scale": cfg.distributed.noise_scale,
                     "replica_check_every": cfg.distributed.replica_check_every,
-                    "regularizers": [dataclasses.asdict(r) for r in cfg.regularizers],
+                    "regularizers": [_plain(r) for r in cfg.regularizers],
                     "probe": probe,
                 }
             },
