@@ -91,8 +91,8 @@ def test_the_only_code_loaded_from_config_is_a_regularizer_or_env_import_path():
         if _name(c) in ("importlib.import_module", "__import__")
     )
     assert sites == [
-        ("gradmon_ray/probe/regularizers.py", "module_name"),  # regularizers[].fn: "pkg.module:function"
         ("gradmon_ray/rllib/__init__.py", "_EXPORTS[name]"),  # fixed table of our own modules (lazy exports)
         ("gradmon_ray/rllib/config.py", "module_name"),  # env.id: "pkg.module:Class"
+        ("gradmon_ray/rllib/regularizers.py", "module_name"),  # regularizers[].fn: "pkg.module:function"
         ("gradmon_ray/tracking/__init__.py", "_EXPORTS[name]"),  # fixed table of our own modules (lazy exports)
     ]
