@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -134,15 +135,41 @@ def reduce_iteration(
     """Drain ``accumulator`` with ``[checksum, noise]`` riding in its ONE reduction and ``local``
     in its one host copy; with a single learner nothing is reduced.  Zeroes nothing but the
     accumulator's buffer."""
+    extra = Segments({"checksum": checksum, "noise": noise})
     lanes, reduced_extra, local_host = accumulator.drain(
-        reduced_extra=torch.cat([checksum.reshape(-1).double(), noise.reshape(-1).double()]),
+        reduced_extra=extra.pack(),
         local_extra=local,
         allreduce=collective.allreduce_sum if collective.active else None,
         reduce_on_device=collective.backend == "nccl",
         world_size=collective.world_size,
     )
-    n = checksum.numel()
-    return ReducedIteration(lanes, reduced_extra[:n], reduced_extra[n:], local_host)
+    parts = extra.unpack(reduced_extra)
+    return ReducedIteration(lanes, parts["checksum"], parts["noise"], local_host)
+
+
+class Segments:
+    """Named, contiguous segments of one flat float64 vector: pack on the device, unpack on the host.
+
+    The segments keep their order; a segment may be empty.  Offsets are derived, never written.
+    """
+
+    def __init__(self, parts: Mapping[str, torch.Tensor]) -> None:
+        self.sizes = {name: int(t.numel()) for name, t in parts.items()}
+        self._parts = parts
+
+    def pack(self) -> torch.Tensor:
+        """The segments, concatenated in order, as one float64 tensor."""
+        return torch.cat([t.reshape(-1).double() for t in self._parts.values()])
+
+    def unpack(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        """``{name: values}`` of a packed vector (e.g. after its host copy)."""
+        if len(flat) != sum(self.sizes.values()):
+            raise ValueError(f"expected {sum(self.sizes.values())} values for segments {self.sizes}, got {len(flat)}")
+        out, start = {}, 0
+        for name, size in self.sizes.items():
+            out[name] = np.asarray(flat[start : start + size])
+            start += size
+        return out
 
 
 # --- replica checksum ---------------------------------------------------------------------

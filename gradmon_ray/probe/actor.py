@@ -18,51 +18,26 @@ import os
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.probe.analysis import LossSettings, TooFewGroupsError, analyse_batch
-from gradmon_ray.probe.regularizers import RegularizerSpec, resolve_regularizer
+from gradmon_ray.probe.analysis import TooFewGroupsError, analyse_batch
+from gradmon_ray.rllib.probe_client import PROBE_ACTOR_PREFIX, ProbeOutcome, ProbeRequest, probe_actor_name
+from gradmon_ray.rllib.regularizers import RegularizerSpec, resolve_regularizer
 from gradmon_ray.tracking.mlflow_sink import MlflowSink
 
 logger = logging.getLogger(__name__)
 
-PROBE_ACTOR_PREFIX = "gradmon-probe-"
-"""The actor's name is this prefix plus a run-unique suffix (see ``probe_actor_name``)."""
-
-
-@dataclass
-class ProbeRequest:
-    """What the learner sends: everything the probe needs, as plain numpy (no device tensors)."""
-
-    iteration: int
-    module_spec: Any
-    """An ``RLModuleSpec`` that builds the learner's module (class, spaces, model config)."""
-    weights: dict[str, np.ndarray]
-    batch: dict[str, Any]
-    loss: LossSettings
-    sent_at: float = field(default_factory=time.time)
-
-
-@dataclass
-class ProbeOutcome:
-    """What a probe call returns to the learner (small: the metrics go to MLflow directly)."""
-
-    iteration: int
-    status: str
-    """``ok``, ``skipped`` (too few groups to bucket) or ``error``."""
-    duration_s: float
-    num_metrics: int = 0
-    message: str = ""
-
-
-def probe_actor_name(suffix: str) -> str:
-    """The probe actor's name for one run (the suffix makes concurrent runs independent)."""
-    return PROBE_ACTOR_PREFIX + suffix
+__all__ = [
+    "PROBE_ACTOR_PREFIX",
+    "GradientProbe",
+    "ProbeOutcome",
+    "ProbeRequest",
+    "probe_actor_name",
+    "start_probe_actor",
+]
 
 
 class GradientProbe:

@@ -23,21 +23,12 @@ from ray.rllib.core.columns import Columns
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.probe.components import component_gradients
-from gradmon_ray.probe.regularizers import RegularizerSpec
 from gradmon_ray.rllib.connectors import EPISODE_COLUMN, GROUP_ID_COLUMN, NO_GROUP
+from gradmon_ray.rllib.probe_client import LossSettings
+from gradmon_ray.rllib.regularizers import RegularizerSpec
 from gradmon_ray.telemetry.buckets import bucket_names, group_reward_stds, split_into_buckets
 
-
-@dataclass(frozen=True)
-class LossSettings:
-    """The PPO coefficients of the probed iteration (the KL coefficient adapts, so it travels)."""
-
-    clip_param: float
-    vf_clip_param: float
-    vf_loss_coeff: float
-    entropy_coeff: float
-    kl_coeff: float
-    use_kl_loss: bool
+__all__ = ["EpisodeTable", "LossSettings", "TooFewGroupsError", "analyse_batch", "episodes_from_batch"]
 
 
 @dataclass

@@ -1,8 +1,8 @@
-"""Thin adapters to RLlib's new API stack: the multi-head RLModule, the learner, config.
+"""Thin adapters to RLlib's new API stack: the drop-in monitor, the multi-head RLModule, PPO.
 
-Exports are resolved lazily (PEP 562): ``gradmon_ray.probe`` imports ``rllib.ppo_loss``
-while the learner imports the probe's client, and an eager package import would make
-that a cycle.
+``with_gradmon(learner_cls)`` adds gradmon's telemetry to any RLlib ``TorchLearner``
+subclass.  Exports are resolved lazily (PEP 562) so that importing one of them does not
+import RLlib's learners for the others.
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ _EXPORTS = {
     "resolve_env": "gradmon_ray.rllib.config",
     "FactoredCategorical": "gradmon_ray.rllib.distribution",
     "GradmonPPOTorchLearner": "gradmon_ray.rllib.learner",
+    "GradmonSettings": "gradmon_ray.rllib.settings",
     "VALUE_HEAD": "gradmon_ray.rllib.module",
     "FactoredActorCritic": "gradmon_ray.rllib.module",
     "HeadLayout": "gradmon_ray.rllib.module",
     "resolve_heads": "gradmon_ray.rllib.module",
+    "with_gradmon": "gradmon_ray.rllib.monitor",
 }
 
 __all__ = sorted(_EXPORTS)

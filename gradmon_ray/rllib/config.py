@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from typing import Any
 
 from ray.rllib.algorithms.ppo import PPOConfig
@@ -11,10 +12,11 @@ from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 from gradmon_ray.config import ConfigError, GradmonConfig
 from gradmon_ray.distributed import new_group_name
 from gradmon_ray.envs import BUILTIN_ENV_ID, register_builtin_env
-from gradmon_ray.probe.actor import probe_actor_name
 from gradmon_ray.rllib.connectors import AddGroupIdsToTrainBatch
-from gradmon_ray.rllib.learner import LEARNER_CONFIG_KEY, GradmonPPOTorchLearner
+from gradmon_ray.rllib.learner import GradmonPPOTorchLearner
 from gradmon_ray.rllib.module import FactoredActorCritic
+from gradmon_ray.rllib.probe_client import probe_actor_name
+from gradmon_ray.rllib.settings import LEARNER_CONFIG_KEY
 
 
 def resolve_env(env_id: str) -> Any:
@@ -33,6 +35,17 @@ def resolve_env(env_id: str) -> Any:
         except (ImportError, AttributeError) as exc:
             raise ConfigError("env.id", f"cannot import {env_id!r}: {exc}") from None
     return env_id
+
+
+def _plain(value: Any) -> Any:
+    """A config section as plain data through attribute access only (a dataclass or a pydantic model)."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return {k: _plain(v) for k, v in vars(value).items() if not k.startswith("_")}
 
 
 def build_ppo_config(cfg: GradmonConfig, *, probe_actor: str | None = None) -> PPOConfig:
@@ -62,7 +75,7 @@ def build_ppo_config(cfg: GradmonConfig, *, probe_actor: str | None = None) -> P
         model_config["head_names"] = list(cfg.model.head_names)
     config = (
         PPOConfig()
-        .framework("torch")
+        .framework("torch", torch_skip_nan_gradients=True)  # skip a non-finite minibatch
         .environment(env=resolve_env(cfg.env.id), env_config=dict(cfg.env.config))
         .env_runners(num_env_runners=res.num_env_runners, num_envs_per_env_runner=res.num_envs_per_env_runner)
         .fault_tolerance(
@@ -83,16 +96,16 @@ def build_ppo_config(cfg: GradmonConfig, *, probe_actor: str | None = None) -> P
                 LEARNER_CONFIG_KEY: {
                     "telemetry": cfg.telemetry.enabled,
                     "fused_optimizer": cfg.telemetry.fused_optimizer,
-                    "bands": cfg.telemetry.bands.model_dump(),  # {"action": {edges}, "value": {edges}}
+                    "bands": _plain(cfg.telemetry.bands),  # {"action": {edges}, "value": {edges}}
                     "optimizer": cfg.optimizer,
-                    "upgd": cfg.upgd.model_dump(),
-                    "vgs": cfg.vgs.model_dump(),
+                    "upgd": _plain(cfg.upgd),
+                    "vgs": _plain(cfg.vgs),
                     "collective_group": new_group_name(),
                     "collective_backend": cfg.distributed.backend,
                     "reduce_telemetry": cfg.distributed.reduce_telemetry,
                     "noise_scale": cfg.distributed.noise_scale,
                     "replica_check_every": cfg.distributed.replica_check_every,
-                    "regularizers": [r.model_dump() for r in cfg.regularizers],
+                    "regularizers": [_plain(r) for r in cfg.regularizers],
                     "probe": probe,
                 }
             },

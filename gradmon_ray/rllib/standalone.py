@@ -19,6 +19,7 @@ from ray.rllib.policy.sample_batch import MultiAgentBatch
 from ray.rllib.utils.metrics import NUM_ENV_STEPS_SAMPLED_LIFETIME
 
 from gradmon_ray.config import GradmonConfig
+from gradmon_ray.rllib import compat
 from gradmon_ray.rllib.config import build_ppo_config
 
 
@@ -58,7 +59,7 @@ def train_batch(learner: Learner, episodes: list[Any]) -> MultiAgentBatch:
     """The learner connector's output (advantages, value targets, loss mask) as a batch."""
     data = TrainingData(episodes=episodes)
     data.validate()
-    return learner._make_batch_if_necessary(training_data=data)
+    return compat.make_train_batch(learner, data)
 
 
 def update(learner: Learner, batch: MultiAgentBatch, cfg: GradmonConfig) -> dict[str, Any]:

@@ -23,15 +23,16 @@ class TelemetryLayout:
     """Lane offsets inside the packed buffer.
 
     ``num_reported`` heads get norms (the action heads plus the value head);
-    ``num_action_heads`` (the first ones) also get log-prob NaN/Inf latch flags.
+    ``num_action_heads`` latch heads get log-prob NaN/Inf flags (the action distribution's
+    components: ``TelemetryTracker.latch_heads``).
     """
 
     num_reported: int
     num_action_heads: int
 
     def __post_init__(self) -> None:
-        if not 0 < self.num_action_heads <= self.num_reported:
-            raise ValueError("need 0 < num_action_heads <= num_reported")
+        if self.num_reported < 1 or self.num_action_heads < 1:
+            raise ValueError("need num_reported >= 1 and num_action_heads >= 1")
 
     # SUM lanes -------------------------------------------------------------------
     @property

@@ -78,23 +78,32 @@ class IterationTelemetry:
 class TelemetryTracker:
     """Persistent host state of the learner's telemetry across training iterations.
 
-    ``reported_heads`` are the heads that get gradient norms (action heads then the value
-    head); ``action_heads`` (a prefix of them) also get log-prob latches.  Before the first
+    ``reported_heads`` are the heads that get gradient norms (e.g. the action heads then the
+    value head); ``action_heads`` (a subset of them) are judged by the action bands and enter
+    the norm CV.  ``latch_heads`` (default: ``action_heads``) get log-prob NaN/Inf latches: the
+    components of the action distribution, which need not be parameter groups (a module
+    without per-head log-probs latches one ``"policy"`` entry).  Before the first
     iteration every ``prev`` value is NaN, so the first trend is "→".  ``bands`` holds the
     health band edges: ``bands.action`` judge the action heads, ``bands.value`` every other
     reported head (the value head); default ``BandSet()``.
     """
 
     def __init__(
-        self, reported_heads: Sequence[str], action_heads: Sequence[str], *, bands: BandSet | None = None
+        self,
+        reported_heads: Sequence[str],
+        action_heads: Sequence[str],
+        *,
+        bands: BandSet | None = None,
+        latch_heads: Sequence[str] | None = None,
     ) -> None:
         self.reported_heads = tuple(reported_heads)
         self.action_heads = tuple(action_heads)
+        self.latch_heads = tuple(self.action_heads if latch_heads is None else latch_heads)
         self.bands = bands or BandSet()
-        if self.reported_heads[: len(self.action_heads)] != self.action_heads:
-            raise ValueError("action_heads must be the leading entries of reported_heads")
-        self.layout = TelemetryLayout(len(self.reported_heads), len(self.action_heads))
-        self.latches = HeadLatches(self.action_heads)
+        if not set(self.action_heads) <= set(self.reported_heads):
+            raise ValueError("action_heads must be a subset of reported_heads")
+        self.layout = TelemetryLayout(len(self.reported_heads), len(self.latch_heads))
+        self.latches = HeadLatches(self.latch_heads)
         self.prev_norms: dict[str, float] = {h: float("nan") for h in self.reported_heads}
         self.skipped_total = 0
         self.iteration = 0
@@ -142,6 +151,10 @@ class TelemetryTracker:
             bands=self.bands,
         )
 
+    def skip_iteration(self) -> None:
+        """Advance the iteration clock for an iteration without telemetry lanes (telemetry off)."""
+        self.iteration += 1
+
     def _bands_of(self, head: str) -> HealthBands:
         return self.bands.action if head in self.action_heads else self.bands.value
 
@@ -166,4 +179,4 @@ class TelemetryTracker:
         self.prev_norms = {h: float(state["prev_norms"][h]) for h in self.reported_heads}
         self.skipped_total = int(state["skipped_total"])
         self.iteration = int(state["iteration"])
-        self.latches = HeadLatches.from_state_dict(state["latches"], self.action_heads)
+        self.latches = HeadLatches.from_state_dict(state["latches"], self.latch_heads)

@@ -145,7 +145,7 @@ def test_client_survives_a_killed_actor_warns_once_and_resumes_after_restart(ray
     )
     client = ProbeClient(name, every=1)
     try:
-        with caplog.at_level(logging.WARNING, logger="gradmon_ray.probe.client"):
+        with caplog.at_level(logging.WARNING, logger="gradmon_ray.rllib.probe_client"):
             client.submit(request_template)
             time.sleep(0.3)  # the probe is inside its slow regularizer now
             ray.kill(probe, no_restart=False)  # dies with our request; Ray restarts it

@@ -194,8 +194,8 @@ class _Twins:
     def postprocess(learner, grads, grad_clip, grad_clip_by) -> dict:
         module = _module(learner)
         grads_dict = _set_grads(module, grads)
-        # The learner reads only these two fields of the module config.
-        config = SimpleNamespace(grad_clip=grad_clip, grad_clip_by=grad_clip_by)
+        # The learner (and RLlib's postprocess_gradients_for_module it defers to) reads only these fields.
+        config = SimpleNamespace(grad_clip=grad_clip, grad_clip_by=grad_clip_by, log_gradients=False)
         out = learner.postprocess_gradients_for_module(module_id=MID, config=config, module_gradients_dict=grads_dict)
         return {p: out[p] for p in module.parameters()}
 

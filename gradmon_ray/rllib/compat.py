@@ -1,0 +1,125 @@
+"""Every private RLlib / torch API gradmon's learners use, in one place, for one Ray version.
+
+RLlib's ``Learner`` exposes no public hook for several things the monitor needs (the
+whole postprocessed train batch, the grad scaler, the parameter behind a gradient key);
+torch's ``GradScaler`` and fused Adam communicate through private names.  Each use is a
+small function below; nothing else in ``gradmon_ray`` touches a private RLlib name, so an
+RLlib upgrade breaks here, loudly, and nowhere else.  ``check_ray_version()`` runs when a
+gradmon learner is built.
+
+Private uses kept here (Ray 2.60 / torch 2.x):
+
+- ``Learner._make_batch_if_necessary`` (overridden by ``TrainBatchHook``, called by ``make_train_batch``)
+- ``Checkpointable._check_component`` (``wants_component``)
+- ``TorchLearner._grad_scalers`` (``grad_scaler``)
+- ``Learner._params`` (``parameter_of``)
+- ``AlgorithmConfig._torch_lr_scheduler_classes`` (``lr_scheduler_classes``)
+- ``torch.amp.GradScaler._get_scale_async`` (``scale_tensor``)
+- the ``optimizer.found_inf`` attribute fused Adam reads (``step_unless_found_inf``)
+- ``torch._foreach_mul_`` (``scale_in_place``)
+- ``TorchMultiCategorical._cats``, ``TorchMultiDistribution._flat_child_distributions``
+  (``child_distributions``)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+RAY_VERSION = "2.60"
+"""The Ray minor version this module was written and tested against."""
+
+
+class RayVersionError(RuntimeError):
+    """The installed Ray is not the version ``gradmon_ray.rllib.compat`` was written for."""
+
+
+def check_ray_version(version: str | None = None) -> None:
+    """Raise ``RayVersionError`` unless Ray's ``major.minor`` is ``RAY_VERSION``."""
+    if version is None:
+        import ray
+
+        version = ray.__version__
+    minor = ".".join(version.split(".")[:2])
+    if minor != RAY_VERSION:
+        raise RayVersionError(
+            f"gradmon_ray.rllib.compat was written for Ray {RAY_VERSION}.x and uses private RLlib APIs; "
+            f"Ray {version} is installed: check every function in gradmon_ray/rllib/compat.py, then update RAY_VERSION"
+        )
+
+
+class TrainBatchHook:
+    """Mixin: ``on_train_batch(batch)`` sees the whole postprocessed train batch once per ``update``.
+
+    RLlib has no public hook between the learner connector (GAE done) and the first minibatch.
+    """
+
+    def _make_batch_if_necessary(self, training_data: Any) -> Any:
+        batch = super()._make_batch_if_necessary(training_data)  # type: ignore[misc]
+        self.on_train_batch(batch)
+        return batch
+
+    def on_train_batch(self, batch: Any) -> None:
+        """Called with the ``MultiAgentBatch`` (or None); default: nothing."""
+
+
+def make_train_batch(learner: Any, training_data: Any) -> Any:
+    """The learner connector's output for ``training_data`` (what ``update`` trains on)."""
+    return learner._make_batch_if_necessary(training_data=training_data)
+
+
+def wants_component(learner: Any, name: str, components: Any, not_components: Any) -> bool:
+    """Whether ``get_state(components, not_components=...)`` asks for ``name``."""
+    return learner._check_component(name, components, not_components)
+
+
+def grad_scaler(learner: Any, module_id: str) -> torch.amp.GradScaler | None:
+    """The module's ``GradScaler`` (``config.experimental(_torch_grad_scaler_class=...)``), else None."""
+    scalers = learner._grad_scalers
+    return scalers[module_id] if scalers is not None else None
+
+
+def scale_tensor(scaler: torch.amp.GradScaler) -> torch.Tensor:
+    """The scaler's current scale as a device tensor (``get_scale()`` would sync with the host)."""
+    return scaler._get_scale_async()
+
+
+def parameter_of(learner: Any, param_ref: Any) -> torch.nn.Parameter:
+    """The parameter behind a key of RLlib's gradient dicts."""
+    return learner._params[param_ref]
+
+
+def lr_scheduler_classes(config: Any) -> Any:
+    """``config.experimental(_torch_lr_scheduler_classes=...)`` (None when not set)."""
+    return getattr(config, "_torch_lr_scheduler_classes", None)
+
+
+def supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` reads ``found_inf`` on the device (fused Adam/AdamW/SGD)."""
+    return all(group.get("fused") for group in optimizer.param_groups)
+
+
+def step_unless_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """Fused step that the kernel itself skips when ``found_inf`` is nonzero: the protocol
+    ``torch.amp.GradScaler.step`` uses, without a host round trip."""
+    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf  # type: ignore[attr-defined]
+
+
+def scale_in_place(tensors: Sequence[torch.Tensor], factor: torch.Tensor) -> None:
+    """``t *= factor`` for every tensor, one fused kernel (what ``clip_grad_norm_`` uses)."""
+    torch._foreach_mul_(list(tensors), factor)
+
+
+def child_distributions(dist: Any) -> list[Any]:
+    """The per-component distributions of RLlib's ``TorchMultiCategorical`` (MultiDiscrete) or
+    ``TorchMultiDistribution`` (Dict, flattened in dm-tree's sorted-key order)."""
+    for attr in ("_cats", "_flat_child_distributions"):
+        if hasattr(dist, attr):
+            return list(getattr(dist, attr))
+    raise TypeError(f"{type(dist).__name__} has no per-component distributions")

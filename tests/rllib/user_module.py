@@ -1,0 +1,32 @@
+"""A user's own RLModule (not gradmon's, not RLlib's default): heads are declared by regex."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from ray.rllib.core.columns import Columns
+from ray.rllib.core.distribution.torch.torch_distribution import TorchCategorical
+from ray.rllib.core.rl_module.apis.value_function_api import ValueFunctionAPI
+from ray.rllib.core.rl_module.torch import TorchRLModule
+from torch import nn
+
+
+class TinyActorCritic(TorchRLModule, ValueFunctionAPI):
+    """A shared body, ``policy_out`` (logits) and ``value_out``; no ``head_parameter_groups()``."""
+
+    def setup(self) -> None:
+        hidden = int((self.model_config or {}).get("hidden", 16))
+        self.body = nn.Sequential(nn.Linear(self.observation_space.shape[0], hidden), nn.Tanh())
+        self.policy_out = nn.Linear(hidden, int(self.action_space.n))
+        self.value_out = nn.Linear(hidden, 1)
+        self.action_dist_cls = TorchCategorical
+
+    def _forward(self, batch: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        embeddings = self.body(batch[Columns.OBS].float())
+        return {Columns.ACTION_DIST_INPUTS: self.policy_out(embeddings), Columns.EMBEDDINGS: embeddings}
+
+    def compute_values(self, batch: dict[str, Any], embeddings: torch.Tensor | None = None) -> torch.Tensor:
+        if embeddings is None:
+            embeddings = self.body(batch[Columns.OBS].float())
+        return self.value_out(embeddings).squeeze(-1)
