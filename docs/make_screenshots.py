@@ -1,4 +1,4 @@
-"""Regenerate the README's pictures from a real training run of the built-in environment.
+"""Regenerate the docs' pictures (README.md, docs/operations.md) from a real training run of the built-in environment.
 
     python -m pip install cairosvg      # only for the panel's SVG -> PNG conversion
     python docs/make_screenshots.py     # ~2 min on 2 CPU cores

@@ -1,4 +1,4 @@
-"""cluster.yaml: valid for Ray's own cluster launcher, and shaped the way the README promises.
+"""cluster.yaml: valid for Ray's own cluster launcher, and shaped the way docs/operations.md promises.
 
 What cannot be tested here: launching it (no cloud account on CI). The schema check is the one
 `ray up` runs before it touches the cloud, on the config with the launcher's defaults filled in.

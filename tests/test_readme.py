@@ -1,4 +1,9 @@
-"""The README, .ci/run and metric_names stay in sync."""
+"""The README, the docs, .ci/run and metric_names stay in sync.
+
+The README keeps the install / test / train commands; every metric and tag name is documented in
+docs/metrics.md (generated from metric_names.py, see tests/test_docs.py); the plot artifacts in
+docs/operations.md; every ``gradmon-ray`` command in the README and docs/*.md must parse.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,11 @@ from gradmon_ray.viz.report import PLOTS_ARTIFACT_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+METRICS_DOC = (ROOT / "docs" / "metrics.md").read_text()
+OPERATIONS_DOC = (ROOT / "docs" / "operations.md").read_text()
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CI = (ROOT / ".ci" / "run").read_text().splitlines()
+TABLE_ROW = re.compile(r"^\| `([^`]+)` \|", re.M)
 
 
 def _readme_command(marker: str) -> str:
@@ -41,48 +50,72 @@ def test_readme_train_command_is_the_console_script():
 
 
 def _documented_form(template: str) -> str:
-    """``grad/head/{head}/norm`` -> ``grad/head/<head>/norm``, as the README writes it."""
+    """``grad/head/{head}/norm`` -> ``grad/head/<head>/norm``, as the docs write it."""
     return re.sub(r"\{(\w+)\}", r"<\1>", template)
 
 
 ALL_METRICS = [_documented_form(t) for t in (*mn.PER_HEAD_TEMPLATES, *mn.PROBE_TEMPLATES)] + list(mn.SCALAR_NAMES)
 
 
-def test_every_metric_and_tag_name_is_in_the_readme_table():
-    documented = set(re.findall(r"^\| `([^`]+)` \|", README, re.M))
-    names = ALL_METRICS
-    missing = [n for n in names if n not in documented]
-    assert not missing, f"add README table rows for {missing}"
+def test_every_metric_and_tag_name_is_in_the_metrics_doc():
+    documented = set(TABLE_ROW.findall(METRICS_DOC))
+    missing = [n for n in ALL_METRICS if n not in documented]
+    assert not missing, f"docs/metrics.md has no rows for {missing}: run `python docs/gen_metrics.py`"
     for tag in mn.TAG_NAMES:
-        assert f"`{tag}`" in README, tag
+        assert tag in documented, f"docs/metrics.md has no row for the tag {tag}"
+
+
+def test_metrics_doc_has_no_stale_rows():
+    documented = set(TABLE_ROW.findall(METRICS_DOC))
+    known = set(ALL_METRICS) | set(mn.TAG_NAMES) | {mn.VALUE_HEAD}
+    assert documented <= known, (
+        f"docs/metrics.md rows for names in no group of metric_names.py: {documented - known} "
+        "(add them to PER_HEAD_TEMPLATES, PROBE_TEMPLATES, SCALAR_NAMES or TAG_NAMES)"
+    )
 
 
 ARTIFACTS = [f"{PLOTS_ARTIFACT_DIR}/{name}" for name in (HEATMAP_FILE, LINES_FILE, PROBE_FILE)]
 
 
-def test_readme_table_has_no_stale_rows():
-    documented = set(re.findall(r"^\| `([^`]+)` \|", README, re.M))
-    known = set(ALL_METRICS) | set(ARTIFACTS)
-    assert documented <= known, documented - known
+def test_every_plot_artifact_is_documented_and_no_stale_one():
+    documented = {row for row in TABLE_ROW.findall(OPERATIONS_DOC) if row.startswith(f"{PLOTS_ARTIFACT_DIR}/")}
+    assert documented == set(ARTIFACTS), f"docs/operations.md plot rows {documented} != {ARTIFACTS}"
 
 
-def test_every_plot_artifact_is_documented():
-    documented = set(re.findall(r"^\| `([^`]+)` \|", README, re.M))
-    assert set(ARTIFACTS) <= documented
+def test_readme_metric_overview_names_real_metrics():
+    """Each name in the README's overview is a documented name, or a family ``prefix/*`` of some."""
+    section = README.split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (`.+?`) \|", section, re.M)
+    names = [n for row in rows for n in re.findall(r"`([^`]+)`", row)]
+    assert len(names) >= 10, names
+    known = set(ALL_METRICS)
+    for name in names:
+        if name.endswith("/*"):
+            prefix = name[:-1]
+            assert any(k.startswith(prefix) for k in known), f"README overview family {name} matches no metric"
+        else:
+            assert name in known, f"README overview names {name}, which metric_names.py does not define"
 
 
-def test_every_gradmon_ray_command_in_the_readme_parses():
-    """Copy-pasted README commands must not die on a usage error (placeholders are fine)."""
-    parser = build_parser()
+def _commands(text: str) -> list[str]:
     commands, in_block = [], False
-    for raw in README.splitlines():
+    for raw in text.splitlines():
         if raw.startswith("```"):
             in_block = not in_block
             continue
         line = raw.split(" #")[0].strip()
         if in_block and line.startswith("gradmon-ray ") and "..." not in line:
             commands.append(line)
-    assert len(commands) >= 8, commands
+    return commands
+
+
+def test_every_gradmon_ray_command_in_the_readme_and_docs_parses():
+    """Copy-pasted commands must not die on a usage error (placeholders are fine)."""
+    parser = build_parser()
+    per_file = {p.relative_to(ROOT): _commands(p.read_text()) for p in DOC_FILES}
+    commands = [c for cs in per_file.values() for c in cs]
+    assert len(per_file[Path("README.md")]) >= 3, per_file
+    assert len(commands) >= 8, per_file
     for line in commands:
         args = parser.parse_args(shlex.split(line)[1:])
         assert args.command in {"train", "tune", "watch", "report"}, line

@@ -3,7 +3,7 @@
 The head node (``ray start --head --block`` on 127.0.0.1, its own ports, its own temp dir and a
 fresh random token) runs in its own process group and is torn down even when a test fails.
 The job ships a working directory holding the run config and a user regularizer module, the way
-users submit to a cluster (README: "Submitting to a Ray cluster").
+users submit to a cluster (docs/operations.md: "Submitting a job").
 """
 
 from __future__ import annotations
