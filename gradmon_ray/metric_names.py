@@ -1,7 +1,8 @@
 """Every metric, tag and param name gradmon-ray writes, in one place.
 
-The README's metric table documents each of these; ``tests/test_readme.py`` fails if a
-name is added here without a row there.  Per-head names are built with the helpers
+``docs/metrics.md`` is generated from these docstrings (``python docs/gen_metrics.py``;
+``tests/test_docs.py`` fails when it is stale) and ``docs/oracles.md`` names each one's
+independent test (``tests/test_oracle_table.py``).  Per-head names are built with the helpers
 below so that the spelling lives only in this module.
 """
 

@@ -15,7 +15,7 @@ VALUE_HEAD = mn.VALUE_HEAD
 """The value head's reported name: always the last head."""
 
 _GRADMON_PREFIXES = ("grad/", "latch/", "update/", "vgs/", "probe/")
-# RLlib result paths -> gradmon names (the training-progress rows of the README table).
+# RLlib result paths -> gradmon names (the training-progress rows of docs/metrics.md).
 _RLLIB_PATHS: dict[str, tuple[str, ...]] = {
     mn.EPISODE_RETURN_MEAN: ("env_runners", "episode_return_mean"),
     mn.EPISODE_LEN_MEAN: ("env_runners", "episode_len_mean"),
