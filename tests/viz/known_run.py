@@ -4,7 +4,8 @@ pixel-column of the heatmap and every line of the report has a known expected va
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import random
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from mlflow.entities import Metric, RunTag
@@ -98,3 +99,14 @@ def make_known_run(
     client.set_terminated(run_id)
     assert math.isnan(NORMS["a5"][-1])
     return KnownRun(tracking_uri, run_id, experiment)
+
+
+def shuffled_known_runs(tracking_uri: str, seed: int) -> Iterator[tuple[KnownRun, Sequence[str] | None, list[str]]]:
+    """The known run logged with its heads in a shuffled order (``seed``), once with the
+    ``gradmon.head_names`` tag and once without (an old run); yields ``(run, tag, the head
+    order a reader must show)``: the tag's order, else sorted action heads then ``value``."""
+    log_order = random.Random(seed).sample(HEADS, len(HEADS))
+    fallback = [*sorted(h for h in HEADS if h != "value"), "value"]
+    assert log_order not in (HEADS, fallback)  # the shuffle really differs from both answers
+    for tag, expected in ((HEADS, HEADS), (None, fallback)):
+        yield make_known_run(tracking_uri, with_probe=False, log_order=log_order, head_names_tag=tag), tag, expected

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import random
 import struct
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from gradmon_ray.tracking import MlflowSink
 from gradmon_ray.viz.plots import HEATMAP_FILE, LINES_FILE, PROBE_FILE, heatmap_figure, norm_matrix, write_plots
 from gradmon_ray.viz.report import SUMMARY_FILE, head_summaries, log_plots, summary_markdown
 from gradmon_ray.viz.runs import latest_probe, load_history
-from tests.viz.known_run import HEADS, NORMS, make_known_run
+from tests.viz.known_run import HEADS, NORMS, make_known_run, shuffled_known_runs
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -150,12 +149,8 @@ def test_a_failing_plot_is_counted_never_raised_and_the_run_still_ends(tmp_path)
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_heatmap_rows_follow_the_head_names_tag_whatever_order_the_metrics_were_logged_in(tmp_path, seed):
-    log_order = random.Random(seed).sample(HEADS, len(HEADS))
-    fallback = [*sorted(h for h in HEADS if h != "value"), "value"]  # no tag: sorted action heads, then value
-    assert log_order not in (HEADS, fallback)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    for tag, expected in ((HEADS, HEADS), (None, fallback)):
-        known = make_known_run(uri, with_probe=False, log_order=log_order, head_names_tag=tag)
+    for known, tag, expected in shuffled_known_runs(uri, seed):
         history = load_history(MlflowClient(uri), known.run_id)
         heads, _, matrix = norm_matrix(history)
         assert heads == expected, tag
