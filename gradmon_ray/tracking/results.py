@@ -30,6 +30,8 @@ _RLLIB_PATHS: dict[str, tuple[str, ...]] = {
     mn.ENV_RUNNER_RESTARTS: ("fault_tolerance", "num_remote_worker_restarts"),
 }
 _HEAD_FROM_NORM = mn.template_pattern(mn.HEAD_GRAD_NORM)
+_NAN_LATCH = mn.template_pattern(mn.HEAD_NAN_LATCH)
+_INF_LATCH = mn.template_pattern(mn.HEAD_INF_LATCH)
 _ABSENT_WHEN_UNDEFINED = [mn.template_pattern(t) for t in mn.ABSENT_WHEN_UNDEFINED]
 
 
@@ -110,13 +112,8 @@ def heads_in(metrics: Mapping[str, float], order: Sequence[str] | None = None) -
 
 def latched_heads(metrics: Mapping[str, float], kind: str) -> list[str]:
     """Heads whose ``kind`` ("nan" or "inf") latch metric is 1."""
-    template = mn.HEAD_NAN_LATCH if kind == "nan" else mn.HEAD_INF_LATCH
-    prefix, suffix = template.split("{head}")
-    return [
-        key[len(prefix) : len(key) - len(suffix) if suffix else None]
-        for key, value in metrics.items()
-        if key.startswith(prefix) and key.endswith(suffix) and key.count("/") == template.count("/") and value > 0
-    ]
+    pattern = _NAN_LATCH if kind == "nan" else _INF_LATCH
+    return [m.group("head") for key, value in metrics.items() if value > 0 and (m := pattern.match(key))]
 
 
 def progress_line(
