@@ -41,6 +41,10 @@ class ModelSection(ConfigModel):
     trunk_hiddens: list[Width] = Field(default_factory=lambda: [128, 128], description="Shared trunk widths.")
     head_hiddens: list[Width] = Field(default_factory=list, description="Hidden widths inside each action head.")
     value_hiddens: list[Width] = Field(default_factory=list, description="Hidden widths inside the value head.")
+    vf_share_layers: bool = Field(
+        True,
+        description="The value head reads the policy trunk (true) or its own trunk of the same widths (false).",
+    )
     activation: Literal["tanh", "relu", "silu"] = Field("tanh", description="Hidden activation.")
     head_logit_scale: dict[Text, PositiveNumber] = Field(
         default_factory=dict,

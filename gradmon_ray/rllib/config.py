@@ -68,6 +68,7 @@ def build_ppo_config(cfg: GradmonConfig, *, probe_actor: str | None = None) -> P
         "trunk_hiddens": list(cfg.model.trunk_hiddens),
         "head_hiddens": list(cfg.model.head_hiddens),
         "value_hiddens": list(cfg.model.value_hiddens),
+        "vf_share_layers": cfg.model.vf_share_layers,
         "activation": cfg.model.activation,
         "head_logit_scale": dict(cfg.model.head_logit_scale),
     }

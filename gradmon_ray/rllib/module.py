@@ -106,8 +106,13 @@ class FactoredActorCritic(TorchRLModule, ValueFunctionAPI):
     ``model_config`` keys: ``trunk_hiddens`` (default ``[128, 128]``), ``head_hiddens``
     (``[]``: each head is one linear layer), ``value_hiddens`` (``[]``), ``activation``
     (``"tanh"``, ``"relu"`` or ``"silu"``), ``head_names`` (for MultiDiscrete/Discrete
-    spaces), ``head_logit_scale`` (``{head: factor}``, multiplies that head's logits).
-    Observations must be a ``Box``; they are flattened per sample.
+    spaces), ``head_logit_scale`` (``{head: factor}``, multiplies that head's logits),
+    ``vf_share_layers`` (default ``True``: the value head reads the policy trunk; ``False``:
+    the value head has its own trunk of the same widths, ``value_trunk``, as RLlib's default
+    module does).  Observations must be a ``Box``; they are flattened per sample.
+
+    Reported heads are the output layers (``heads[name]``, ``value_head``); trunks, shared or
+    not, count in the global norm only.
     """
 
     @override(TorchRLModule)
@@ -122,6 +127,9 @@ class FactoredActorCritic(TorchRLModule, ValueFunctionAPI):
         obs_dim = int(np.prod(self.observation_space.shape))
         trunk_hiddens = list(cfg.get("trunk_hiddens", [128, 128]))
         self.trunk = _mlp(obs_dim, trunk_hiddens, None, activation)
+        self.vf_share_layers = bool(cfg.get("vf_share_layers", True))
+        # Without sharing, the value function gets its own copy of the trunk's shape.
+        self.value_trunk = None if self.vf_share_layers else _mlp(obs_dim, trunk_hiddens, None, activation)
         embed_dim = trunk_hiddens[-1] if trunk_hiddens else obs_dim
         head_hiddens = list(cfg.get("head_hiddens", []))
         self.heads = nn.ModuleDict(
@@ -156,8 +164,19 @@ class FactoredActorCritic(TorchRLModule, ValueFunctionAPI):
         return groups
 
     def _embed(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The policy trunk's output."""
+        return self.trunk(self._flat_obs(batch))
+
+    def _value_embed(self, batch: dict[str, Any], policy_embeddings: torch.Tensor | None = None) -> torch.Tensor:
+        """What the value head reads: the policy trunk's output when shared, else the value trunk's."""
+        if self.value_trunk is None:
+            return self._embed(batch) if policy_embeddings is None else policy_embeddings
+        return self.value_trunk(self._flat_obs(batch))
+
+    @staticmethod
+    def _flat_obs(batch: dict[str, Any]) -> torch.Tensor:
         obs = batch[Columns.OBS]
-        return self.trunk(obs.reshape(obs.shape[0], -1).float())
+        return obs.reshape(obs.shape[0], -1).float()
 
     def _logits(self, embeddings: torch.Tensor) -> torch.Tensor:
         scale = self._logit_scale
@@ -172,10 +191,14 @@ class FactoredActorCritic(TorchRLModule, ValueFunctionAPI):
     @override(RLModule)
     def _forward_train(self, batch: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
         embeddings = self._embed(batch)
-        return {Columns.ACTION_DIST_INPUTS: self._logits(embeddings), Columns.EMBEDDINGS: embeddings}
+        # EMBEDDINGS are what compute_values reads (RLlib's PPO loss passes them back).
+        return {
+            Columns.ACTION_DIST_INPUTS: self._logits(embeddings),
+            Columns.EMBEDDINGS: self._value_embed(batch, embeddings),
+        }
 
     @override(ValueFunctionAPI)
     def compute_values(self, batch: dict[str, Any], embeddings: torch.Tensor | None = None) -> torch.Tensor:
         if embeddings is None:
-            embeddings = self._embed(batch)
+            embeddings = self._value_embed(batch)
         return self.value_head(embeddings).squeeze(-1)
