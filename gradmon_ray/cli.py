@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from gradmon_ray.config import ConfigError, load_config, load_yaml
+from gradmon_ray.config import ConfigError, config_advisories, load_config, load_yaml
 from gradmon_ray.tracking.spill import SpillFormatError
 from gradmon_ray.viz.runs import RunLookupError
 
@@ -146,6 +146,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, _overrides(args))
+    _advise(cfg)
     from gradmon_ray.train import run_training
 
     print(
@@ -171,6 +172,11 @@ def _fail_fast_mlflow_http(timeout_s: int) -> None:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(timeout_s))
 
 
+def _advise(cfg: Any) -> None:
+    for line in config_advisories(cfg):
+        print(f"gradmon-ray: warning: {line}", file=sys.stderr, flush=True)
+
+
 def _tune(args: argparse.Namespace) -> int:
     from gradmon_ray.config import apply_overrides, config_from_dict
     from gradmon_ray.sweep import load_sweep, run_sweep
@@ -178,7 +184,7 @@ def _tune(args: argparse.Namespace) -> int:
     sweep, base = load_sweep(args.sweep_file)
     flags = {"mlflow.tracking_uri": args.mlflow_uri, "resources.ray_address": args.ray_address}
     base = apply_overrides(base, {k: v for k, v in flags.items() if v is not None})
-    config_from_dict(dict(base))  # the flags too are validated before Ray starts
+    _advise(config_from_dict(dict(base)))  # the flags too are validated before Ray starts
     print(f"gradmon-ray: sweep '{sweep.name}' over {', '.join(sweep.search_space)}", flush=True)
     outcome = run_sweep(sweep, base, progress=lambda line: print(line, flush=True))
     best = f"best run {outcome.best.run_id} ({sweep.metric} {outcome.best.metric:.4g})" if outcome.best else "no best"

@@ -67,6 +67,7 @@ __all__ = [
     "VgsSection",
     "YamlLoader",
     "apply_overrides",
+    "config_advisories",
     "config_error",
     "config_from_dict",
     "default_tracking_uri",
@@ -149,6 +150,23 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v
     return out
+
+
+def config_advisories(cfg: GradmonConfig) -> list[str]:
+    """One line each for valid settings that are known to cancel out (printed at load, not errors)."""
+    lines = []
+    if cfg.vgs.enabled and cfg.vgs.apply_to == "gradient":
+        if cfg.optimizer == "adam":
+            lines.append(
+                "vgs.apply_to: gradient with optimizer adam: Adam divides a slowly varying gradient factor back "
+                "out, so VGS barely changes the update; vgs.apply_to: update scales the step itself"
+            )
+        if cfg.ppo.grad_clip is not None and cfg.ppo.grad_clip_by == "global_norm":
+            lines.append(
+                "vgs.apply_to: gradient with ppo.grad_clip_by: global_norm: whenever the clip binds it rescales the "
+                "gradient to ppo.grad_clip and undoes the VGS factor; vgs.apply_to: update acts after clipping"
+            )
+    return lines
 
 
 def config_from_dict(data: dict[str, Any] | None) -> GradmonConfig:

@@ -202,6 +202,14 @@ class VgsSection(ConfigModel):
     granularity: Literal["element", "tensor"] = Field(
         "element", description="Statistics per parameter element (like Adam) or per tensor."
     )
+    apply_to: Literal["update", "gradient"] = Field(
+        "update",
+        description="Where the factor acts: the optimizer's step (update: exact under Adam and clipping) or the "
+        "gradient before clipping (gradient: Adam's normalisation and a binding global-norm clip undo it).",
+    )
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto", description="Compile the per-step pass into one fused loop (auto: from 1M parameters)."
+    )
 
 
 class UpgdSection(ConfigModel):

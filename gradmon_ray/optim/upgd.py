@@ -105,7 +105,8 @@ class UPGD(torch.optim.Optimizer):
             ratio = (state["avg_utility"] / correction) / global_max
             scaled = torch.sigmoid(torch.where(global_max != 0, ratio, torch.zeros_like(ratio)))
             noise = torch.randn(p.shape, device=p.device, dtype=p.dtype, generator=self._generator) * group["sigma"]
-            p.mul_(1 - group["lr"] * group["weight_decay"]).add_(
-                (p.grad + noise) * (1 - scaled), alpha=-2.0 * group["lr"]
-            )
+            # One add of the whole (small) update: ``lr`` may be a 0-d tensor (VGS in update
+            # mode scales it on the device), and (1 - lr * wd) rounded near 1 would blur it.
+            update = p * group["weight_decay"] + 2.0 * (p.grad + noise) * (1 - scaled)
+            p.sub_(update * group["lr"])
         return loss

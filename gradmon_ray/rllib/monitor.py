@@ -26,6 +26,7 @@ and logged as RLlib metrics (``window=1``: every value is already that step's ag
 from __future__ import annotations
 
 import os
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ from gradmon_ray.distributed import (
     LearnerCollective,
     NoiseScaleHook,
 )
+from gradmon_ray.optim.scaled_step import UpdateScaler
 from gradmon_ray.rllib import compat
 from gradmon_ray.rllib.heads import action_heads, head_parameter_groups, latch_heads, per_head_logp
 from gradmon_ray.rllib.reporting import (
@@ -111,10 +113,15 @@ class GradmonMonitor(GradmonReporting):
             groups, global_rank(), lambda: self._tracker.iteration + 1
         )
         self._vgs: VarianceGradientScaler | None = None
+        self._update_scaler: UpdateScaler | None = None
+        self._vgs_factor: torch.Tensor | None = None  # update mode: this minibatch's factor
         if self.gradmon.vgs.enabled:
             # One scale for the whole module, from gradients DDP has already averaged: every
             # replica sees identical inputs and so applies an identical scale.
             self._vgs = VarianceGradientScaler(self._norm_plan.params, **self.gradmon.vgs.kwargs)
+            if self.gradmon.vgs.apply_to == "update":
+                optimizers = [opt for _, opt in self.get_optimizers_for_module(self._module_id)]
+                self._update_scaler = UpdateScaler(optimizers)
 
     def latch_heads_of(self, rl_module: Any) -> tuple[str, ...]:
         """The log-prob latches (``heads.latch_heads``); a subclass with its own loss may narrow them."""
@@ -180,9 +187,13 @@ class GradmonMonitor(GradmonReporting):
             self._noise_hook.add_big(norms.head_norms, norms.global_norm, self._last_rows)
         global_norm = norms.global_norm
         if self._vgs is not None:
-            # After the telemetry norms (they stay pre-scaling), before clipping; a skipped
-            # (non-finite) step must not teach VGS either.
-            global_norm = global_norm * self._vgs.scale_gradients(skip=norms.found_nonfinite)
+            # After the telemetry norms (they stay pre-scaling); a skipped (non-finite) step
+            # must not teach VGS either.  Gradient mode scales before clipping (a binding
+            # global-norm clip then undoes it); update mode scales the optimizer's step.
+            if self._update_scaler is None:
+                global_norm = global_norm * self._vgs.scale_gradients(skip=norms.found_nonfinite)
+            else:
+                self._vgs_factor = self._vgs.observe(skip=norms.found_nonfinite, scale_gradients=False)
             self._vgs.step()
         if config.grad_clip is None or config.grad_clip_by != "global_norm" or len(optimizers) != 1:
             # RLlib's own path (its clipping and its `log_gradients` metric).
@@ -204,30 +215,43 @@ class GradmonMonitor(GradmonReporting):
         found = norms.found_nonfinite
         skip_nonfinite = bool(self.config.torch_skip_nan_gradients)
         optimizers = [opt for _, opt in self.get_optimizers_for_module(self._module_id)]
-        if self._grad_scaler is not None:
-            self._step_with_scaler(optimizers, found)
-            skipped = torch.zeros_like(found)  # the scaler's skip, counted apart
-        elif skip_nonfinite:
-            for optimizer in optimizers:
-                if compat.supports_found_inf(optimizer):
-                    compat.step_unless_found_inf(optimizer, found)
-                elif not bool(found):  # the one tolerated host sync per minibatch
-                    optimizer.step()
-            skipped = found
-        else:
-            # RLlib's default (torch_skip_nan_gradients=False): non-finite entries become
-            # finite (torch.nan_to_num, in place, on the device) and the step is taken.
-            for grad in gradients_dict.values():
-                if grad is not None:
-                    grad.nan_to_num_()
-            for optimizer in optimizers:
-                optimizer.step()
-            skipped = torch.zeros_like(found)
+        with self._scaled_update():
+            skipped = self._step(optimizers, gradients_dict, found, skip_nonfinite)
         if self.gradmon.telemetry:
             nan_flags, inf_flags = self._pending_logp_flags or (self._zero_flags, self._zero_flags)
             self._accumulator.add_minibatch(norms, nan_flags, inf_flags, skipped)
         self._pending_norms = None
         self._pending_logp_flags = None
+
+    def _scaled_update(self) -> AbstractContextManager[None]:
+        """VGS in update mode: the optimizers' steps move by factor x their update."""
+        if self._update_scaler is None or self._vgs_factor is None:
+            return nullcontext()
+        factor, self._vgs_factor = self._vgs_factor, None
+        return self._update_scaler.scaled(factor)
+
+    def _step(
+        self, optimizers: list[torch.optim.Optimizer], gradients_dict: ParamDict, found: torch.Tensor, skip: bool
+    ) -> torch.Tensor:
+        """Step every optimizer; returns the skipped-step flag (0-d device tensor)."""
+        if self._grad_scaler is not None:
+            self._step_with_scaler(optimizers, found)
+            return torch.zeros_like(found)  # the scaler's skip, counted apart
+        if skip:
+            for optimizer in optimizers:
+                if compat.supports_found_inf(optimizer):
+                    compat.step_unless_found_inf(optimizer, found)
+                elif not bool(found):  # the one tolerated host sync per minibatch
+                    optimizer.step()
+            return found
+        # RLlib's default (torch_skip_nan_gradients=False): non-finite entries become
+        # finite (torch.nan_to_num, in place, on the device) and the step is taken.
+        for grad in gradients_dict.values():
+            if grad is not None:
+                grad.nan_to_num_()
+        for optimizer in optimizers:
+            optimizer.step()
+        return torch.zeros_like(found)
 
     def _step_with_scaler(self, optimizers: list[torch.optim.Optimizer], found: torch.Tensor) -> None:
         """``GradScaler.step`` (skips on the found_inf its ``unscale_`` recorded) and ``update``.

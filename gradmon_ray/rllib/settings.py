@@ -20,6 +20,8 @@ LEARNER_CONFIG_KEY = "gradmon"
 """Key in ``AlgorithmConfig.learner_config_dict`` holding the gradmon learner settings."""
 
 OPTIMIZERS = ("adam", "upgd")
+APPLY_TO = ("update", "gradient")
+"""Where the VGS factor acts (``VGSSettings.apply_to``)."""
 
 
 def _frozen(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
@@ -31,13 +33,18 @@ class VGSSettings:
     """The Variance Gradient Scaler: off unless ``enabled``; ``kwargs`` go to ``VarianceGradientScaler``."""
 
     enabled: bool = False
+    apply_to: str = "update"
+    """``"update"``: the factor scales the optimizer's step; ``"gradient"``: the gradient, before clipping."""
     kwargs: Mapping[str, Any] = field(default_factory=lambda: _frozen({}))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> VGSSettings:
         data = dict(data or {})
         data.pop("accept_old_checkpoint", None)  # checked before training (rllib.preflight)
-        return cls(enabled=bool(data.pop("enabled", False)), kwargs=_frozen(data))
+        apply_to = str(data.pop("apply_to", "update"))
+        if apply_to not in APPLY_TO:
+            raise ValueError(f"gradmon.vgs.apply_to must be one of {APPLY_TO}, got {apply_to!r}")
+        return cls(enabled=bool(data.pop("enabled", False)), apply_to=apply_to, kwargs=_frozen(data))
 
 
 @dataclass(frozen=True)

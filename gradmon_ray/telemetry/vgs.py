@@ -18,32 +18,33 @@ elements: unlike the seed's code, no spatial spread leaks into the temporal stat
 tensor's mean gradient magnitude.  It is far cheaper and still purely temporal, but it
 averages element noise within a tensor, so it reads lower than ``"element"``.
 
-Everything per step runs on the gradients' device with no host synchronisation.  Reporting
+Everything per step runs on the gradients' device with no host synchronisation; with
+``p90`` (the default) over a fixed sample, one step is one pass over the gradients and the
+two EMA buffers (``vgs_kernels``), compiled into one fused loop for large models.  Reporting
 getters (``get_normalized_variance``, ``get_scaling_factor``, ``get_metrics``,
 ``compute_gradient_statistics``) do synchronise.
+
+Where the factor acts (on the gradient, or on the optimizer's update) is the learner's
+choice: ``observe(scale_gradients=False)`` only returns it (see ``telemetry.vgs_update``).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray.telemetry import vgs_kernels as kernels
 from gradmon_ray.telemetry.vgs_checkpoint import (
     OLD_CHECKPOINT_WARNING,
     VGSCheckpoint,
     analytic_normalized_variance_of_abs,
 )
+from gradmon_ray.telemetry.vgs_kernels import GRAD_LIMIT, MAX_NORMALIZED_VARIANCE, MIN_SCALE
 
 AGGREGATION_METHODS = ("p90", "mean", "weighted_mean")
 GRANULARITIES = ("element", "tensor")
-MAX_NORMALIZED_VARIANCE = 1e6
-MIN_SCALE = 1e-4
-GRAD_LIMIT = 1e18
-"""Gradients are clamped to +-1e18 (NaN -> 0) before entering the EMAs: then g^2 <= 1e36 stays
-finite in float32 and every normalized variance is finite by construction."""
 
 # Order of ``metrics_tensor()``; ``vgs/step_count`` and ``vgs/warmup_active`` are host values.
 DEVICE_METRICS = mn.VGS_DEVICE_METRICS
@@ -54,7 +55,8 @@ class VarianceGradientScaler(VGSCheckpoint):
     """Global gradient scaling by the temporal variance of the gradients.
 
     Per training step call ``scale_gradients()`` (updates the statistics, then scales
-    ``p.grad`` in place) and ``step()`` (advances the warmup clock), as in the seed.
+    ``p.grad`` in place) and ``step()`` (advances the warmup clock), as in the seed; or
+    ``observe(scale_gradients=False)`` to get the factor without touching the gradients.
 
     Args:
         parameters: the parameters whose ``.grad`` is scaled.
@@ -71,6 +73,8 @@ class VarianceGradientScaler(VGSCheckpoint):
             fixed uniform sample of this many entries, drawn once with a fixed seed (so every
             replica uses the same sample); below it they are exact.  Sorting millions of
             entries every step would cost more than the rest of VGS together.
+        compile: ``"auto"`` (compile the per-step pass from 1M parameters), ``"on"`` or
+            ``"off"``; see ``vgs_kernels``.
     """
 
     def __init__(
@@ -85,6 +89,7 @@ class VarianceGradientScaler(VGSCheckpoint):
         aggregation_method: str = "p90",
         granularity: str = "element",
         quantile_sample_size: int = 65536,
+        compile: str = "auto",
     ) -> None:
         if aggregation_method not in AGGREGATION_METHODS:
             raise ValueError(f"aggregation_method must be one of {AGGREGATION_METHODS}, got {aggregation_method!r}")
@@ -106,6 +111,10 @@ class VarianceGradientScaler(VGSCheckpoint):
         self._step_count = 0
         self._device = self._parameters[0].device if self._parameters else torch.device("cpu")
         self._numel = [p.numel() for p in self._parameters]
+        compiled = kernels.wants_compile(compile, sum(self._numel))
+        self._element_step = kernels.Kernel(kernels.element_step, compile=compiled)
+        self._fold_elements = kernels.Kernel(kernels.fold_elements, compile=compiled)
+        self._fold_tensors = kernels.Kernel(kernels.fold_tensors, compile=compiled)
         self._reset_statistics()
 
     # --- state ----------------------------------------------------------------------------
@@ -113,9 +122,16 @@ class VarianceGradientScaler(VGSCheckpoint):
         dev = self._device
         self._beta_tensor = torch.tensor(self.beta, device=dev)
         self._one = torch.ones((), device=dev)
-        size = sum(self._numel) if self.granularity == "element" else len(self._parameters)
-        self._mean_ema = torch.zeros(size, device=dev)  # EMA of |g| (or of s = mean|g|)
-        self._sq_ema = torch.zeros(size, device=dev)  # EMA of g^2 (or of s^2)
+        if self.granularity == "element":
+            # One EMA tensor per parameter, shaped like it: a compiled fold then reads and
+            # writes each in place (views into one flat buffer would alias the inputs).
+            self._means = [torch.zeros(p.shape, device=dev) for p in self._parameters]
+            self._squares = [torch.zeros(p.shape, device=dev) for p in self._parameters]
+            size = sum(self._numel)
+        else:
+            self._tensor_mean_ema = torch.zeros(len(self._parameters), device=dev)  # EMA of s = mean|g|
+            self._tensor_sq_ema = torch.zeros(len(self._parameters), device=dev)  # EMA of s^2
+            size = len(self._parameters)
         self._param_numel = torch.tensor(self._numel, dtype=torch.float32, device=dev)
         # Statistics updates that were applied (skipped non-finite steps do not count): on
         # the device, so that a skip decision never has to reach the host.
@@ -123,16 +139,53 @@ class VarianceGradientScaler(VGSCheckpoint):
         # Legacy spatial EMAs (mean, var, norm, max of all gradient elements), for logging.
         self._spatial_ema = torch.zeros(4, device=dev)
         self._spatial_steps = torch.zeros((), device=dev)
-        # Work buffers, allocated once: at 10M parameters a fresh 40 MB temporary per step
-        # costs more (page faults) than all of VGS's arithmetic (bench/vgs.py).
-        self._work_flat: torch.Tensor | None = None
-        self._work_sq: torch.Tensor | None = None
-        size = self._mean_ema.numel()
+        self._sample: torch.Tensor | None = None
+        self._sample_parts: list[tuple[int, torch.Tensor]] = []
         if size > self.quantile_sample_size:
             gen = torch.Generator().manual_seed(0)
-            self._sample = torch.randperm(size, generator=gen)[: self.quantile_sample_size].sort().values.to(dev)
+            sample = torch.randperm(size, generator=gen)[: self.quantile_sample_size].sort().values
+            self._sample = sample.to(dev)
+            if self.granularity == "element":
+                # The same entries as (parameter index, index inside it): the per-step sample
+                # is gathered from the gradients and EMAs in place, never from a flat copy.
+                offsets = torch.tensor([0, *self._numel]).cumsum(0)
+                owner = torch.bucketize(sample, offsets[1:], right=True)
+                self._sample_parts = [
+                    (i, (sample[owner == i] - offsets[i]).to(dev))
+                    for i in range(len(self._numel))
+                    if (owner == i).any()
+                ]
+
+    @property
+    def _mean_ema(self) -> torch.Tensor:
+        """EMA of ``|g|`` (element) or of ``s`` (tensor), flat, in parameter order."""
+        if self.granularity == "element":
+            return torch.cat([m.reshape(-1) for m in self._means]) if self._means else torch.zeros(0)
+        return self._tensor_mean_ema
+
+    @property
+    def _sq_ema(self) -> torch.Tensor:
+        """EMA of ``g^2`` (element) or of ``s^2`` (tensor), flat, in parameter order."""
+        if self.granularity == "element":
+            return torch.cat([s.reshape(-1) for s in self._squares]) if self._squares else torch.zeros(0)
+        return self._tensor_sq_ema
+
+    def _load_statistics(self, mean_ema: torch.Tensor, sq_ema: torch.Tensor) -> None:
+        """Copy flat EMAs (``_mean_ema``'s layout) into this scaler's state."""
+        mean_ema, sq_ema = mean_ema.reshape(-1).to(self._device), sq_ema.reshape(-1).to(self._device)
+        if self.granularity == "element":
+            for dst, src in zip(self._means, mean_ema.split(self._numel), strict=True):
+                dst.copy_(src.reshape(dst.shape))
+            for dst, src in zip(self._squares, sq_ema.split(self._numel), strict=True):
+                dst.copy_(src.reshape(dst.shape))
         else:
-            self._sample = None
+            self._tensor_mean_ema.copy_(mean_ema)
+            self._tensor_sq_ema.copy_(sq_ema)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the per-step pass runs compiled (known after the first step)."""
+        return self._element_step.compiled or self._fold_elements.compiled or self._fold_tensors.compiled
 
     @property
     def step_count(self) -> int:
@@ -144,69 +197,90 @@ class VarianceGradientScaler(VGSCheckpoint):
         return self._step_count < self.warmup_steps
 
     # --- per step (no host sync) -------------------------------------------------------------
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._parameters]
+
+    def _weight(self, skip: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(1 - skip, the EMA weight ``(1 - beta) * (1 - skip)``)."""
+        keep = self._one if skip is None else (1.0 - skip.to(self._device).float())
+        return keep, (1.0 - self.beta) * keep
+
+    def _fold(self, grads: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
+        if self.granularity == "element":
+            return self._fold_elements(grads, self._means, self._squares, weight, None)
+        return self._fold_tensors(grads, self._tensor_mean_ema, self._tensor_sq_ema, self._param_numel, weight)
+
+    def _record(self, keep: torch.Tensor, weight: torch.Tensor, sums: torch.Tensor) -> None:
+        """Count the applied update and fold the spatial statistics (mean, var, norm, max)."""
+        n = float(sum(self._numel))
+        mean = sums[0] / n
+        spatial = torch.stack([mean, sums[1] / n - mean * mean, sums[1].sqrt(), sums[2]])
+        self._spatial_ema.lerp_(torch.nan_to_num(spatial, nan=0.0, posinf=0.0, neginf=0.0), weight)
+        self._stat_steps.add_(keep)
+        self._spatial_steps.add_(keep)
+
     @torch.no_grad()
     def update_statistics(self, skip: torch.Tensor | None = None) -> None:
         """Fold the current gradients into the EMAs.
 
         ``skip`` (0-d tensor, 1.0 = skip) leaves every statistic unchanged, for a step
-        whose gradients are not finite; non-finite entries are also zeroed before they can
+        whose gradients are not finite; non-finite entries are also cleaned before they can
         reach the EMAs, so a NaN can never poison them.
         """
         if not self.enabled or not self._parameters:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._parameters]
-        keep = self._one if skip is None else (1.0 - skip.to(self._device).float())
-        weight = (1.0 - self.beta) * keep
-        if self.granularity == "element":
-            if self._work_flat is None:
-                self._work_flat = torch.empty(self._mean_ema.numel(), device=self._device)
-                self._work_sq = torch.empty_like(self._work_flat)
-            flat, sq = self._work_flat, self._work_sq
-            torch.cat([g.reshape(-1).float() for g in grads], out=flat)
-            torch.nan_to_num_(flat, nan=0.0, posinf=GRAD_LIMIT, neginf=-GRAD_LIMIT).clamp_(-GRAD_LIMIT, GRAD_LIMIT)
-            torch.mul(flat, flat, out=sq)
-            # Legacy spatial statistics from the same buffers: mean, var, norm, max|g|.
-            n = flat.numel()
-            total, total_sq = flat.sum(), sq.sum()
-            self._sq_ema.lerp_(sq, weight)
-            magnitude = flat.abs_()
-            self._mean_ema.lerp_(magnitude, weight)
-            spatial = torch.stack([total / n, total_sq / n - (total / n) ** 2, total_sq.sqrt(), magnitude.max()])
-        else:
-            # Read-only reductions, no large temporaries: measured on CPU, _foreach_norm with
-            # ord=1 or inf allocates |g| (16 ms at 10M parameters); vector_norm / aminmax do not.
-            l1 = torch.stack([torch.linalg.vector_norm(g, 1) for g in grads]).float()
-            l2 = torch.stack(torch._foreach_norm(grads, 2)).float()
-            extremes = torch.stack([torch.stack(torch.aminmax(g)) for g in grads]).float()
-            linf = torch.maximum(-extremes[:, 0], extremes[:, 1])
-            sums = torch.stack([g.sum() for g in grads]).float()
-            n = float(sum(self._numel))
-            stat = torch.nan_to_num(l1 / self._param_numel, nan=0.0, posinf=GRAD_LIMIT).clamp_(max=GRAD_LIMIT)
-            self._mean_ema.lerp_(stat, weight)
-            self._sq_ema.lerp_(stat * stat, weight)
-            total, total_sq = sums.sum(), (l2 * l2).sum()
-            spatial = torch.stack([total / n, total_sq / n - (total / n) ** 2, total_sq.sqrt(), linf.max()])
-        spatial = torch.nan_to_num(spatial, nan=0.0, posinf=0.0, neginf=0.0)
-        self._spatial_ema.lerp_(spatial, weight)
-        self._stat_steps.add_(keep)
-        self._spatial_steps.add_(keep)
+        keep, weight = self._weight(skip)
+        self._record(keep, weight, self._fold(self._grads(), weight))
+
+    @torch.no_grad()
+    def observe(self, skip: torch.Tensor | None = None, *, scale_gradients: bool) -> torch.Tensor:
+        """Fold the current gradients into the statistics and return this step's factor as a
+        0-d device tensor (1 during warmup); with ``scale_gradients`` also multiply every
+        ``p.grad`` by it (in the same pass where it can: element granularity, ``p90``)."""
+        if not self.enabled or not self._parameters:
+            return torch.ones((), device=self._device)
+        keep, weight = self._weight(skip)
+        grads = self._grads()
+        if self._sample_parts and self.aggregation_method == "p90":
+            active = torch.full((), float(not self.warmup_active), device=self._device)
+            factor, _, sums = self._element_step(
+                grads,
+                self._means,
+                self._squares,
+                self._sample_parts,
+                weight,
+                self._stat_steps + keep,
+                active,
+                self._beta_tensor,
+                self.eps,
+                self.alpha,
+                scale_gradients,
+            )
+            self._record(keep, weight, sums)
+            return factor
+        self._record(keep, weight, self._fold(grads, weight))
+        factor = self.scaling_factor_tensor()
+        if scale_gradients and not self.warmup_active:
+            torch._foreach_mul_([p.grad for p in self._parameters if p.grad is not None], factor)
+        return factor
 
     def _normalized_entries(self, index: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-entry normalized temporal variance; non-finite entries as NaN (dropped later)."""
+        """Per-entry normalized temporal variance (flat); non-finite entries as NaN."""
         mean_ema = self._mean_ema if index is None else self._mean_ema[index]
         sq_ema = self._sq_ema if index is None else self._sq_ema[index]
-        correction = 1.0 - torch.pow(self._beta_tensor, self._stat_steps)
-        a = mean_ema / correction
-        b = sq_ema / correction
-        a2 = a * a
-        nv = torch.clamp(b - a2, min=0.0) / (a2 + self.eps)
-        nv = torch.where(torch.isfinite(nv), nv, torch.nan)
-        # Before the first update every entry is 0/0: report 0, not NaN.
-        return torch.where(self._stat_steps > 0, nv, torch.zeros_like(nv))
+        return kernels.normalized_entries(mean_ema, sq_ema, self._stat_steps, self._beta_tensor, self.eps)
+
+    def _sampled_entries(self) -> torch.Tensor:
+        """The sampled (or all) entries' normalized variance, gathered without a flat copy."""
+        if not self._sample_parts:
+            return self._normalized_entries(self._sample)
+        means = torch.cat([self._means[i].reshape(-1)[index] for i, index in self._sample_parts])
+        squares = torch.cat([self._squares[i].reshape(-1)[index] for i, index in self._sample_parts])
+        return kernels.normalized_entries(means, squares, self._stat_steps, self._beta_tensor, self.eps)
 
     def _aggregate(self) -> torch.Tensor:
         if self.aggregation_method == "p90":
-            value = self._quantiles(self._normalized_entries(self._sample), (0.9,))[0]
+            value = kernels.quantiles(self._sampled_entries(), (0.9,))[0]
         else:
             nv = self._normalized_entries()
             finite = ~torch.isnan(nv)
@@ -219,29 +293,6 @@ class VarianceGradientScaler(VGSCheckpoint):
                 value = self._per_tensor_means(nv).nanmean()
         value = torch.nan_to_num(value, nan=0.0)
         return torch.clamp(value, max=MAX_NORMALIZED_VARIANCE)
-
-    @staticmethod
-    def _quantiles(values: torch.Tensor, qs: tuple[float, ...]) -> torch.Tensor:
-        """``torch.quantile``'s linear interpolation, by selection (O(n)) instead of a sort.
-
-        Entries are finite by construction (``GRAD_LIMIT``); should one ever be NaN it is
-        treated as +inf, so it can raise a high percentile but never hide one.
-        """
-        n = values.numel()
-        if n == 0:
-            return torch.zeros(len(qs), device=values.device)
-        values = torch.nan_to_num(values, nan=float("inf"))
-        out = []
-        for q in qs:
-            pos = q * (n - 1)
-            lo, frac = math.floor(pos), pos - math.floor(pos)
-            low = torch.kthvalue(values, lo + 1).values
-            if frac == 0.0:
-                out.append(low)
-            else:
-                high = torch.kthvalue(values, min(lo + 2, n)).values
-                out.append(low + frac * (high - low))
-        return torch.stack(out)
 
     def _per_tensor_means(self, nv: torch.Tensor) -> torch.Tensor:
         """Each parameter tensor's mean finite entry (NaN for a tensor with none)."""
@@ -261,20 +312,11 @@ class VarianceGradientScaler(VGSCheckpoint):
             return torch.ones((), device=self._device)
         return torch.clamp(1.0 / (1.0 + self.alpha * self.normalized_variance_tensor()), MIN_SCALE, 1.0)
 
-    @torch.no_grad()
     def scale_gradients(self, skip: torch.Tensor | None = None) -> torch.Tensor:
         """Update the statistics with the current gradients, then multiply every ``p.grad``
-        by the scaling factor (a foreach multiply; nothing during warmup or when disabled).
+        by the scaling factor (nothing during warmup or when disabled).
         Returns the factor applied, as a 0-d device tensor."""
-        if not self.enabled:
-            return torch.ones((), device=self._device)
-        self.update_statistics(skip)
-        scale = self.scaling_factor_tensor()
-        if not self.warmup_active:
-            grads = [p.grad for p in self._parameters if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, scale)
-        return scale
+        return self.observe(skip, scale_gradients=True)
 
     def step(self) -> None:
         """Advance the warmup clock by one optimisation step."""
@@ -319,7 +361,7 @@ class VarianceGradientScaler(VGSCheckpoint):
         dev = self._device
         if not self.enabled or not self._parameters:
             return torch.cat([torch.zeros(len(DEVICE_METRICS) - 1, device=dev), torch.ones(1, device=dev)])
-        quantiles = self._quantiles(self._normalized_entries(self._sample), (0.1, 0.5, 0.9))
+        quantiles = kernels.quantiles(self._sampled_entries(), (0.1, 0.5, 0.9))
         mean = self._per_tensor_means(self._normalized_entries()).nanmean()
         correction = 1.0 - torch.pow(self._beta_tensor, self._spatial_steps)
         spatial = torch.where(
@@ -346,6 +388,7 @@ class VarianceGradientScaler(VGSCheckpoint):
 __all__ = [
     "AGGREGATION_METHODS",
     "DEVICE_METRICS",
+    "GRAD_LIMIT",
     "GRANULARITIES",
     "HOST_METRICS",
     "OLD_CHECKPOINT_WARNING",

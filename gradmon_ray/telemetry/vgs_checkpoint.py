@@ -86,10 +86,7 @@ class VGSCheckpoint:
                 f"VGS checkpoint statistics have {mean_ema.numel()} entries, expected {self._mean_ema.numel()}"
             )
         self.aggregation_method = state_dict.get("aggregation_method", self.aggregation_method)
-        self._mean_ema = mean_ema.reshape(-1).to(self._device).clone()
-        self._sq_ema = (
-            torch.as_tensor(state_dict["param_grad_sq_ema"], dtype=torch.float32).reshape(-1).to(self._device)
-        )
+        self._load_statistics(mean_ema, torch.as_tensor(state_dict["param_grad_sq_ema"], dtype=torch.float32))
         # Seed checkpoints count steps, not applied updates: the same thing when none were skipped.
         self._stat_steps = torch.tensor(float(state_dict.get("stat_steps", self._step_count)), device=self._device)
         spatial = [

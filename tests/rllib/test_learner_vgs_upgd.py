@@ -51,10 +51,13 @@ def test_4_vgs_with_upgd_trains_and_reports(batch):
 
 
 def test_scaled_gradients_reach_the_optimizer(batch):
-    """No clipping. After statistics from several different minibatches, one full-batch
-    minibatch: what is left in p.grad (what UPGD stepped with) is the telemetry's
+    """Gradient mode, no clipping. After statistics from several different minibatches, one
+    full-batch minibatch: what is left in p.grad (what UPGD stepped with) is the telemetry's
     pre-scaling gradient times the VGS factor."""
-    cfg = _cfg(ppo={"train_batch_size": 256, "minibatch_size": 32, "num_epochs": 2, "grad_clip": None})
+    cfg = _cfg(
+        vgs={"enabled": True, "warmup_steps": 0, "alpha": 5.0, "apply_to": "gradient"},
+        ppo={"train_batch_size": 256, "minibatch_size": 32, "num_epochs": 2, "grad_clip": None},
+    )
     learner = build_local_learner(cfg)
     update(learner, batch, cfg)  # 16+ minibatches with different gradients
     learner.update(batch=batch, timesteps={}, num_epochs=1, minibatch_size=None)
@@ -98,3 +101,38 @@ def test_upgd_with_vgs_off_and_telemetry_still_on(batch):
     results = update(learner, batch, cfg)[DEFAULT_MODULE_ID]
     assert learner.vgs is None and mn.VGS_SCALING_FACTOR not in results
     assert learner.last_telemetry.skipped == 0
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "upgd"])
+@pytest.mark.parametrize("grad_clip", [None, 0.05], ids=["no-clip", "binding-clip"])
+def test_update_mode_moves_the_parameters_by_factor_times_the_update_without_vgs(batch, optimizer, grad_clip):
+    """The worked answer of ``vgs.apply_to: update``: from the same weights and optimizer
+    state, on the same minibatch, the VGS learner's parameter change is exactly the factor
+    times the change of a learner without VGS (Adam's normalisation and a binding
+    global-norm clip included: the factor acts after both)."""
+    ppo = {"train_batch_size": 256, "minibatch_size": 32, "num_epochs": 2, "lr": 1e-3, "grad_clip": grad_clip}
+    cfg = _cfg(optimizer=optimizer, ppo=ppo, vgs={"enabled": True, "warmup_steps": 0, "alpha": 5.0})
+    assert cfg.vgs.apply_to == "update"  # the default
+    plain_cfg = _cfg(optimizer=optimizer, ppo=ppo, vgs={"enabled": False})
+    vgs_learner, plain = build_local_learner(cfg), build_local_learner(plain_cfg)
+    update(vgs_learner, batch, cfg)  # 16 minibatches of history: the factor is well below 1
+    state = vgs_learner.get_state()
+    state.pop(VGS_STATE_KEY)
+    plain.set_state(state)  # same weights, same optimizer moments (and UPGD noise generator)
+    params = [list(learner.module[DEFAULT_MODULE_ID].parameters()) for learner in (vgs_learner, plain)]
+    before = [[p.detach().clone() for p in ps] for ps in params]
+    for learner in (vgs_learner, plain):
+        learner.update(batch=batch, timesteps={}, num_epochs=1, minibatch_size=None)  # one minibatch
+    factor = vgs_learner.vgs.get_scaling_factor()  # what this step used (warmup 0, statistics unchanged since)
+    assert factor < 0.9
+    lr_after = [g["lr"] for opt in vgs_learner._optimizer_parameters for g in opt.param_groups]
+    assert all(isinstance(lr, float) and lr == pytest.approx(1e-3) for lr in lr_after)  # the float lr is back
+    for p_vgs, p_plain, b_vgs, b_plain in zip(*params, *before, strict=True):
+        assert torch.equal(b_vgs, b_plain)
+        delta_vgs, delta_plain = (p_vgs.detach() - b_vgs).double(), (p_plain.detach() - b_plain).double()
+        # atol: float32 parameters round theta + delta to ~1e-7 (one ulp at |theta| ~ 1).
+        torch.testing.assert_close(delta_vgs, factor * delta_plain, rtol=1e-4, atol=2e-7)
+        ratio = float(delta_vgs.norm() / delta_plain.norm())
+        assert ratio == pytest.approx(factor, rel=1e-2)  # tiny UPGD steps: float32 rounding ~0.2%
+    moved = sum(float((p.detach() - b).abs().sum()) for p, b in zip(params[1], before[1], strict=True))
+    assert moved > 0.0  # a real step was taken

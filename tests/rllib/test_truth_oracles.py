@@ -153,12 +153,14 @@ def test_ppo_minibatch_norms_equal_autograd_of_rllibs_own_loss_by_attribute_name
 # --- clipping: the learner's postprocessed gradients == RLlib's clip_gradients ------------------
 
 
-def _vgs_cfg(vgs: bool):
+def _vgs_cfg(vgs: str | None):
+    """``vgs``: None (off), ``"gradient"`` or ``"update"`` (where the factor acts)."""
     cfg = _cfg()
     if vgs:
         cfg.vgs.enabled = True
         cfg.vgs.warmup_steps = 0
         cfg.vgs.alpha = 5.0
+        cfg.vgs.apply_to = vgs
     return cfg
 
 
@@ -179,7 +181,7 @@ class _Twins:
     """Two identically built learners fed identical gradients: ``probe`` (no clipping) reveals the
     VGS factor a gradient will get, so that ``learner``'s clip norm can be placed around it."""
 
-    def __init__(self, vgs: bool) -> None:
+    def __init__(self, vgs: str | None) -> None:
         cfg = _vgs_cfg(vgs)
         self.learner = build_local_learner(cfg)
         self.probe = build_local_learner(cfg)
@@ -204,11 +206,14 @@ class _Twins:
         out = self.postprocess(self.probe, grads, None, "global_norm")
         if not self.vgs:
             return 1.0
+        if self.vgs == "update":  # the gradients stay as they are; the factor waits for the step
+            assert all(torch.equal(o, b) for o, b in zip(out.values(), before, strict=True))
+            return self.probe.vgs.get_scaling_factor()
         ratios = [float((o.double() / b.double()).flatten()[0]) for o, b in zip(out.values(), before, strict=True)]
         return ratios[0]
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["no-vgs", "vgs"])
+@pytest.fixture(scope="module", params=[None, "gradient", "update"], ids=["no-vgs", "vgs-gradient", "vgs-update"])
 def twins(request):
     return _Twins(request.param)
 
@@ -225,6 +230,8 @@ def test_clipped_gradients_equal_rllibs_clip_gradients(twins, grad_clip_by, plac
     factor = twins.factor_for(grads)
     if twins.vgs:
         assert factor < 0.9, factor  # the VGS acts here, so its order with clipping matters
+    if twins.vgs == "update":
+        factor = 1.0  # update mode: clipping sees the raw gradient (the factor scales the step)
     n_post = factor * 1.0
     if grad_clip_by == "global_norm":
         clip = {"below": 2.0 * n_post, "at": n_post, "between": 0.5 * (n_post + 1.0), "above": 0.5 * n_post}[placement]

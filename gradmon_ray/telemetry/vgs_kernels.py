@@ -1,0 +1,196 @@
+"""The Variance Gradient Scaler's per-step arithmetic, as plain functions over tensor lists.
+
+``fold_elements`` and ``fold_tensors`` are the part whose cost grows with the model: they
+read every gradient once, update the EMAs in place and (``fold_elements`` with a factor)
+scale the gradients in the same loop.  Eagerly each line is its own pass over memory;
+``torch.compile`` fuses a whole fold into one pass per tensor (Inductor's C++/OpenMP code on
+CPU, Triton on CUDA), which is what keeps VGS near the cost of one fused Adam step
+(``bench/vgs.py``).  ``Kernel`` compiles lazily, on first use, and falls back to eager
+(with one warning) where compiling fails, so the compile cost lands only on runs that ask
+for it (``VarianceGradientScaler(compile=...)``); the eager and the compiled fold are the
+same function, and the tests check both against the same worked answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+GRAD_LIMIT = 1e18
+"""Gradients are clamped to +-1e18 (NaN -> 0) before entering the EMAs: then g^2 <= 1e36 stays
+finite in float32 and every normalized variance is finite by construction."""
+
+MAX_NORMALIZED_VARIANCE = 1e6
+MIN_SCALE = 1e-4
+COMPILE_MODES = ("auto", "on", "off")
+AUTO_COMPILE_MIN_PARAMETERS = 1_000_000
+"""``compile="auto"`` compiles from this many parameters: below it a step costs well under a
+millisecond eagerly, less than a compile (10-50 s on a 2-core CPU) can ever win back in a
+short run."""
+
+
+def clean(grad: torch.Tensor) -> torch.Tensor:
+    """The gradient as float32 with NaN -> 0 and +-Inf (and anything beyond) -> +-``GRAD_LIMIT``."""
+    return torch.nan_to_num(grad.float(), nan=0.0, posinf=GRAD_LIMIT, neginf=-GRAD_LIMIT).clamp(-GRAD_LIMIT, GRAD_LIMIT)
+
+
+def fold_elements(
+    grads: Sequence[torch.Tensor],
+    means: Sequence[torch.Tensor],
+    squares: Sequence[torch.Tensor],
+    weight: torch.Tensor,
+    factor: torch.Tensor | None,
+) -> torch.Tensor:
+    """Per element: ``mean <- lerp(mean, |g|, weight)``, ``square <- lerp(square, g^2, weight)``
+    (``g`` cleaned), then ``g <- g * factor`` when a factor is given.
+
+    ``means[i]``/``squares[i]`` are views shaped like ``grads[i]``.  Returns the spatial sums
+    ``[sum g, sum g^2, max |g|]`` over all elements (cleaned ``g``, before scaling).
+    """
+    totals, squared, peaks = [], [], []
+    for grad, mean, square in zip(grads, means, squares, strict=True):
+        x = clean(grad)
+        mean.lerp_(x.abs(), weight)
+        square.lerp_(x * x, weight)
+        totals.append(x.sum())
+        squared.append((x * x).sum())
+        peaks.append(x.abs().amax())
+        if factor is not None:
+            grad.mul_(factor.to(grad.dtype))
+    return torch.stack([torch.stack(totals).sum(), torch.stack(squared).sum(), torch.stack(peaks).amax()])
+
+
+def fold_tensors(
+    grads: Sequence[torch.Tensor],
+    mean_ema: torch.Tensor,
+    sq_ema: torch.Tensor,
+    numel: torch.Tensor,
+    weight: torch.Tensor,
+) -> torch.Tensor:
+    """Per tensor: ``s = mean |g|`` into ``mean_ema``/``sq_ema`` (``s`` and ``s^2``).
+
+    Read-only reductions of the raw gradients, no gradient-sized temporaries (eagerly, 4
+    passes; compiled, one); a non-finite ``s`` enters as 0 (``GRAD_LIMIT`` for +Inf).
+    Returns the spatial sums ``[sum g, sum g^2, max |g|]``.
+    """
+    l1 = torch.stack([torch.linalg.vector_norm(g, 1) for g in grads]).float()
+    l2 = torch.stack([torch.linalg.vector_norm(g, 2) for g in grads]).float()
+    peaks = torch.stack([torch.linalg.vector_norm(g, math.inf) for g in grads]).float()
+    sums = torch.stack([g.sum() for g in grads]).float()
+    stat = torch.nan_to_num(l1 / numel, nan=0.0, posinf=GRAD_LIMIT).clamp(max=GRAD_LIMIT)
+    mean_ema.lerp_(stat, weight)
+    sq_ema.lerp_(stat * stat, weight)
+    return torch.stack([sums.sum(), (l2 * l2).sum(), peaks.amax()])
+
+
+def normalized_entries(
+    mean_ema: torch.Tensor, sq_ema: torch.Tensor, steps: torch.Tensor, beta: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Bias-corrected ``max(b - a^2, 0) / (a^2 + eps)`` per entry; non-finite entries as NaN,
+    all zeros before the first update (``steps == 0``)."""
+    correction = 1.0 - torch.pow(beta, steps)
+    a = mean_ema / correction
+    b = sq_ema / correction
+    a2 = a * a
+    nv = torch.clamp(b - a2, min=0.0) / (a2 + eps)
+    nv = torch.where(torch.isfinite(nv), nv, torch.nan)
+    return torch.where(steps > 0, nv, torch.zeros_like(nv))
+
+
+def quantiles(values: torch.Tensor, qs: tuple[float, ...]) -> torch.Tensor:
+    """``torch.quantile``'s linear interpolation, by selection (O(n)) instead of a sort.
+
+    A NaN entry is treated as +inf, so it can raise a high percentile but never hide one.
+    """
+    n = values.numel()
+    if n == 0:
+        return torch.zeros(len(qs), device=values.device)
+    values = torch.nan_to_num(values, nan=float("inf"))
+    out = []
+    for q in qs:
+        pos = q * (n - 1)
+        lo, frac = math.floor(pos), pos - math.floor(pos)
+        low = torch.kthvalue(values, lo + 1).values
+        if frac == 0.0:
+            out.append(low)
+        else:
+            high = torch.kthvalue(values, min(lo + 2, n)).values
+            out.append(low + frac * (high - low))
+    return torch.stack(out)
+
+
+def element_step(
+    grads: Sequence[torch.Tensor],
+    means: Sequence[torch.Tensor],
+    squares: Sequence[torch.Tensor],
+    sample: Sequence[tuple[int, torch.Tensor]],
+    weight: torch.Tensor,
+    steps_after: torch.Tensor,
+    active: torch.Tensor,
+    beta: torch.Tensor,
+    eps: float,
+    alpha: float,
+    scale_gradients: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One element-granularity step with ``p90`` over a fixed sample, in one pass over the model.
+
+    The sampled entries' normalized variance is computed first as it WILL be after this
+    step's fold (from the sampled gradient elements only), so the factor is known before the
+    single pass that folds every gradient and, with ``scale_gradients``, scales it.
+    ``sample``: (tensor index, flat indices inside that tensor); ``active``: 1.0 once the
+    warmup is over (else the factor is 1).  Returns (factor, aggregated nv, spatial sums).
+    """
+    picked = clean(torch.cat([grads[i].reshape(-1)[index] for i, index in sample]))
+    sampled_means = torch.cat([means[i].reshape(-1)[index] for i, index in sample]).lerp(picked.abs(), weight)
+    sampled_squares = torch.cat([squares[i].reshape(-1)[index] for i, index in sample]).lerp(picked * picked, weight)
+    nv = normalized_entries(sampled_means, sampled_squares, steps_after, beta, eps)
+    value = torch.nan_to_num(quantiles(nv, (0.9,))[0], nan=0.0).clamp(max=MAX_NORMALIZED_VARIANCE)
+    factor = scaling_factor(value, alpha, active)
+    spatial = fold_elements(grads, means, squares, weight, factor if scale_gradients else None)
+    return factor, value, spatial
+
+
+def scaling_factor(value: torch.Tensor, alpha: float, active: torch.Tensor) -> torch.Tensor:
+    """``clamp(1 / (1 + alpha * value), MIN_SCALE, 1)`` once ``active``, else 1."""
+    factor = torch.clamp(1.0 / (1.0 + alpha * value), MIN_SCALE, 1.0)
+    return torch.where(active > 0, factor, torch.ones_like(factor))
+
+
+class Kernel:
+    """``fn`` run eagerly, or compiled with ``torch.compile`` on its first call.
+
+    A compile that fails (no C++ compiler, an unsupported device) logs one warning and the
+    function runs eagerly from then on; ``compiled`` says which is in use.
+    """
+
+    def __init__(self, fn: Callable[..., Any], *, compile: bool) -> None:
+        self._eager = fn
+        self._fn: Callable[..., Any] = fn
+        self._pending = compile
+        self.compiled = False
+
+    def __call__(self, *args: Any) -> Any:
+        if self._pending:
+            self._pending = False
+            try:
+                compiled = torch.compile(self._eager, dynamic=False, fullgraph=True)
+                result = compiled(*args)
+            except Exception as exc:  # torch's compile errors have no common base class
+                logger.warning("VGS: torch.compile failed (%s); running the eager version", str(exc).splitlines()[0])
+                return self._eager(*args)
+            self._fn, self.compiled = compiled, True
+            return result
+        return self._fn(*args)
+
+
+def wants_compile(mode: str, num_parameters: int) -> bool:
+    """``compile="on"`` always, ``"off"`` never, ``"auto"`` from ``AUTO_COMPILE_MIN_PARAMETERS``."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
+    return mode == "on" or (mode == "auto" and num_parameters >= AUTO_COMPILE_MIN_PARAMETERS)
