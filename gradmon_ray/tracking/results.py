@@ -8,7 +8,7 @@ from typing import Any
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.telemetry import bands as _bands
-from gradmon_ray.telemetry.head_norms import worst_head
+from gradmon_ray.telemetry.bands import worst_head
 
 DEFAULT_MODULE_ID = "default_policy"
 VALUE_HEAD = mn.VALUE_HEAD
