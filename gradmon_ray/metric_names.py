@@ -9,7 +9,7 @@ below so that the spelling lives only in this module.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 VALUE_HEAD = "value"
@@ -337,6 +337,14 @@ def probe_metric(template: str, bucket: str, **parts: str) -> str:
 def head_metric(template: str, head: str) -> str:
     """Fill a per-head template, e.g. ``head_metric(HEAD_GRAD_NORM, "op")``."""
     return template.format(head=head)
+
+
+def noise_scale_metrics(per_head: Mapping[str, float], global_scale: float | None = None) -> dict[str, float]:
+    """``{HEAD_NOISE_SCALE per head: B, GLOBAL_NOISE_SCALE: B}``; ``global_scale`` None: left out."""
+    out = {head_metric(HEAD_NOISE_SCALE, head): value for head, value in per_head.items()}
+    if global_scale is not None:
+        out[GLOBAL_NOISE_SCALE] = global_scale
+    return out
 
 
 def probe_bucket(index: int) -> str:

@@ -152,3 +152,7 @@ def test_bucket_index_and_probe_bucket():
         with pytest.raises(ValueError, match="not a probe bucket"):
             mn.bucket_index(bad)
 
+
+def test_noise_scale_metrics_names():
+    assert mn.noise_scale_metrics({"op": 2.0}, 3.0) == {"grad/head/op/noise_scale": 2.0, "grad/noise_scale": 3.0}
+    assert mn.noise_scale_metrics({}, None) == {}
