@@ -17,7 +17,7 @@ from ray.rllib.utils.typing import StateDict
 from gradmon_ray import metric_names as mn
 from gradmon_ray.distributed import ReplicaDivergenceError, Segments, parameter_checksum, reduce_iteration
 from gradmon_ray.rllib import compat
-from gradmon_ray.telemetry.noise_scale import noise_scale_metrics
+from gradmon_ray.telemetry.noise_scale import noise_scales
 from gradmon_ray.telemetry.state_digest import state_digest
 
 TELEMETRY_STATE_KEY = "gradmon_telemetry"
@@ -82,13 +82,14 @@ class GradmonReporting:
             )
 
     def _noise_scale_metrics(self, noise: np.ndarray, minibatches: int) -> dict[str, float]:
-        """B_simple per head and global from the reduced noise lanes of one step."""
+        """B_simple per head and global from the reduced noise lanes of one step, as metrics."""
         rows = self._noise_hook.take_rows()
         if self._noise is None:
             return {}
-        return noise_scale_metrics(
+        per_head, global_scale = noise_scales(
             self._noise, noise, world_size=self._collective.world_size, minibatches=minibatches, rows=rows
         )
+        return mn.noise_scale_metrics(per_head, global_scale)
 
     def _log_gradmon_metrics(self, metrics: dict[str, float]) -> None:
         for name, value in metrics.items():

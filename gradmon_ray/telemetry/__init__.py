@@ -1,22 +1,22 @@
 """Pure-PyTorch telemetry formulas: no Ray, no MLflow, no host synchronisation on hot paths."""
 
 from gradmon_ray.telemetry.accumulator import IterationAccumulator, TelemetryLayout
-from gradmon_ray.telemetry.bands import ACTION_BANDS, VALUE_BANDS, BandSet, HealthBands
-from gradmon_ray.telemetry.buckets import bucket_names, group_reward_stds, split_into_buckets
-from gradmon_ray.telemetry.head_norms import (
+from gradmon_ray.telemetry.bands import (
+    ACTION_BANDS,
     HEALTH_BANDS,
-    GradientNormPlan,
-    GradientNorms,
+    VALUE_BANDS,
+    BandSet,
+    HealthBands,
     classify_grad_norm,
-    coefficient_of_variation,
-    per_head_grad_norms,
-    trend_arrow,
     worst_head,
 )
+from gradmon_ray.telemetry.buckets import bucket_names, group_reward_stds, split_into_buckets
+from gradmon_ray.telemetry.head_norms import GradientNormPlan, GradientNorms, per_head_grad_norms
 from gradmon_ray.telemetry.latches import HeadLatches, logp_nonfinite_flags
 from gradmon_ray.telemetry.noise_scale import NoiseScaleTracker, gradient_noise_terms
 from gradmon_ray.telemetry.shares import cosine_similarities, signed_shares
 from gradmon_ray.telemetry.summary import IterationTelemetry, TelemetryTracker
+from gradmon_ray.telemetry.trends import coefficient_of_variation, trend_arrow
 from gradmon_ray.telemetry.vgs import VarianceGradientScaler
 
 __all__ = [

@@ -1,6 +1,7 @@
 """Health bands of a gradient norm: the edges, one set for the action heads and one for the value head.
 
-Pure Python (no torch): a band is a function of one float and four edges.
+Pure Python (no torch): a band is a function of one float and four edges; ``worst_head``
+ranks heads by their bands.
 """
 
 from __future__ import annotations
@@ -109,3 +110,32 @@ def classify_grad_norm(x: float, *, bands: HealthBands | None = None) -> str:
     ``bands`` gives other edges, e.g. ``VALUE_BANDS`` for the value head.
     """
     return (bands or ACTION_BANDS).classify(x)
+
+
+_SEVERITY = {"healthy": 0, "weak": 1, "elevated": 1, "missing": 2, "dead": 3, "exploding": 3}
+
+
+def worst_head(norms: Mapping[str, float], *, bands: BandSet | HealthBands | None = None) -> tuple[str, str]:
+    """The head furthest from health and its band.
+
+    Ordered by band severity (dead/exploding, then missing, then weak/elevated, then
+    healthy); ties go to the norm furthest, on a log scale, from the centre of the head's
+    healthy band (sqrt(0.1 * 2.0) for the action edges), so a healthy run still names the
+    head nearest an edge.  ``bands``: one ``HealthBands`` for every head (default: the
+    action heads' edges), or a ``BandSet``, which judges ``"value"`` by its own edges.
+    """
+    if not norms:
+        raise ValueError("no heads")
+
+    def edges(head: str) -> HealthBands:
+        if isinstance(bands, BandSet):
+            return bands.for_head(head)
+        return bands or ACTION_BANDS
+
+    def key(head: str) -> tuple[int, float]:
+        x, b = norms[head], edges(head)
+        distance = abs(math.log(x) - b.healthy_centre) if math.isfinite(x) and x > 0 else math.inf
+        return _SEVERITY[b.classify(x)], distance
+
+    head = max(norms, key=key)
+    return head, edges(head).classify(norms[head])

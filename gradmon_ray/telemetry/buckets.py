@@ -13,6 +13,8 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
+from gradmon_ray import metric_names as mn
+
 
 def split_into_buckets(reward_std: Sequence[float], num_buckets: int) -> list[list[int]]:
     """Group indices per bucket, ascending reward std (``bucket_1`` = lowest variance).
@@ -37,8 +39,8 @@ def split_into_buckets(reward_std: Sequence[float], num_buckets: int) -> list[li
 
 
 def bucket_names(num_buckets: int) -> list[str]:
-    """``["bucket_1", ..., "bucket_K"]``, low to high reward variance."""
-    return [f"bucket_{i + 1}" for i in range(num_buckets)]
+    """``["bucket_1", ..., "bucket_K"]``, low to high reward variance (``metric_names.probe_bucket``)."""
+    return [mn.probe_bucket(i + 1) for i in range(num_buckets)]
 
 
 def group_reward_stds(

@@ -8,24 +8,27 @@ kernels, which is what the learner runs every minibatch.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from gradmon_ray.telemetry import bands as _bands
-from gradmon_ray.telemetry.bands import ACTION_BANDS, BandSet, HealthBands
+from gradmon_ray.telemetry import trends as _trends
 
-# The band edges and ``classify_grad_norm`` live in the torch-free ``bands`` module; these
-# names stay importable from here, where they always were.
+# The band edges, ``classify_grad_norm`` and ``worst_head`` live in the torch-free ``bands``
+# module, the trend arrow and the CV in the torch-free ``trends`` module; these names stay
+# importable from here, where they always were.
 DEAD_BELOW = _bands.DEAD_BELOW
 WEAK_BELOW = _bands.WEAK_BELOW
 HEALTHY_MAX = _bands.HEALTHY_MAX
 ELEVATED_MAX = _bands.ELEVATED_MAX
 HEALTH_BANDS = _bands.HEALTH_BANDS
 classify_grad_norm = _bands.classify_grad_norm
-TREND_DELTA = 0.01
+worst_head = _bands.worst_head
+TREND_DELTA = _trends.TREND_DELTA
+trend_arrow = _trends.trend_arrow
+coefficient_of_variation = _trends.coefficient_of_variation
 
 
 def per_head_grad_norms(groups: Mapping[str, Iterable[torch.nn.Parameter]]) -> torch.Tensor:
@@ -60,61 +63,6 @@ def _first_device(groups: Mapping[str, Iterable[torch.nn.Parameter]]) -> torch.d
         for p in params:
             return p.device
     return torch.device("cpu")
-
-
-def trend_arrow(prev: float, cur: float) -> str:
-    """ "↗" if cur - prev > 0.01, "↘" if cur - prev < -0.01, else "→" (also when either is NaN)."""
-    delta = cur - prev
-    if delta > TREND_DELTA:
-        return "↗"
-    if delta < -TREND_DELTA:
-        return "↘"
-    return "→"
-
-
-def coefficient_of_variation(values: Sequence[float]) -> float:
-    """Population std / mean of the finite values; NaN with fewer than two or a zero mean.
-
-    Used across the action heads' norms: near 0 means all heads learn at a similar rate,
-    above ~1 means some heads get far more signal than others.
-    """
-    finite = [v for v in values if math.isfinite(v)]
-    if len(finite) < 2:
-        return float("nan")
-    mean = sum(finite) / len(finite)
-    if mean == 0.0:
-        return float("nan")
-    var = sum((v - mean) ** 2 for v in finite) / len(finite)
-    return math.sqrt(var) / mean
-
-
-_SEVERITY = {"healthy": 0, "weak": 1, "elevated": 1, "missing": 2, "dead": 3, "exploding": 3}
-
-
-def worst_head(norms: Mapping[str, float], *, bands: BandSet | HealthBands | None = None) -> tuple[str, str]:
-    """The head furthest from health and its band.
-
-    Ordered by band severity (dead/exploding, then missing, then weak/elevated, then
-    healthy); ties go to the norm furthest, on a log scale, from the centre of the head's
-    healthy band (sqrt(0.1 * 2.0) for the action edges), so a healthy run still names the
-    head nearest an edge.  ``bands``: one ``HealthBands`` for every head (default: the
-    action heads' edges), or a ``BandSet``, which judges ``"value"`` by its own edges.
-    """
-    if not norms:
-        raise ValueError("no heads")
-
-    def edges(head: str) -> HealthBands:
-        if isinstance(bands, BandSet):
-            return bands.for_head(head)
-        return bands or ACTION_BANDS
-
-    def key(head: str) -> tuple[int, float]:
-        x, b = norms[head], edges(head)
-        distance = abs(math.log(x) - b.healthy_centre) if math.isfinite(x) and x > 0 else math.inf
-        return _SEVERITY[b.classify(x)], distance
-
-    head = max(norms, key=key)
-    return head, edges(head).classify(norms[head])
 
 
 @dataclass(frozen=True)

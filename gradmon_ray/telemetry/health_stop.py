@@ -80,14 +80,14 @@ class HealthStopMonitor:
         ):
             if not enabled:
                 continue
-            for head in _heads(metrics, template):
+            for head in mn.heads_of(metrics, template):
                 if metrics[mn.head_metric(template, head)] >= 1.0:
                     kind = "NaN" if rule == "nan_latch" else "Inf"
                     return StopDecision(rule, head, iteration, f"head {head!r}: {kind} in its log-probs (latched)")
         decision = None
         for state, needed in (("dead", self.rules.dead_iterations), ("exploding", self.rules.exploding_iterations)):
             code = mn.HEALTH_CODES[state]
-            for head in _heads(metrics, mn.HEAD_GRAD_HEALTH):
+            for head in mn.heads_of(metrics, mn.HEAD_GRAD_HEALTH):
                 if head == VALUE_HEAD and not self.rules.include_value_head:
                     continue
                 value = metrics[mn.head_metric(mn.HEAD_GRAD_HEALTH, head)]
@@ -106,15 +106,25 @@ class HealthStopMonitor:
         return decision
 
     def state_dict(self) -> dict[str, int]:
-        """Streak counters, ``"state/head" -> n`` (for checkpoints)."""
-        return {f"{state}/{head}": n for (state, head), n in self._streaks.items()}
+        """Streak counters, ``"<state>/<head>" -> n`` (for checkpoints; this class's own format,
+        not a metric name)."""
+        return {_streak_key(state, head): n for (state, head), n in self._streaks.items()}
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Restore what ``state_dict`` wrote."""
-        self._streaks = {tuple(k.split("/", 1)): int(v) for k, v in state.items()}  # type: ignore[misc]
+        self._streaks = {_split_streak_key(k): int(v) for k, v in state.items()}
 
 
-def _heads(metrics: Mapping[str, float], template: str) -> list[str]:
-    prefix, _, suffix = template.partition("{head}")
-    heads = [k[len(prefix) : len(k) - len(suffix)] for k in metrics if k.startswith(prefix) and k.endswith(suffix)]
-    return [h for h in heads if h and "/" not in h]  # not e.g. latch/nan/<head>/first_iteration
+_STREAK_STATES = ("dead", "exploding")
+
+
+def _streak_key(state: str, head: str) -> str:
+    return f"{state}/{head}"
+
+
+def _split_streak_key(key: str) -> tuple[str, str]:
+    """``"<state>/<head>"`` -> ``(state, head)``: the state is everything before the first ``/``."""
+    state, sep, head = key.partition("/")
+    if not sep or state not in _STREAK_STATES or not head:
+        raise ValueError(f"not a health-stop streak key (<dead|exploding>/<head>): {key!r}")
+    return state, head

@@ -22,7 +22,7 @@ pairwise dot product ``m_r . m_s`` over ``r != s`` (for two learners simply ``m_
 For a head whose true ``|G|^2`` is small next to the sampling noise ``tr(Sigma)/b`` this is
 negative about as often as positive, and so can EMA(|G|^2) be for many iterations: B_simple
 is then undefined (the gradient is indistinguishable from noise at the batch sizes seen so
-far) and ``noise_scale_metrics`` leaves that entry out instead of logging NaN.
+far) and ``noise_scales`` leaves that entry out instead of returning NaN.
 
 The learner's noise lanes (``noise_lane_count(num_heads)`` float64 values, SUM-reduced across
 learners once per iteration together with the rest of the telemetry) are laid out as
@@ -38,8 +38,6 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import numpy as np
-
-from gradmon_ray import metric_names as mn
 
 T = TypeVar("T")
 
@@ -138,29 +136,27 @@ def noise_scale_inputs(
     return sq_small, sq_big, b_small, k * b_small
 
 
-def noise_scale_metrics(
+def noise_scales(
     tracker: NoiseScaleTracker,
     lanes: np.ndarray,
     *,
     world_size: int,
     minibatches: int,
     rows: int,
-) -> dict[str, float]:
-    """Fold one iteration's reduced noise lanes into ``tracker``; the metrics to log.
+) -> tuple[dict[str, float], float | None]:
+    """Fold one iteration's reduced noise lanes into ``tracker``; the B_simple values to report.
 
-    ``tracker.names`` are the reported heads followed by ``"global"``.  Returns
-    ``{grad/head/<h>/noise_scale: B, grad/noise_scale: B}``; an entry whose B_simple is
-    undefined (EMA(|G|^2) <= 0: see the module docstring) is left out, never logged as NaN.
-    Nothing is folded in (and ``{}`` returned) without minibatches or rows.
+    ``tracker.names`` are the reported heads followed by ``GLOBAL_ENTRY``.  Returns
+    ``({head: B}, B over all parameters)``; a value that is undefined (EMA(|G|^2) <= 0: see the
+    module docstring) is left out (the global one is then None), never returned as NaN.
+    Nothing is folded in (and ``({}, None)`` returned) without minibatches or rows.  The
+    metric names are the reporting layer's: ``metric_names.noise_scale_metrics``.
     """
     if minibatches <= 0 or rows <= 0:
-        return {}
+        return {}, None
     num_heads = len(tracker.names) - 1
     sq_small, sq_big, b_small, b_big = noise_scale_inputs(lanes, num_heads, world_size, minibatches, rows)
     scales = tracker.update(sq_small.tolist(), sq_big.tolist(), b_small, b_big)
-    out = {}
-    for name, value in scales.items():
-        if not math.isfinite(value):
-            continue  # undefined this iteration: left out (metric_names.HEAD_NOISE_SCALE)
-        out[mn.GLOBAL_NOISE_SCALE if name == GLOBAL_ENTRY else mn.head_metric(mn.HEAD_NOISE_SCALE, name)] = value
-    return out
+    defined = {name: value for name, value in scales.items() if math.isfinite(value)}
+    global_scale = defined.pop(GLOBAL_ENTRY, None)
+    return defined, global_scale

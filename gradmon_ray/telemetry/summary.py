@@ -16,9 +16,9 @@ import numpy as np
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.telemetry.accumulator import TelemetryLayout
-from gradmon_ray.telemetry.bands import BandSet, HealthBands
-from gradmon_ray.telemetry.head_norms import classify_grad_norm, coefficient_of_variation, trend_arrow, worst_head
+from gradmon_ray.telemetry.bands import BandSet, HealthBands, classify_grad_norm, worst_head
 from gradmon_ray.telemetry.latches import HeadLatches
+from gradmon_ray.telemetry.trends import coefficient_of_variation, trend_arrow
 
 
 @dataclass

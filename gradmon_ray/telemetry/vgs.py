@@ -377,7 +377,7 @@ class VarianceGradientScaler(VGSCheckpoint):
 
     def host_metrics(self) -> dict[str, float]:
         """``vgs/step_count`` and ``vgs/warmup_active`` (host values, no sync)."""
-        return {"vgs/step_count": float(self._step_count), "vgs/warmup_active": float(self.warmup_active)}
+        return {mn.VGS_STEP_COUNT: float(self._step_count), mn.VGS_WARMUP_ACTIVE: float(self.warmup_active)}
 
     def get_metrics(self) -> dict[str, float]:
         """Every ``vgs/*`` metric, named as the seed names them."""

@@ -8,7 +8,7 @@ from typing import Any
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.telemetry import bands as _bands
-from gradmon_ray.telemetry.head_norms import worst_head
+from gradmon_ray.telemetry.bands import worst_head
 
 DEFAULT_MODULE_ID = "default_policy"
 VALUE_HEAD = mn.VALUE_HEAD
@@ -29,10 +29,6 @@ _RLLIB_PATHS: dict[str, tuple[str, ...]] = {
     mn.ENV_RUNNERS_HEALTHY: ("fault_tolerance", "num_healthy_workers"),
     mn.ENV_RUNNER_RESTARTS: ("fault_tolerance", "num_remote_worker_restarts"),
 }
-_HEAD_FROM_NORM = mn.template_pattern(mn.HEAD_GRAD_NORM)
-_NAN_LATCH = mn.template_pattern(mn.HEAD_NAN_LATCH)
-_INF_LATCH = mn.template_pattern(mn.HEAD_INF_LATCH)
-_ABSENT_WHEN_UNDEFINED = [mn.template_pattern(t) for t in mn.ABSENT_WHEN_UNDEFINED]
 
 
 def _lookup(result: Mapping[str, Any], path: tuple[str, ...], module_id: str) -> Any:
@@ -74,7 +70,7 @@ def result_to_metrics(result: Mapping[str, Any], module_id: str = DEFAULT_MODULE
     for key, value in learner.items():
         if isinstance(key, str) and key.startswith(_GRADMON_PREFIXES):
             number = _as_float(value)
-            if number is None or (math.isnan(number) and any(p.match(key) for p in _ABSENT_WHEN_UNDEFINED)):
+            if number is None or (math.isnan(number) and _absent_when_undefined(key)):
                 continue  # RLlib's NaN for a metric the learner left out this iteration
             out[key] = number
     for name, path in _RLLIB_PATHS.items():
@@ -107,13 +103,18 @@ def heads_in(metrics: Mapping[str, float], order: Sequence[str] | None = None) -
     Never in the metrics' key order: RLlib's ``MetricsLogger.aggregate`` merges the learners'
     results through a ``set`` of key paths, so that order changes from process to process.
     """
-    return order_heads((m.group("head") for key in metrics if (m := _HEAD_FROM_NORM.match(key))), order)
+    return order_heads(mn.heads_of(metrics, mn.HEAD_GRAD_NORM), order)
 
 
 def latched_heads(metrics: Mapping[str, float], kind: str) -> list[str]:
     """Heads whose ``kind`` ("nan" or "inf") latch metric is 1."""
-    pattern = _NAN_LATCH if kind == "nan" else _INF_LATCH
-    return [m.group("head") for key, value in metrics.items() if value > 0 and (m := pattern.match(key))]
+    template = mn.HEAD_NAN_LATCH if kind == "nan" else mn.HEAD_INF_LATCH
+    return mn.heads_of((key for key, value in metrics.items() if value > 0), template)
+
+
+def _absent_when_undefined(key: str) -> bool:
+    parsed = mn.parse(key)
+    return parsed is not None and parsed.template in mn.ABSENT_WHEN_UNDEFINED
 
 
 def progress_line(

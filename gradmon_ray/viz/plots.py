@@ -16,7 +16,7 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.telemetry.head_norms import DEAD_BELOW, ELEVATED_MAX, HEALTHY_MAX, WEAK_BELOW
+from gradmon_ray.telemetry.bands import DEAD_BELOW, ELEVATED_MAX, HEALTHY_MAX, WEAK_BELOW
 from gradmon_ray.viz.runs import ProbeView, RunHistory
 
 HEATMAP_FILE = "head_grad_norm_heatmap.png"

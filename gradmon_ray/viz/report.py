@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.telemetry.bands import DEFAULT_BANDS
-from gradmon_ray.telemetry.head_norms import worst_head
+from gradmon_ray.telemetry.bands import DEFAULT_BANDS, worst_head
 from gradmon_ray.viz.plots import write_plots
 from gradmon_ray.viz.runs import ProbeView, RunHistory, head_band, latest_probe, load_history
 

@@ -8,7 +8,6 @@ what MLflow stores.  Lookup problems become ``RunLookupError`` with a one-line m
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,11 +17,6 @@ from gradmon_ray.telemetry.bands import DEFAULT_BANDS, classify_grad_norm
 
 VALUE_HEAD = mn.VALUE_HEAD
 """The value head is reported next to the action heads (its own column, last)."""
-
-# grad_norm/<bucket>/<component>: exactly one level below the bucket.
-_PROBE_COMPONENT = re.compile(r"^grad_norm/(?P<bucket>bucket_\d+)/(?P<component>[^/]+)$")
-_PROBE_SHARE = re.compile(r"^grad_norm/(?P<bucket>bucket_\d+)/share/(?P<component>[^/]+)$")
-_NOT_COMPONENTS = {"reward_std_mean", "num_groups", "num_episodes", "num_steps"}
 
 
 class RunLookupError(Exception):
@@ -102,7 +96,7 @@ class ProbeView:
 
     @property
     def buckets(self) -> list[str]:
-        return sorted(self.norms, key=lambda b: int(b.split("_")[1]))
+        return sorted(self.norms, key=mn.bucket_index)
 
     @property
     def components(self) -> list[str]:
@@ -113,13 +107,17 @@ class ProbeView:
 
 
 def probe_view(metrics: Mapping[str, float], step: int | None = None) -> ProbeView:
-    """Bucket x component norms and shares from a run's latest metrics (empty when no probe ran)."""
+    """Bucket x component norms and shares from a run's latest metrics (empty when no probe ran).
+
+    Norms are the ``PROBE_COMPONENT_NORM`` names, shares the ``PROBE_SHARE`` ones; a bucket's
+    other scalars (``PROBE_REWARD_STD_MEAN``, ``PROBE_NUM_STEPS``, ...) parse as their own names.
+    """
     view = ProbeView(step=step)
+    tables = {mn.PROBE_COMPONENT_NORM: view.norms, mn.PROBE_SHARE: view.shares}
     for key, value in metrics.items():
-        if (m := _PROBE_COMPONENT.match(key)) and m["component"] not in _NOT_COMPONENTS:
-            view.norms.setdefault(m["bucket"], {})[m["component"]] = value
-        elif m := _PROBE_SHARE.match(key):
-            view.shares.setdefault(m["bucket"], {})[m["component"]] = value
+        parsed = mn.parse(key)
+        if parsed is not None and parsed.template in tables:
+            tables[parsed.template].setdefault(parsed["bucket"], {})[parsed["component"]] = value
     return view
 
 

@@ -6,7 +6,8 @@ bucket rebuild at the end of the first backward the heads are spread over severa
 registers the product's ``NoiseScaleHook`` as its comm hook, computes the all-reduced norms
 with ``GradientNormPlan``, fills the real ``IterationAccumulator``, reduces once per iteration
 with ``reduce_iteration`` over the real ``LearnerCollective`` and turns the reduced lanes
-into metrics with ``noise_scale_metrics`` -- the functions the learner calls.
+into metrics with ``noise_scales`` and ``metric_names.noise_scale_metrics`` -- the functions the
+learner calls.
 
 The model's loss is ``sum_p <p, c_p>``, so each rank's gradient is exactly the vector ``c``
 this test constructs: per minibatch, rank r's gradient is the mean ``m_r`` of B per-sample
@@ -43,7 +44,7 @@ from torch import nn
 from gradmon_ray import metric_names as mn
 from gradmon_ray.distributed import LearnerCollective, NoiseScaleHook, parameter_checksum, reduce_iteration
 from gradmon_ray.telemetry import GradientNormPlan, IterationAccumulator, NoiseScaleTracker, TelemetryLayout
-from gradmon_ray.telemetry.noise_scale import GLOBAL_ENTRY, noise_scale_metrics
+from gradmon_ray.telemetry.noise_scale import GLOBAL_ENTRY, noise_scales
 
 # Head -> parameter shapes; "trunk" parameters belong to no head (global norm only).
 HEAD_SHAPES: dict[str, list[tuple[int, ...]]] = {
@@ -195,13 +196,14 @@ def _learn(rank: int, k: int) -> dict:
         digits = parameter_checksum(list(model.parameters()))
         reduced = reduce_iteration(accumulator, collective, checksum=digits, noise=hook.lanes, local=digits)
         hook.zero_()
-        metrics = noise_scale_metrics(
+        per_head, global_scale = noise_scales(
             tracker,
             reduced.noise,
             world_size=k,
             minibatches=int(reduced.lanes[layout.minibatches]),
             rows=hook.take_rows(),
         )
+        metrics = mn.noise_scale_metrics(per_head, global_scale)
         history.append(
             {
                 "metrics": metrics,

@@ -10,7 +10,7 @@ import torch
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.telemetry import NoiseScaleTracker, gradient_noise_terms
-from gradmon_ray.telemetry.noise_scale import noise_lane_count, noise_scale_inputs, noise_scale_metrics
+from gradmon_ray.telemetry.noise_scale import noise_lane_count, noise_scale_inputs, noise_scales
 
 
 def test_worked_answer():
@@ -94,7 +94,7 @@ def test_undefined_noise_scale_is_left_out_never_nan():
     tracker = NoiseScaleTracker(["op", "blueprint", "global"], beta=0.9)
     k, minibatches, rows = 2, 16, 16 * 128
     lanes = _lanes([0.092982, 0.081333, 1.0866], [0.057398, 0.039128, 0.60421], 0.5, k, minibatches)
-    metrics = noise_scale_metrics(tracker, lanes, world_size=k, minibatches=minibatches, rows=rows)
+    metrics = mn.noise_scale_metrics(*noise_scales(tracker, lanes, world_size=k, minibatches=minibatches, rows=rows))
     assert set(metrics) == {mn.head_metric(mn.HEAD_NOISE_SCALE, "op"), mn.GLOBAL_NOISE_SCALE}
     assert all(math.isfinite(v) for v in metrics.values())
     assert tracker.g2_ema[1] < 0  # remembered: a later positive estimate must outweigh it
@@ -102,13 +102,13 @@ def test_undefined_noise_scale_is_left_out_never_nan():
     assert metrics[mn.head_metric(mn.HEAD_NOISE_SCALE, "op")] == pytest.approx(trace_op / g2_op)
     # Once the learners agree on blueprint's direction, its EMA turns positive and it is logged.
     lanes = _lanes([0.092982, 0.09, 1.0866], [0.057398, 0.0625, 0.60421], 0.5, k, minibatches)
-    metrics = noise_scale_metrics(tracker, lanes, world_size=k, minibatches=minibatches, rows=rows)
+    metrics = mn.noise_scale_metrics(*noise_scales(tracker, lanes, world_size=k, minibatches=minibatches, rows=rows))
     assert math.isfinite(metrics[mn.head_metric(mn.HEAD_NOISE_SCALE, "blueprint")])
 
 
 def test_no_minibatches_or_rows_fold_nothing():
     tracker = NoiseScaleTracker(["op", "global"])
     lanes = _lanes([5.0, 6.0], [3.0, 4.0], 0.0, 2, 1)
-    assert noise_scale_metrics(tracker, lanes, world_size=2, minibatches=0, rows=10) == {}
-    assert noise_scale_metrics(tracker, lanes, world_size=2, minibatches=1, rows=0) == {}
+    assert noise_scales(tracker, lanes, world_size=2, minibatches=0, rows=10) == ({}, None)
+    assert noise_scales(tracker, lanes, world_size=2, minibatches=1, rows=0) == ({}, None)
     assert tracker.updates == 0

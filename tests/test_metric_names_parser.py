@@ -1,0 +1,158 @@
+"""``metric_names.parse``: the one parser of gradmon metric names.
+
+The round trip enumerates the module's name constants (every upper-case ``str`` with a ``/``,
+the rule ``tests/test_oracle_table.py`` uses), so a template added to ``metric_names.py`` is
+covered here without touching this file; it fails until the new name is in ``METRIC_TEMPLATES``
+(through ``PER_HEAD_TEMPLATES``, ``SCALAR_NAMES`` or ``PROBE_TEMPLATES``) and parses unambiguously.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+
+from gradmon_ray import metric_names as mn
+from gradmon_ray.telemetry.buckets import bucket_names
+from gradmon_ray.viz.runs import probe_view
+
+PLACEHOLDER = re.compile(r"\{(\w+)\}")
+
+# Sample values for any placeholder; none is a literal segment of a template (a component called
+# ``num_steps`` IS ``PROBE_NUM_STEPS``: see test_explicit_probe_scalars_are_not_components).
+SAMPLES: tuple[str, ...] = ("op", "value", "blue-print.2", "A_b")
+BUCKET_SAMPLES: tuple[str, ...] = ("bucket_1", "bucket_12")
+
+
+def metric_name_constants() -> dict[str, str]:
+    return {a: v for a, v in vars(mn).items() if a.isupper() and isinstance(v, str) and "/" in v}
+
+
+def sample_fills(template: str) -> list[dict[str, str]]:
+    """Several fillings of ``template``'s placeholders, different values in different placeholders."""
+    parts = list(dict.fromkeys(PLACEHOLDER.findall(template)))
+    choices = [BUCKET_SAMPLES if p == "bucket" else SAMPLES for p in parts]
+    return [dict(zip(parts, values, strict=True)) for values in itertools.product(*choices)]
+
+
+CONSTANTS = metric_name_constants()
+
+
+def test_the_enumeration_sees_templates_and_scalars():
+    values = set(CONSTANTS.values())
+    assert {mn.HEAD_GRAD_NORM, mn.HEAD_NAN_LATCH_FIRST_ITERATION, mn.PROBE_HEAD_NORM, mn.GLOBAL_GRAD_NORM} <= values
+    assert values == set(mn.METRIC_TEMPLATES), "every metric name constant is one parse knows, and no other"
+
+
+@pytest.mark.parametrize("attr", sorted(CONSTANTS))
+def test_every_template_round_trips(attr):
+    template = CONSTANTS[attr]
+    for parts in sample_fills(template):
+        name = template.format(**parts)
+        parsed = mn.parse(name)
+        assert parsed is not None, f"metric_names.{attr}: {name!r} does not parse (add it to METRIC_TEMPLATES)"
+        assert (parsed.template, parsed.parts) == (template, parts), f"metric_names.{attr}: {name!r} -> {parsed}"
+        assert all(parsed[p] == v for p, v in parts.items())
+
+
+@pytest.mark.parametrize("attr", sorted(CONSTANTS))
+def test_no_two_templates_tie_on_a_name(attr):
+    """Where several templates match, the one with the most literal text wins; never a tie."""
+    template = CONSTANTS[attr]
+    for parts in sample_fills(template):
+        name = template.format(**parts)
+        matching = [t for t in mn.METRIC_TEMPLATES if mn.template_pattern(t).match(name)]
+        literal = sorted((len(PLACEHOLDER.sub("", t)) for t in matching), reverse=True)
+        assert literal.count(literal[0]) == 1, f"{name!r} matches {matching} equally"
+
+
+def test_scalars_parse_with_no_parts():
+    assert mn.parse(mn.GLOBAL_NOISE_SCALE) == mn.ParsedName(mn.GLOBAL_NOISE_SCALE, {})
+    assert mn.parse(mn.HEALTH_STOP_REASON) == mn.ParsedName(mn.HEALTH_STOP_REASON, {})
+
+
+def test_a_latch_first_iteration_is_not_a_latch_of_a_deeper_head():
+    parsed = mn.parse("latch/nan/op/first_iteration")
+    assert parsed == mn.ParsedName(mn.HEAD_NAN_LATCH_FIRST_ITERATION, {"head": "op"})
+    assert mn.heads_of(["latch/nan/op/first_iteration", "latch/nan/slot"], mn.HEAD_NAN_LATCH) == ["slot"]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "latch/nan/op/first_iteration/x",  # an extra path level
+        "latch/nan/op/extra",
+        "grad/head/op/sub/norm",  # a head of two segments
+        "grad/head//norm",  # an empty segment
+        "latch/nan/",
+        "grad_norm/bucket_1//task",
+        "grad/global_norm/",  # trailing or leading slash
+        "/grad/global_norm",
+        "grad/global_norm_x",  # a longer last segment
+        "grad/global_norm\n",
+        "GRAD/global_norm",
+        "grad/head/op/Norm",
+        "grad_norm/bucket_x/task",  # a bucket is bucket_<n>
+        "grad_norm/1/task",
+        "grad_norm/bucket_1/task/extra",
+        "grad_norm/bucket_1/regularizer/l2",  # no _grad_norm / _share suffix
+        "probe/unknown",
+        "policy_loss",  # RLlib's own names and gradmon's tags are not metric names
+        mn.TAG_STATUS,
+        "",
+        "/",
+    ],
+)
+def test_names_that_only_look_like_gradmon_names_do_not_parse(name):
+    assert mn.parse(name) is None
+
+
+@pytest.mark.parametrize(
+    "template",
+    [mn.PROBE_REWARD_STD_MEAN, mn.PROBE_NUM_GROUPS, mn.PROBE_NUM_EPISODES, mn.PROBE_NUM_STEPS],
+)
+def test_explicit_probe_scalars_are_not_components(template):
+    name = mn.probe_metric(template, "bucket_3")
+    assert mn.parse(name) == mn.ParsedName(template, {"bucket": "bucket_3"})
+    assert probe_view({name: 1.0}).norms == {}
+
+
+def test_the_regularizer_total_is_its_own_name():
+    name = mn.probe_metric(mn.PROBE_REGULARIZER_TOTAL, "bucket_1")
+    assert mn.parse(name) == mn.ParsedName(mn.PROBE_REGULARIZER_TOTAL, {"bucket": "bucket_1"})
+    error = mn.probe_metric(mn.PROBE_REGULARIZER_ERROR, "bucket_1", regularizer="l2")
+    assert mn.parse(error) == mn.ParsedName(mn.PROBE_REGULARIZER_ERROR, {"bucket": "bucket_1", "regularizer": "l2"})
+
+
+def test_heads_of_keeps_the_names_order_and_only_that_template():
+    names = ["grad/head/b/norm", "grad/head/a/norm_prev", "grad/head/a/norm", "grad/head/x/y/norm", "grad/global_norm"]
+    assert mn.heads_of(names, mn.HEAD_GRAD_NORM) == ["b", "a"]
+    assert mn.heads_of(names, mn.HEAD_GRAD_NORM_PREV) == ["a"]
+
+
+def test_probe_buckets_are_in_numeric_order():
+    names = [
+        mn.probe_metric(mn.PROBE_COMPONENT_NORM, "bucket_10", component="task"),
+        mn.probe_metric(mn.PROBE_SHARE, "bucket_2", component="task"),
+        mn.probe_metric(mn.PROBE_NUM_STEPS, "bucket_1"),
+        mn.probe_metric(mn.PROBE_COMPONENT_NORM, "bucket_2", component="kl"),
+        mn.GLOBAL_GRAD_NORM,
+    ]
+    assert mn.probe_buckets(names) == ["bucket_1", "bucket_2", "bucket_10"]
+    view = probe_view({name: 1.0 for name in names})
+    assert view.buckets == ["bucket_2", "bucket_10"]  # the buckets with component norms
+    assert sorted(bucket_names(12), key=mn.bucket_index) == bucket_names(12)
+    assert bucket_names(12)[9:] == ["bucket_10", "bucket_11", "bucket_12"]
+
+
+def test_bucket_index_and_probe_bucket():
+    assert mn.probe_bucket(3) == "bucket_3" and mn.bucket_index("bucket_10") == 10
+    for bad in ("bucket_", "bucket_x", "b10", "bucket_1/x"):
+        with pytest.raises(ValueError, match="not a probe bucket"):
+            mn.bucket_index(bad)
+
+
+def test_noise_scale_metrics_names():
+    assert mn.noise_scale_metrics({"op": 2.0}, 3.0) == {"grad/head/op/noise_scale": 2.0, "grad/noise_scale": 3.0}
+    assert mn.noise_scale_metrics({}, None) == {}
