@@ -1,10 +1,27 @@
-"""Per-step cost and memory of the VGS, against a faithful copy of the seed's loop.
+"""Per-step cost of the VGS against one fused Adam step and the seed's loop, side by side.
 
-Same gradients for every variant, one process, rotating order; per-step call sequence is the
-seed's ``scale_gradients(); step()`` with warmup 0 (so every step also scales).  Models are
-MLP-shaped parameter lists of about 1M and 10M parameters.  Usage:
+One process, the same parameters and gradients for every arm.  A repetition runs every arm
+for ``--steps`` timed steps in rotating order (arm A step, arm B step, ...), so drift on the
+machine hits all arms alike, and takes each arm's median step time; a ratio is computed per
+repetition, and the printed median/min/max are over ``--repeats`` repetitions.
 
-    python bench/vgs.py [--sizes 1 10] [--steps 20] [--device cpu|cuda]
+Arms (warmup 0, so every step also computes and applies a factor):
+
+* ``fused-adam``: ``torch.optim.Adam(fused=True).step()`` on the same parameters (what the
+  learner runs anyway; the yardstick);
+* ``vgs-element``: ``scale_gradients(); step()`` at ``element`` granularity (gradient mode:
+  statistics + factor + scaling, the most work VGS does per step); ``compile="auto"``, which
+  compiles from 1M parameters (compile time printed, not timed);
+* ``vgs-element-update``: ``observe(scale_gradients=False)``: what update mode costs (the factor
+  then rides on the optimizer's learning rate, at no extra cost);
+* ``vgs-element-eager``: the same as ``vgs-element`` uncompiled (the fallback);
+* ``vgs-tensor``: ``tensor`` granularity, gradient mode;
+* ``seed``: a faithful copy of the seed's loop (``seed_vgs.py``).
+
+Prints one line per ratio, ``ratio <arm>/<yardstick> size=<params>M median <x> min <y> max <z>``.
+Models are MLP-shaped parameter lists of about 1M and 10M parameters.  Usage:
+
+    python bench/vgs.py [--sizes 1 10] [--steps 20] [--repeats 3] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -14,6 +31,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,107 +41,107 @@ from gradmon_ray.telemetry import VarianceGradientScaler
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from seed_vgs import SeedVarianceGradientScaler
 
-SHAPES = {
-    1: [
-        (512, 64),
-        (512,),
-        (512, 512),
-        (512,),
-        (512, 512),
-        (512,),
-        (512, 512),
-        (512,),
-        (512, 512),
-        (512,),
-        (9, 512),
-        (9,),
-    ],
-    10: [
-        (1600, 64),
-        (1600,),
-        (1600, 1600),
-        (1600,),
-        (1600, 1600),
-        (1600,),
-        (1600, 1600),
-        (1600,),
-        (1600, 1600),
-        (1600,),
-        (9, 1600),
-        (9,),
-    ],
-}
+
+def _mlp_shapes(width: int, depth: int = 4, inputs: int = 64, outputs: int = 9) -> list[tuple[int, ...]]:
+    shapes: list[tuple[int, ...]] = [(width, inputs), (width,)]
+    for _ in range(depth):
+        shapes += [(width, width), (width,)]
+    return shapes + [(outputs, width), (outputs,)]
 
 
-def _state_bytes(vgs) -> int:
-    if isinstance(vgs, SeedVarianceGradientScaler):
-        return sum(
-            t.numel() * t.element_size() for t in (vgs._param_grad_mean_ema, vgs._param_grad_sq_ema, vgs._param_numel)
-        )
-    tensors = [vgs._mean_ema, vgs._sq_ema, vgs._param_numel, vgs._spatial_ema]
-    if vgs._sample is not None:
-        tensors.append(vgs._sample)
-    return sum(t.numel() * t.element_size() for t in tensors)
+SHAPES = {1: _mlp_shapes(512), 10: _mlp_shapes(1600)}
+RATIOS = [
+    ("vgs-element", "fused-adam"),
+    ("vgs-element-update", "fused-adam"),
+    ("vgs-element-eager", "fused-adam"),
+    ("vgs-tensor", "fused-adam"),
+    ("vgs-element", "seed"),
+    ("vgs-tensor", "seed"),
+]
 
 
-def bench(size: int, steps: int, device: str) -> None:
+def _arms(params: list[torch.nn.Parameter]) -> dict[str, Callable[[], object]]:
+    def vgs_step(vgs: VarianceGradientScaler, scale: bool) -> Callable[[], object]:
+        def run() -> None:
+            vgs.observe(scale_gradients=scale)
+            vgs.step()
+
+        return run
+
+    seed = SeedVarianceGradientScaler(params, warmup_steps=0)
+
+    def seed_step() -> None:
+        seed.scale_gradients()
+        seed.step()
+
+    adam = torch.optim.Adam(params, fused=True)
+    return {
+        "fused-adam": adam.step,
+        "vgs-element": vgs_step(VarianceGradientScaler(params, warmup_steps=0), True),
+        "vgs-element-update": vgs_step(VarianceGradientScaler(params, warmup_steps=0), False),
+        "vgs-element-eager": vgs_step(VarianceGradientScaler(params, warmup_steps=0, compile="off"), True),
+        "vgs-tensor": vgs_step(VarianceGradientScaler(params, warmup_steps=0, granularity="tensor"), True),
+        "seed": seed_step,
+    }
+
+
+def bench(size: int, steps: int, repeats: int, device: str) -> None:
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.zeros(s, device=device)) for s in SHAPES[size]]
     n = sum(p.numel() for p in params)
     grad_sets = [[torch.randn(p.shape, device=device) * (0.1 + i) for p in params] for i in range(4)]
-    variants = {
-        "seed": SeedVarianceGradientScaler(params, warmup_steps=0),
-        "element": VarianceGradientScaler(params, warmup_steps=0, granularity="element"),
-        "tensor": VarianceGradientScaler(params, warmup_steps=0, granularity="tensor"),
-    }
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    names = list(variants)
-    for step in range(steps + 3):
-        order = names[step % 3 :] + names[: step % 3]
-        for name in order:
-            for p, g in zip(params, grad_sets[step % 4], strict=True):
-                p.grad = g.clone()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            variants[name].scale_gradients()
-            variants[name].step()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            if step >= 3:
-                times[name].append(time.perf_counter() - start)
-    # Context: one fused Adam step on the same parameters (what the learner runs anyway).
-    adam = torch.optim.Adam(params, fused=True)
-    adam_times = []
-    for step in range(steps + 3):
-        for p, g in zip(params, grad_sets[step % 4], strict=True):
-            p.grad = g.clone()
-        start = time.perf_counter()
-        adam.step()
+    arms = _arms(params)
+
+    def set_grads(k: int) -> None:
+        for p, g in zip(params, grad_sets[k % 4], strict=True):
+            p.grad = g.clone()  # every arm scales in place: a fresh copy each step
+
+    def timed(fn: Callable[[], object]) -> float:
         if device == "cuda":
             torch.cuda.synchronize()
-        if step >= 3:
-            adam_times.append(time.perf_counter() - start)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    adam_med = statistics.median(adam_times)
-    print(f"{n / 1e6:.2f}M parameters in {len(params)} tensors, {device}, {steps} steps (median per step):")
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    for name, fn in arms.items():  # untimed: allocations and (where it applies) the compile
+        set_grads(0)
+        print(f"  first step of {name}: {timed(fn):.2f} s", flush=True)
+    per_repeat: list[dict[str, float]] = []
+    names = list(arms)
+    for _ in range(repeats):
+        times: dict[str, list[float]] = {k: [] for k in names}
+        for step in range(steps):
+            order = names[step % len(names) :] + names[: step % len(names)]
+            for name in order:
+                set_grads(step)
+                times[name].append(timed(arms[name]))
+        per_repeat.append({k: statistics.median(v) for k, v in times.items()})
+    print(f"{n / 1e6:.2f}M parameters in {len(params)} tensors, {device}, {repeats} x {steps} steps per arm")
     for name in names:
-        kib = _state_bytes(variants[name]) / 1024
-        print(f"  {name:8s} {med[name] * 1e3:9.2f} ms   persistent state {kib:12.1f} KiB")
-    print(f"  (fused Adam step on the same parameters: {adam_med * 1e3:.2f} ms)")
-    print(f"  speed-up vs seed: element {med['seed'] / med['element']:.2f}x, tensor {med['seed'] / med['tensor']:.2f}x")
+        meds = [r[name] * 1e3 for r in per_repeat]
+        print(f"  {name:20s} median {statistics.median(meds):8.3f} ms  (min {min(meds):.3f}, max {max(meds):.3f})")
+    for arm, yardstick in RATIOS:
+        ratios = [r[arm] / r[yardstick] for r in per_repeat]
+        print(
+            f"ratio {arm}/{yardstick} size={n / 1e6:.2f}M median {statistics.median(ratios):.3f} "
+            f"min {min(ratios):.3f} max {max(ratios):.3f}",
+            flush=True,
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 10], choices=sorted(SHAPES))
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {args.device}")
     for size in args.sizes:
-        bench(size, args.steps, args.device)
+        bench(size, args.steps, args.repeats, args.device)
 
 
 if __name__ == "__main__":

@@ -103,6 +103,42 @@ def test_upgd_with_vgs_off_and_telemetry_still_on(batch):
     assert learner.last_telemetry.skipped == 0
 
 
+def _one_step_twins(batch, optimizer: str, grad_clip: float | None, apply_to: str):
+    """A VGS learner with 16 minibatches of history and a learner without VGS set to its exact
+    state (weights, optimizer moments, UPGD noise generator); both take one full-batch step.
+    Returns (factor used, [(delta with VGS, delta without, theta before)] per parameter)."""
+    ppo = {"train_batch_size": 256, "minibatch_size": 32, "num_epochs": 2, "lr": 1e-3, "grad_clip": grad_clip}
+    vgs = {"enabled": True, "warmup_steps": 0, "alpha": 5.0, "apply_to": apply_to}
+    cfg = _cfg(optimizer=optimizer, ppo=ppo, vgs=vgs)
+    plain_cfg = _cfg(optimizer=optimizer, ppo=ppo, vgs={"enabled": False})
+    vgs_learner, plain = build_local_learner(cfg), build_local_learner(plain_cfg)
+    update(vgs_learner, batch, cfg)  # 16 minibatches of history: the factor is well below 1
+    state = vgs_learner.get_state()
+    state.pop(VGS_STATE_KEY)
+    plain.set_state(state)
+    params = [list(learner.module[DEFAULT_MODULE_ID].parameters()) for learner in (vgs_learner, plain)]
+    before = [[p.detach().clone() for p in ps] for ps in params]
+    for learner in (vgs_learner, plain):
+        learner.update(batch=batch, timesteps={}, num_epochs=1, minibatch_size=None)  # one minibatch
+    factor = vgs_learner.vgs.get_scaling_factor()  # what this step used (warmup 0, statistics unchanged since)
+    lr_after = [g["lr"] for opt in vgs_learner._optimizer_parameters for g in opt.param_groups]
+    assert all(isinstance(lr, float) and lr == pytest.approx(1e-3) for lr in lr_after)  # the float lr is back
+    deltas = []
+    for p_vgs, p_plain, b_vgs, b_plain in zip(*params, *before, strict=True):
+        assert torch.equal(b_vgs, b_plain)
+        deltas.append(((p_vgs.detach() - b_vgs).double(), (p_plain.detach() - b_plain).double(), b_vgs))
+    return factor, deltas
+
+
+def test_gradient_mode_under_a_binding_global_norm_clip_changes_nothing(batch):
+    """Why ``update`` is the default: in gradient mode a binding global-norm clip rescales the
+    gradient to the clip norm whatever factor VGS applied, so Adam takes the very same step."""
+    factor, deltas = _one_step_twins(batch, "adam", 0.05, "gradient")
+    assert factor < 0.9
+    for delta_vgs, delta_plain, _ in deltas:
+        torch.testing.assert_close(delta_vgs, delta_plain, rtol=1e-4, atol=2e-7)
+
+
 @pytest.mark.parametrize("optimizer", ["adam", "upgd"])
 @pytest.mark.parametrize("grad_clip", [None, 0.05], ids=["no-clip", "binding-clip"])
 def test_update_mode_moves_the_parameters_by_factor_times_the_update_without_vgs(batch, optimizer, grad_clip):
@@ -110,29 +146,12 @@ def test_update_mode_moves_the_parameters_by_factor_times_the_update_without_vgs
     state, on the same minibatch, the VGS learner's parameter change is exactly the factor
     times the change of a learner without VGS (Adam's normalisation and a binding
     global-norm clip included: the factor acts after both)."""
-    ppo = {"train_batch_size": 256, "minibatch_size": 32, "num_epochs": 2, "lr": 1e-3, "grad_clip": grad_clip}
-    cfg = _cfg(optimizer=optimizer, ppo=ppo, vgs={"enabled": True, "warmup_steps": 0, "alpha": 5.0})
-    assert cfg.vgs.apply_to == "update"  # the default
-    plain_cfg = _cfg(optimizer=optimizer, ppo=ppo, vgs={"enabled": False})
-    vgs_learner, plain = build_local_learner(cfg), build_local_learner(plain_cfg)
-    update(vgs_learner, batch, cfg)  # 16 minibatches of history: the factor is well below 1
-    state = vgs_learner.get_state()
-    state.pop(VGS_STATE_KEY)
-    plain.set_state(state)  # same weights, same optimizer moments (and UPGD noise generator)
-    params = [list(learner.module[DEFAULT_MODULE_ID].parameters()) for learner in (vgs_learner, plain)]
-    before = [[p.detach().clone() for p in ps] for ps in params]
-    for learner in (vgs_learner, plain):
-        learner.update(batch=batch, timesteps={}, num_epochs=1, minibatch_size=None)  # one minibatch
-    factor = vgs_learner.vgs.get_scaling_factor()  # what this step used (warmup 0, statistics unchanged since)
+    assert _cfg().vgs.apply_to == "update"  # the default
+    factor, deltas = _one_step_twins(batch, optimizer, grad_clip, "update")
     assert factor < 0.9
-    lr_after = [g["lr"] for opt in vgs_learner._optimizer_parameters for g in opt.param_groups]
-    assert all(isinstance(lr, float) and lr == pytest.approx(1e-3) for lr in lr_after)  # the float lr is back
-    for p_vgs, p_plain, b_vgs, b_plain in zip(*params, *before, strict=True):
-        assert torch.equal(b_vgs, b_plain)
-        delta_vgs, delta_plain = (p_vgs.detach() - b_vgs).double(), (p_plain.detach() - b_plain).double()
+    for delta_vgs, delta_plain, _ in deltas:
         # atol: float32 parameters round theta + delta to ~1e-7 (one ulp at |theta| ~ 1).
         torch.testing.assert_close(delta_vgs, factor * delta_plain, rtol=1e-4, atol=2e-7)
         ratio = float(delta_vgs.norm() / delta_plain.norm())
         assert ratio == pytest.approx(factor, rel=1e-2)  # tiny UPGD steps: float32 rounding ~0.2%
-    moved = sum(float((p.detach() - b).abs().sum()) for p, b in zip(params[1], before[1], strict=True))
-    assert moved > 0.0  # a real step was taken
+    assert sum(float(delta_plain.abs().sum()) for _, delta_plain, _ in deltas) > 0.0  # a real step was taken
