@@ -50,24 +50,27 @@ def fold_elements(
     squares: Sequence[torch.Tensor],
     weight: torch.Tensor,
     factor: torch.Tensor | None,
-) -> torch.Tensor:
+) -> None:
     """Per element: ``mean <- lerp(mean, |g|, weight)``, ``square <- lerp(square, g^2, weight)``
-    (``g`` cleaned), then ``g <- g * factor`` when a factor is given.
-
-    ``means[i]``/``squares[i]`` are views shaped like ``grads[i]``.  Returns the spatial sums
-    ``[sum g, sum g^2, max |g|]`` over all elements (cleaned ``g``, before scaling).
-    """
-    totals, squared, peaks = [], [], []
+    (``g`` cleaned), then ``g <- g * factor`` when a factor is given.  ``means[i]`` and
+    ``squares[i]`` are tensors shaped like ``grads[i]``.  No reductions: a sum over millions
+    of elements in the same loop would cost as much as the rest of the pass (bench/vgs.py)."""
     for grad, mean, square in zip(grads, means, squares, strict=True):
         x = clean(grad)
         mean.lerp_(x.abs(), weight)
         square.lerp_(x * x, weight)
-        totals.append(x.sum())
-        squared.append((x * x).sum())
-        peaks.append(x.abs().amax())
         if factor is not None:
             grad.mul_(factor.to(grad.dtype))
-    return torch.stack([torch.stack(totals).sum(), torch.stack(squared).sum(), torch.stack(peaks).amax()])
+
+
+def spatial_sums(values: Sequence[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+    """``[scale * sum x, scale * sum x^2, max |x|]`` over the cleaned ``values`` (the spatial
+    statistics' inputs; ``scale`` extrapolates a sample's sums to the whole population)."""
+    cleaned = [clean(v) for v in values]
+    totals = torch.stack([x.sum() for x in cleaned]).sum()
+    squared = torch.stack([(x * x).sum() for x in cleaned]).sum()
+    peak = torch.stack([x.abs().amax() for x in cleaned]).amax()
+    return torch.stack([scale * totals, scale * squared, peak])
 
 
 def fold_tensors(
@@ -110,7 +113,10 @@ def normalized_entries(
 def quantiles(values: torch.Tensor, qs: tuple[float, ...]) -> torch.Tensor:
     """``torch.quantile``'s linear interpolation, by selection (O(n)) instead of a sort.
 
-    A NaN entry is treated as +inf, so it can raise a high percentile but never hide one.
+    One ``kthvalue`` per quantile: its upper neighbour is the same value when enough entries
+    tie with it, else the smallest entry above it (two cheap reductions, not a second
+    selection).  A NaN entry is treated as +inf, so it can raise a high percentile but never
+    hide one.
     """
     n = values.numel()
     if n == 0:
@@ -121,12 +127,31 @@ def quantiles(values: torch.Tensor, qs: tuple[float, ...]) -> torch.Tensor:
         pos = q * (n - 1)
         lo, frac = math.floor(pos), pos - math.floor(pos)
         low = torch.kthvalue(values, lo + 1).values
-        if frac == 0.0:
+        if frac == 0.0 or lo + 2 > n:
             out.append(low)
-        else:
-            high = torch.kthvalue(values, min(lo + 2, n)).values
-            out.append(low + frac * (high - low))
+            continue
+        above = torch.where(values > low, values, torch.full_like(values, float("inf"))).amin()
+        high = torch.where((values <= low).sum() >= lo + 2, low, above)
+        out.append(low + frac * (high - low))
     return torch.stack(out)
+
+
+def record_spatial(
+    spatial_ema: torch.Tensor,
+    spatial_steps: torch.Tensor,
+    stat_steps: torch.Tensor,
+    sums: torch.Tensor,
+    keep: torch.Tensor,
+    weight: torch.Tensor,
+    numel: int,
+) -> None:
+    """Count an applied update (``keep``) and fold the spatial statistics (mean, var, norm,
+    max of all gradient elements) from a fold's ``[sum g, sum g^2, max |g|]``."""
+    mean = sums[0] / numel
+    spatial = torch.stack([mean, sums[1] / numel - mean * mean, sums[1].sqrt(), sums[2]])
+    spatial_ema.lerp_(torch.nan_to_num(spatial, nan=0.0, posinf=0.0, neginf=0.0), weight)
+    stat_steps.add_(keep)
+    spatial_steps.add_(keep)
 
 
 def element_step(
@@ -134,30 +159,39 @@ def element_step(
     means: Sequence[torch.Tensor],
     squares: Sequence[torch.Tensor],
     sample: Sequence[tuple[int, torch.Tensor]],
-    weight: torch.Tensor,
-    steps_after: torch.Tensor,
+    counters: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    skip: torch.Tensor,
     active: torch.Tensor,
     beta: torch.Tensor,
     eps: float,
     alpha: float,
     scale_gradients: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One element-granularity step with ``p90`` over a fixed sample, in one pass over the model.
+) -> torch.Tensor:
+    """One whole element-granularity step with ``p90`` over a fixed sample; returns the factor.
 
     The sampled entries' normalized variance is computed first as it WILL be after this
     step's fold (from the sampled gradient elements only), so the factor is known before the
     single pass that folds every gradient and, with ``scale_gradients``, scales it.
-    ``sample``: (tensor index, flat indices inside that tensor); ``active``: 1.0 once the
-    warmup is over (else the factor is 1).  Returns (factor, aggregated nv, spatial sums).
+    ``sample``: (tensor index, flat indices inside that tensor); ``counters``: (spatial EMA,
+    spatial steps, statistics steps), updated in place; ``skip``: 1.0 leaves every
+    statistic unchanged; ``active``: 1.0 once the warmup is over (else the factor is 1).
     """
+    spatial_ema, spatial_steps, stat_steps = counters
+    keep = 1.0 - skip
+    weight = (1.0 - beta) * keep
     picked = clean(torch.cat([grads[i].reshape(-1)[index] for i, index in sample]))
     sampled_means = torch.cat([means[i].reshape(-1)[index] for i, index in sample]).lerp(picked.abs(), weight)
     sampled_squares = torch.cat([squares[i].reshape(-1)[index] for i, index in sample]).lerp(picked * picked, weight)
-    nv = normalized_entries(sampled_means, sampled_squares, steps_after, beta, eps)
+    nv = normalized_entries(sampled_means, sampled_squares, stat_steps + keep, beta, eps)
     value = torch.nan_to_num(quantiles(nv, (0.9,))[0], nan=0.0).clamp(max=MAX_NORMALIZED_VARIANCE)
     factor = scaling_factor(value, alpha, active)
-    spatial = fold_elements(grads, means, squares, weight, factor if scale_gradients else None)
-    return factor, value, spatial
+    fold_elements(grads, means, squares, weight, factor if scale_gradients else None)
+    # The spatial statistics from the same sampled elements: their sums extrapolated to all
+    # elements (mean, variance and norm are then unbiased estimates), the max over the sample.
+    numel = sum(g.numel() for g in grads)
+    sums = spatial_sums([picked], scale=numel / picked.numel())
+    record_spatial(spatial_ema, spatial_steps, stat_steps, sums, keep, weight, numel)
+    return factor
 
 
 def scaling_factor(value: torch.Tensor, alpha: float, active: torch.Tensor) -> torch.Tensor:

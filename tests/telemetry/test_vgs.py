@@ -11,8 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gradmon_ray import metric_names as mn
 from gradmon_ray.telemetry import VarianceGradientScaler
 from gradmon_ray.telemetry.vgs import DEVICE_METRICS, OLD_CHECKPOINT_WARNING, analytic_normalized_variance_of_abs
+from tests.telemetry.vgs_oracle import assert_vgs_metrics_close, numpy_vgs_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -195,6 +197,45 @@ def test_percentiles_use_a_fixed_sample_when_large():
     assert vgs.get_normalized_variance() == pytest.approx(exact, rel=0.1)
     again = VarianceGradientScaler([p], quantile_sample_size=1000)
     assert torch.equal(again._sample, vgs._sample)  # same sample on every replica
+
+
+@pytest.mark.parametrize("compile_mode", ["off", "on"])
+def test_one_pass_sampled_step_returns_the_factor_of_the_statistics_after_that_step(compile_mode):
+    """Element granularity, p90 over a sample: the factor is computed BEFORE the single pass
+    that folds and scales, from the sampled entries as they will be after it.  Every step's
+    returned factor and scaled gradients must equal the numpy VGS fed the steps so far, with
+    percentiles over the same sampled entries (a skipped non-finite step included)."""
+    shapes = [(30, 20), (20,), (7, 20)]
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    settings = {"beta": 0.9, "alpha": 2.0, "eps": 1e-8, "warmup_steps": 3}
+    vgs = VarianceGradientScaler(params, quantile_sample_size=97, compile=compile_mode, **settings)
+    sample = vgs._sample.cpu().numpy()
+    total = sum(p.numel() for p in params)
+    assert len(set(sample.tolist())) == 97 and sample.min() >= 0 and sample.max() < total  # distinct, in range
+    gen = torch.Generator().manual_seed(7)
+    centre = [torch.randn(s, generator=gen) for s in shapes]
+    fed, skipped = [], []
+    for step in range(10):
+        grads = [c + (0.3 + step % 4) * torch.randn(c.shape, generator=gen) for c in centre]
+        if step == 6:
+            grads[1][3] = float("nan")
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        skip = step == 6
+        factor = float(vgs.scale_gradients(skip=torch.tensor(float(skip))))
+        vgs.step()
+        fed.append([g.numpy() for g in grads])
+        skipped.append(skip)
+        want = numpy_vgs_metrics(fed, skipped=skipped, sample=sample, **settings)[mn.VGS_SCALING_FACTOR]
+        if step < settings["warmup_steps"]:  # the warmup clock advances after the step
+            want = 1.0
+        assert factor == pytest.approx(want, rel=1e-5), step
+        if not skip:
+            for p, g in zip(params, grads, strict=True):
+                torch.testing.assert_close(p.grad, g * want, rtol=1e-5, atol=1e-7)
+    assert factor < 0.9  # the factor really acts
+    # Every reported metric too: percentiles and the legacy spatial statistics over the sample.
+    assert_vgs_metrics_close(vgs.get_metrics(), numpy_vgs_metrics(fed, skipped=skipped, sample=sample, **settings))
 
 
 # --- seed test 5 and state -------------------------------------------------------------------

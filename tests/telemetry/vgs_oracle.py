@@ -32,8 +32,11 @@ def numpy_vgs_metrics(
     aggregation_method: str = "p90",
     granularity: str = "element",
     skipped: list[bool] | None = None,
+    sample: np.ndarray | None = None,
 ) -> dict[str, float]:
-    """Every ``vgs/*`` metric after feeding ``steps`` (per step: one gradient array per tensor)."""
+    """Every ``vgs/*`` metric after feeding ``steps`` (per step: one gradient array per tensor);
+    with ``sample`` (flat entry indices), the percentiles and the spatial statistics are over
+    those entries only (the spatial sums scaled up to all entries)."""
     sizes = [g.size for g in steps[0]]
     width = sum(sizes) if granularity == "element" else len(sizes)
     mean_ema = np.zeros(width)
@@ -51,8 +54,10 @@ def numpy_vgs_metrics(
         mean_ema = beta * mean_ema + (1 - beta) * stat
         sq_ema = beta * sq_ema + (1 - beta) * stat**2
         n = flat.size
-        mean = flat.sum() / n
-        spatial = np.array([mean, (flat**2).sum() / n - mean**2, np.sqrt((flat**2).sum()), np.abs(flat).max()])
+        seen = flat if sample is None else flat[sample]  # a sample's sums, extrapolated to all n
+        total, total_sq = seen.sum() * n / seen.size, (seen**2).sum() * n / seen.size
+        mean = total / n
+        spatial = np.array([mean, total_sq / n - mean**2, np.sqrt(total_sq), np.abs(seen).max()])
         spatial_ema = beta * spatial_ema + (1 - beta) * spatial
         applied += 1
 
@@ -70,7 +75,7 @@ def numpy_vgs_metrics(
     else:
         per_tensor = nv
         weighted = float((nv * np.array(sizes)).sum() / sum(sizes))
-    p10, p50, p90 = np.quantile(nv, [0.1, 0.5, 0.9])  # linear interpolation
+    p10, p50, p90 = np.quantile(nv if sample is None else nv[sample], [0.1, 0.5, 0.9])  # linear interpolation
     aggregate = {"p90": p90, "mean": per_tensor.mean(), "weighted_mean": weighted}[aggregation_method]
     step_count = len(steps)
     warmup = step_count < warmup_steps
