@@ -46,7 +46,7 @@ def _mlp_shapes(width: int, depth: int = 4, inputs: int = 64, outputs: int = 9) 
     shapes: list[tuple[int, ...]] = [(width, inputs), (width,)]
     for _ in range(depth):
         shapes += [(width, width), (width,)]
-    return shapes + [(outputs, width), (outputs,)]
+    return [*shapes, (outputs, width), (outputs,)]
 
 
 SHAPES = {1: _mlp_shapes(512), 10: _mlp_shapes(1600)}

@@ -338,3 +338,18 @@ def test_a_user_regularizer_resolves_without_the_probe():
         "weight": 1.0,
         "enabled": True,
     }
+
+
+def test_vgs_combinations_known_to_cancel_get_one_line_each():
+    from gradmon_ray.config import config_advisories
+
+    quiet = config_from_dict({"vgs": {"enabled": True}})  # update mode: nothing cancels
+    assert quiet.vgs.apply_to == "update" and config_advisories(quiet) == []
+    assert config_advisories(config_from_dict({"vgs": {"enabled": False, "apply_to": "gradient"}})) == []
+    both = config_advisories(config_from_dict({"vgs": {"enabled": True, "apply_to": "gradient"}}))
+    assert len(both) == 2 and all("\n" not in line for line in both)
+    assert "optimizer adam" in both[0] and "global_norm" in both[1]
+    upgd_unclipped = {"vgs": {"enabled": True, "apply_to": "gradient"}, "optimizer": "upgd", "ppo": {"grad_clip": None}}
+    assert config_advisories(config_from_dict(upgd_unclipped)) == []  # meaningful there
+    with pytest.raises(ConfigError, match="vgs.apply_to"):
+        config_from_dict({"vgs": {"apply_to": "optimizer"}})

@@ -42,8 +42,9 @@ class ModelSection(ConfigModel):
     head_hiddens: list[Width] = Field(default_factory=list, description="Hidden widths inside each action head.")
     value_hiddens: list[Width] = Field(default_factory=list, description="Hidden widths inside the value head.")
     vf_share_layers: bool = Field(
-        True,
-        description="The value head reads the policy trunk (true) or its own trunk of the same widths (false).",
+        False,
+        description="The value head reads the policy trunk (true) or its own trunk of the same widths (false: "
+        "learned better on the built-in env and CartPole, docs/BENCHMARKS.md).",
     )
     activation: Literal["tanh", "relu", "silu"] = Field("tanh", description="Hidden activation.")
     head_logit_scale: dict[Text, PositiveNumber] = Field(
