@@ -200,6 +200,19 @@ def scaling_factor(value: torch.Tensor, alpha: float, active: torch.Tensor) -> t
     return torch.where(active > 0, factor, torch.ones_like(factor))
 
 
+def fixed_sample(
+    numels: Sequence[int], size: int, device: torch.device
+) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
+    """``size`` distinct flat entry indices, uniform, sorted, from a fixed seed (the same on every
+    replica), and the same entries as (tensor index, indices inside that tensor) for tensors of
+    ``numels`` entries: the per-step sample is gathered in place, never from a flat copy."""
+    sample = torch.randperm(sum(numels), generator=torch.Generator().manual_seed(0))[:size].sort().values
+    offsets = torch.tensor([0, *numels]).cumsum(0)
+    owner = torch.bucketize(sample, offsets[1:], right=True)
+    parts = [(i, (sample[owner == i] - offsets[i]).to(device)) for i in range(len(numels)) if (owner == i).any()]
+    return sample.to(device), parts
+
+
 class Kernel:
     """``fn`` run eagerly, or compiled with ``torch.compile`` on its first call.
 
