@@ -59,9 +59,34 @@ def test_builtin_env_space_gives_eight_heads_and_disjoint_groups():
     assert list(groups) == [*sorted(HEAD_NAMES), "value"]
     ids = [id(p) for ps in groups.values() for p in ps]
     assert len(ids) == len(set(ids))
-    trunk_ids = {id(p) for p in module.trunk.parameters()}
+    assert module.value_trunk is not None  # vf_share_layers defaults to false: two trunks
+    trunk_ids = {id(p) for trunk in (module.trunk, module.value_trunk) for p in trunk.parameters()}
     assert not trunk_ids & set(ids)
     assert len(ids) + len(trunk_ids) == len(list(module.parameters()))
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_vf_share_layers_decides_what_the_value_head_reads(share):
+    """Shared: the value loss reaches the policy trunk; separate: it reaches only the value
+    trunk and the value head, and the action logits do not depend on the value trunk.
+    Checked with autograd on parameters fetched by attribute name."""
+    space = gym.spaces.Dict({"z": gym.spaces.Discrete(2), "a": gym.spaces.Discrete(3)})
+    module = _module(space, trunk_hiddens=[8, 8], vf_share_layers=share)
+    batch = {Columns.OBS: torch.randn(6, 5, generator=torch.Generator().manual_seed(0))}
+    out = module.forward_train(batch)
+    values = module.compute_values(batch, embeddings=out[Columns.EMBEDDINGS])
+    torch.testing.assert_close(values, module.compute_values(batch))  # the embeddings are the value's input
+    policy_trunk = list(module.trunk.parameters())
+    value_grads = torch.autograd.grad(values.sum(), policy_trunk, allow_unused=True)
+    reaches_policy_trunk = any(g is not None and bool(g.abs().sum() > 0) for g in value_grads)
+    assert reaches_policy_trunk == share
+    if share:
+        assert module.value_trunk is None
+    else:
+        value_trunk = list(module.value_trunk.parameters())
+        assert all(g.abs().sum() > 0 for g in torch.autograd.grad(values.sum(), value_trunk))
+        logit_grads = torch.autograd.grad(out[Columns.ACTION_DIST_INPUTS].sum(), value_trunk, allow_unused=True)
+        assert all(g is None for g in logit_grads)
 
 
 def test_logits_follow_head_order():
