@@ -22,6 +22,7 @@ import warnings
 import ray
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray import metric_parsing as mp
 from gradmon_ray.config import GradmonConfig
 from gradmon_ray.rllib.config import build_ppo_config
 
@@ -45,7 +46,7 @@ def run(arm: str, noise: float, seed: int, iterations: int) -> tuple[list[float]
             result = algo.train()
             returns.append(float(result["env_runners"].get("episode_return_mean", float("nan"))))
             learner = result["learners"]["default_policy"]
-            for head in mn.heads_of(learner, mn.HEAD_GRAD_NORM):
+            for head in mp.heads_of(learner, mn.HEAD_GRAD_NORM):
                 norms.setdefault(head, []).append(float(learner[mn.head_metric(mn.HEAD_GRAD_NORM, head)]))
     finally:
         algo.stop()

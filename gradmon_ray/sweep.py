@@ -1,18 +1,7 @@
 """Ray Tune sweeps over any config field, one MLflow child run per trial.
 
-A sweep file (``tune_configs/*_sweep.yaml``) names a base run config and a search space
-over dotted config fields::
-
-    base_config: default.yaml          # relative to the sweep file (or `base:` inline)
-    search_space:
-      ppo.lr: {loguniform: [1.0e-4, 1.0e-3]}
-      vgs.alpha: {choice: [0.05, 0.1, 0.3]}
-      model.trunk_hiddens: {grid: [[64, 64], [128, 128]]}
-    num_samples: 2
-
-Everything is validated before Ray starts: an unknown key, an unknown config field, a
-malformed search space or a value the run config would reject exits with status 2 and
-one line.  Each trial runs ``run_training`` (so the telemetry, the probe and the
+The sweep file, its validation and its search space: ``gradmon_ray.sweep_config`` (re-exported
+here).  Each trial runs ``run_training`` (so the telemetry, the probe and the
 ``health_stop`` rules are the same as ``gradmon-ray train``), writes an MLflow run nested
 under the sweep's parent run, reports every iteration to Tune, and checkpoints the
 algorithm (learner state, telemetry latches included) plus its MLflow run id and health
@@ -29,49 +18,16 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Union
-
-from pydantic import Field
+from typing import Any
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.config import (
-    ConfigError,
-    ConfigModel,
-    GradmonConfig,
-    Text,
-    apply_overrides,
-    config_from_dict,
-    parse,
-    read_yaml_mapping,
-)
+from gradmon_ray.config import GradmonConfig, apply_overrides, config_from_dict
+from gradmon_ray.sweep_config import SweepConfig, tune_search_space
+from gradmon_ray.sweep_config import load_sweep as load_sweep  # re-exported: the CLI and tests import it from here
 from gradmon_ray.tracking.mlflow_io import mlflow_value
 
-SEARCH_KINDS = ("choice", "grid", "uniform", "loguniform")
 TRIAL_STATE_FILE = "gradmon_trial.json"
 PARENT_RUN_TAG = "mlflow.parentRunId"  # MLflow's own tag: the UI nests runs under their parent
-
-
-class SweepConfig(ConfigModel):
-    """A sweep file."""
-
-    name: Union[Text, None] = Field(None, description="Sweep name (Tune experiment and MLflow tag).")
-    base_config: Union[Text, None] = Field(
-        None, description="Run config YAML the trials start from (relative to the sweep file)."
-    )
-    base: dict[Text, Any] = Field(default_factory=dict, description="Inline run config, applied after base_config.")
-    search_space: dict[Text, Any] = Field(
-        default_factory=dict, description="Dotted config field -> {choice|grid|uniform|loguniform: [...]}."
-    )
-    num_samples: int = Field(1, ge=1, description="Samples of the search space (x grid size).")
-    metric: Text = Field(mn.EPISODE_RETURN_MEAN, description="Metric that ranks trials.")
-    mode: Literal["max", "min"] = Field("max", description="Whether larger metric is better.")
-    max_concurrent_trials: int = Field(1, ge=1, description="Trials running at once.")
-    max_failures: int = Field(
-        2, ge=-1, description="Retries of a failed trial, from its last checkpoint (-1: forever)."
-    )
-    checkpoint_every: int = Field(1, ge=1, description="Checkpoint a trial every N iterations.")
-    keep_checkpoints: int = Field(2, ge=1, description="Latest checkpoints kept per trial.")
-    storage_path: Union[Text, None] = Field(None, description="Where Tune keeps trial state (null: ./tune_results).")
 
 
 @dataclass
@@ -95,69 +51,6 @@ class SweepOutcome:
     parent_run_id: str
     trials: list[TrialSummary]
     best: TrialSummary | None
-
-
-def load_sweep(path: str | Path) -> tuple[SweepConfig, dict[str, Any]]:
-    """Parse and validate a sweep file; returns it and the resolved base run config (as data)."""
-    p = Path(path)
-    data = read_yaml_mapping(p, "sweep")
-    sweep = parse(SweepConfig, data)
-    base = read_yaml_mapping((p.parent / sweep.base_config).resolve(), "base_config") if sweep.base_config else {}
-    base = _merge(base, sweep.base)
-    config_from_dict(copy.deepcopy(base))  # the base itself must be a valid run config
-    if not sweep.search_space:
-        raise ConfigError("search_space", "is empty; give at least one field, e.g. {ppo.lr: {choice: [1e-4, 3e-4]}}")
-    for key, spec in sweep.search_space.items():
-        for value in _candidate_values(key, spec):
-            try:
-                config_from_dict(apply_overrides(copy.deepcopy(base), {key: value}))
-            except ConfigError as exc:
-                raise ConfigError(f"search_space.{key}", str(exc)) from None
-    if sweep.name is None:
-        sweep.name = p.stem
-    return sweep, base
-
-
-def _candidate_values(key: str, spec: Any) -> list[Any]:
-    """The values a search space entry can produce that the run config must accept."""
-    where = f"search_space.{key}"
-    if not isinstance(spec, dict):
-        return [spec]  # a constant
-    if len(spec) != 1 or next(iter(spec)) not in SEARCH_KINDS:
-        raise ConfigError(where, f"must be a constant or one of {{{' | '.join(SEARCH_KINDS)}: [...]}}, got {spec!r}")
-    kind, args = next(iter(spec.items()))
-    if not isinstance(args, list) or not args:
-        raise ConfigError(where, f"{kind} needs a non-empty list, got {args!r}")
-    if kind in ("choice", "grid"):
-        return list(args)
-    if len(args) != 2 or not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args):
-        raise ConfigError(where, f"{kind} needs [low, high] numbers, got {args!r}")
-    low, high = args
-    if not low < high:
-        raise ConfigError(where, f"{kind} needs low < high, got {args!r}")
-    if kind == "loguniform" and low <= 0:
-        raise ConfigError(where, f"loguniform needs 0 < low, got {args!r}")
-    return [float(low), float(high)]
-
-
-def tune_search_space(search_space: dict[str, Any]) -> dict[str, Any]:
-    """The Tune domains (``tune.choice`` etc.) of a validated search space."""
-    from ray import tune
-
-    makers = {
-        "choice": tune.choice,
-        "grid": tune.grid_search,
-        "uniform": lambda a: tune.uniform(*a),
-        "loguniform": lambda a: tune.loguniform(*a),
-    }
-    out = {}
-    for key, spec in search_space.items():
-        if isinstance(spec, dict):
-            kind, args = next(iter(spec.items()))
-            out[key] = makers[kind](args)
-        else:
-            out[key] = spec
-    return out
 
 
 def absolute_tracking_uri(uri: str) -> str:
@@ -343,13 +236,3 @@ def _trial(params: dict[str, Any]) -> None:
     finally:
         if resume is not None:
             shutil.rmtree(Path(resume.checkpoint_path).parent, ignore_errors=True)
-
-
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out

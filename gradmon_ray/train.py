@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import GradmonConfig
+from gradmon_ray.probe_lifecycle import flush_probe, start_probe, stop_probe
 from gradmon_ray.telemetry.bands import BandSet
 from gradmon_ray.telemetry.health_stop import HealthStopMonitor, HealthStopRules
 from gradmon_ray.tracking import MlflowSink, progress_line, result_to_metrics
@@ -19,10 +19,6 @@ from gradmon_ray.tracking.results import latch_tags
 from gradmon_ray.tracking.spill import default_spill_path
 
 logger = logging.getLogger(__name__)
-
-PROBE_RUN_WAIT_S = 15.0
-"""How long the driver waits for the MLflow run before starting the probe without one."""
-PROBE_FLUSH_S = 30.0
 
 
 @dataclass
@@ -157,7 +153,7 @@ def run_training(
         ppo_config = build_ppo_config(cfg)
         outcome.probe_actor = probe_actor_name_of(ppo_config)
         if outcome.probe_actor is not None:
-            probe = _start_probe(cfg, outcome.probe_actor, sink)
+            probe = start_probe(cfg, outcome.probe_actor, sink)
         algo = ppo_config.build_algo()
         head_order = _head_order(algo, cfg)
         resumed_tags: dict[str, str] = {}
@@ -223,11 +219,11 @@ def run_training(
         # The last probe usually finishes after the last iteration's metrics were logged:
         # wait for it (the learner's client, before the learner stops) and log the final
         # probe counters at the last step, so the run's probe/* values are what happened.
-        probe_counters = _flush_probe(algo) if algo is not None and outcome.probe_actor is not None else {}
+        probe_counters = flush_probe(algo) if algo is not None and outcome.probe_actor is not None else {}
         if algo is not None:
             algo.stop()
         if probe is not None:
-            _stop_probe(probe)
+            stop_probe(probe)
         final = "stopped" if status == "FINISHED" and outcome.stop_reason else status.lower()
         sink.log_iteration(outcome.iterations_done, probe_counters, {mn.TAG_STATUS: final})
         outcome.mlflow_complete = sink.close(status=status)
@@ -245,79 +241,6 @@ def run_training(
             )
         if started_ray:
             ray.shutdown()
-
-
-def _start_probe(cfg: GradmonConfig, name: str, sink: MlflowSink) -> Any:
-    """Start the GradientProbe actor writing into the sink's run (None, with a warning, if it cannot start)."""
-    from gradmon_ray.probe import start_probe_actor
-
-    run_id = sink.wait_for_run(PROBE_RUN_WAIT_S)
-    if run_id is None:
-        logger.warning(
-            "MLflow run not created within %.0f s (%s): the gradient probe runs but its metrics are not recorded",
-            PROBE_RUN_WAIT_S,
-            sink.last_error,
-        )
-    try:
-        return start_probe_actor(
-            name,
-            tracking_uri=cfg.mlflow.tracking_uri,
-            run_id=run_id,
-            num_buckets=cfg.probe.num_buckets,
-            regularizers=[r.model_dump() for r in cfg.regularizers],
-            track_grad_norms=cfg.probe.track_grad_norms,
-            num_cpus=cfg.probe.num_cpus,
-            num_gpus=cfg.probe.num_gpus,
-            max_restarts=cfg.probe.max_restarts,
-        )
-    except Exception as exc:  # the probe is an observer: training goes on without it
-        logger.warning("gradient probe actor could not start (%s: %s); training without it", type(exc).__name__, exc)
-        return None
-
-
-def _flush_probe(algo: Any, timeout_s: float = PROBE_FLUSH_S) -> dict[str, float]:
-    """Wait for the probe still in flight on rank 0's learner; its final probe counters ({}: none).
-
-    Runs inside the learner (local or remote): ``ProbeClient.finish`` collects the last
-    outcome, resending the request if the actor was restarting.
-    """
-
-    def finish(learner: Any) -> dict[str, float]:
-        client = getattr(learner, "_probe", None)  # GradmonPPOTorchLearner's ProbeClient (rank 0 only)
-        if client is None:
-            return {}
-        client.finish(timeout_s)
-        return client.metrics()
-
-    counters: dict[str, float] = {}
-    try:
-        for result in algo.learner_group.foreach_learner(finish, timeout_seconds=timeout_s + 30):
-            if result.ok:
-                counters.update(result.get() or {})
-    except Exception as exc:  # a broken learner group: the per-iteration counters stay as logged
-        logger.warning("gradient probe: final probe counters not collected (%s: %s)", type(exc).__name__, exc)
-    return counters
-
-
-def _stop_probe(probe: Any) -> None:
-    """Let the probe finish its last request and write it to MLflow, then end the actor."""
-    import ray
-
-    deadline = time.monotonic() + PROBE_FLUSH_S
-    while True:
-        try:
-            if not ray.get(probe.flush.remote(PROBE_FLUSH_S), timeout=2 * PROBE_FLUSH_S):
-                logger.warning("gradient probe: some probe metrics did not reach MLflow")
-            break
-        except ray.exceptions.ActorUnavailableError:  # restarting: give it the rest of the deadline
-            if time.monotonic() > deadline:
-                logger.warning("gradient probe: still restarting at the end of the run; its last probe is lost")
-                break
-            time.sleep(0.5)
-        except Exception as exc:
-            logger.warning("gradient probe: final flush failed (%s)", type(exc).__name__)
-            break
-    ray.kill(probe)
 
 
 def reported_head_order(action_space: Any, head_names: Sequence[str] | None = None) -> tuple[str, ...]:

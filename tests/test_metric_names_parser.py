@@ -1,8 +1,8 @@
-"""``metric_names.parse``: the one parser of gradmon metric names.
+"""``metric_parsing.parse``: the one parser of gradmon metric names (defined in ``metric_names``).
 
-The round trip enumerates the module's name constants (every upper-case ``str`` with a ``/``,
+The round trip enumerates metric_names' name constants (every upper-case ``str`` with a ``/``,
 the rule ``tests/test_oracle_table.py`` uses), so a template added to ``metric_names.py`` is
-covered here without touching this file; it fails until the new name is in ``METRIC_TEMPLATES``
+covered here without touching this file; it fails until the new name is in ``metric_parsing.METRIC_TEMPLATES``
 (through ``PER_HEAD_TEMPLATES``, ``SCALAR_NAMES`` or ``PROBE_TEMPLATES``) and parses unambiguously.
 """
 
@@ -14,6 +14,7 @@ import re
 import pytest
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray import metric_parsing as mp
 from gradmon_ray.telemetry.buckets import bucket_names
 from gradmon_ray.viz.runs import probe_view
 
@@ -42,7 +43,7 @@ CONSTANTS = metric_name_constants()
 def test_the_enumeration_sees_templates_and_scalars():
     values = set(CONSTANTS.values())
     assert {mn.HEAD_GRAD_NORM, mn.HEAD_NAN_LATCH_FIRST_ITERATION, mn.PROBE_HEAD_NORM, mn.GLOBAL_GRAD_NORM} <= values
-    assert values == set(mn.METRIC_TEMPLATES), "every metric name constant is one parse knows, and no other"
+    assert values == set(mp.METRIC_TEMPLATES), "every metric name constant is one parse knows, and no other"
 
 
 @pytest.mark.parametrize("attr", sorted(CONSTANTS))
@@ -50,7 +51,7 @@ def test_every_template_round_trips(attr):
     template = CONSTANTS[attr]
     for parts in sample_fills(template):
         name = template.format(**parts)
-        parsed = mn.parse(name)
+        parsed = mp.parse(name)
         assert parsed is not None, f"metric_names.{attr}: {name!r} does not parse (add it to METRIC_TEMPLATES)"
         assert (parsed.template, parsed.parts) == (template, parts), f"metric_names.{attr}: {name!r} -> {parsed}"
         assert all(parsed[p] == v for p, v in parts.items())
@@ -62,20 +63,20 @@ def test_no_two_templates_tie_on_a_name(attr):
     template = CONSTANTS[attr]
     for parts in sample_fills(template):
         name = template.format(**parts)
-        matching = [t for t in mn.METRIC_TEMPLATES if mn.template_pattern(t).match(name)]
+        matching = [t for t in mp.METRIC_TEMPLATES if mp.template_pattern(t).match(name)]
         literal = sorted((len(PLACEHOLDER.sub("", t)) for t in matching), reverse=True)
         assert literal.count(literal[0]) == 1, f"{name!r} matches {matching} equally"
 
 
 def test_scalars_parse_with_no_parts():
-    assert mn.parse(mn.GLOBAL_NOISE_SCALE) == mn.ParsedName(mn.GLOBAL_NOISE_SCALE, {})
-    assert mn.parse(mn.HEALTH_STOP_REASON) == mn.ParsedName(mn.HEALTH_STOP_REASON, {})
+    assert mp.parse(mn.GLOBAL_NOISE_SCALE) == mp.ParsedName(mn.GLOBAL_NOISE_SCALE, {})
+    assert mp.parse(mn.HEALTH_STOP_REASON) == mp.ParsedName(mn.HEALTH_STOP_REASON, {})
 
 
 def test_a_latch_first_iteration_is_not_a_latch_of_a_deeper_head():
-    parsed = mn.parse("latch/nan/op/first_iteration")
-    assert parsed == mn.ParsedName(mn.HEAD_NAN_LATCH_FIRST_ITERATION, {"head": "op"})
-    assert mn.heads_of(["latch/nan/op/first_iteration", "latch/nan/slot"], mn.HEAD_NAN_LATCH) == ["slot"]
+    parsed = mp.parse("latch/nan/op/first_iteration")
+    assert parsed == mp.ParsedName(mn.HEAD_NAN_LATCH_FIRST_ITERATION, {"head": "op"})
+    assert mp.heads_of(["latch/nan/op/first_iteration", "latch/nan/slot"], mn.HEAD_NAN_LATCH) == ["slot"]
 
 
 @pytest.mark.parametrize(
@@ -105,7 +106,7 @@ def test_a_latch_first_iteration_is_not_a_latch_of_a_deeper_head():
     ],
 )
 def test_names_that_only_look_like_gradmon_names_do_not_parse(name):
-    assert mn.parse(name) is None
+    assert mp.parse(name) is None
 
 
 @pytest.mark.parametrize(
@@ -114,21 +115,21 @@ def test_names_that_only_look_like_gradmon_names_do_not_parse(name):
 )
 def test_explicit_probe_scalars_are_not_components(template):
     name = mn.probe_metric(template, "bucket_3")
-    assert mn.parse(name) == mn.ParsedName(template, {"bucket": "bucket_3"})
+    assert mp.parse(name) == mp.ParsedName(template, {"bucket": "bucket_3"})
     assert probe_view({name: 1.0}).norms == {}
 
 
 def test_the_regularizer_total_is_its_own_name():
     name = mn.probe_metric(mn.PROBE_REGULARIZER_TOTAL, "bucket_1")
-    assert mn.parse(name) == mn.ParsedName(mn.PROBE_REGULARIZER_TOTAL, {"bucket": "bucket_1"})
+    assert mp.parse(name) == mp.ParsedName(mn.PROBE_REGULARIZER_TOTAL, {"bucket": "bucket_1"})
     error = mn.probe_metric(mn.PROBE_REGULARIZER_ERROR, "bucket_1", regularizer="l2")
-    assert mn.parse(error) == mn.ParsedName(mn.PROBE_REGULARIZER_ERROR, {"bucket": "bucket_1", "regularizer": "l2"})
+    assert mp.parse(error) == mp.ParsedName(mn.PROBE_REGULARIZER_ERROR, {"bucket": "bucket_1", "regularizer": "l2"})
 
 
 def test_heads_of_keeps_the_names_order_and_only_that_template():
     names = ["grad/head/b/norm", "grad/head/a/norm_prev", "grad/head/a/norm", "grad/head/x/y/norm", "grad/global_norm"]
-    assert mn.heads_of(names, mn.HEAD_GRAD_NORM) == ["b", "a"]
-    assert mn.heads_of(names, mn.HEAD_GRAD_NORM_PREV) == ["a"]
+    assert mp.heads_of(names, mn.HEAD_GRAD_NORM) == ["b", "a"]
+    assert mp.heads_of(names, mn.HEAD_GRAD_NORM_PREV) == ["a"]
 
 
 def test_probe_buckets_are_in_numeric_order():
@@ -139,18 +140,18 @@ def test_probe_buckets_are_in_numeric_order():
         mn.probe_metric(mn.PROBE_COMPONENT_NORM, "bucket_2", component="kl"),
         mn.GLOBAL_GRAD_NORM,
     ]
-    assert mn.probe_buckets(names) == ["bucket_1", "bucket_2", "bucket_10"]
+    assert mp.probe_buckets(names) == ["bucket_1", "bucket_2", "bucket_10"]
     view = probe_view({name: 1.0 for name in names})
     assert view.buckets == ["bucket_2", "bucket_10"]  # the buckets with component norms
-    assert sorted(bucket_names(12), key=mn.bucket_index) == bucket_names(12)
+    assert sorted(bucket_names(12), key=mp.bucket_index) == bucket_names(12)
     assert bucket_names(12)[9:] == ["bucket_10", "bucket_11", "bucket_12"]
 
 
 def test_bucket_index_and_probe_bucket():
-    assert mn.probe_bucket(3) == "bucket_3" and mn.bucket_index("bucket_10") == 10
+    assert mn.probe_bucket(3) == "bucket_3" and mp.bucket_index("bucket_10") == 10
     for bad in ("bucket_", "bucket_x", "b10", "bucket_1/x"):
         with pytest.raises(ValueError, match="not a probe bucket"):
-            mn.bucket_index(bad)
+            mp.bucket_index(bad)
 
 
 def test_noise_scale_metrics_names():

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray import metric_parsing as mp
 from gradmon_ray.telemetry.bands import VALUE_HEAD
 
 STOP_REASON_CODES: dict[str, int] = {"dead": 1, "exploding": 2, "nan_latch": 3, "inf_latch": 4}
@@ -80,14 +81,14 @@ class HealthStopMonitor:
         ):
             if not enabled:
                 continue
-            for head in mn.heads_of(metrics, template):
+            for head in mp.heads_of(metrics, template):
                 if metrics[mn.head_metric(template, head)] >= 1.0:
                     kind = "NaN" if rule == "nan_latch" else "Inf"
                     return StopDecision(rule, head, iteration, f"head {head!r}: {kind} in its log-probs (latched)")
         decision = None
         for state, needed in (("dead", self.rules.dead_iterations), ("exploding", self.rules.exploding_iterations)):
             code = mn.HEALTH_CODES[state]
-            for head in mn.heads_of(metrics, mn.HEAD_GRAD_HEALTH):
+            for head in mp.heads_of(metrics, mn.HEAD_GRAD_HEALTH):
                 if head == VALUE_HEAD and not self.rules.include_value_head:
                     continue
                 value = metrics[mn.head_metric(mn.HEAD_GRAD_HEALTH, head)]

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray import metric_parsing as mp
 from gradmon_ray.telemetry import bands as _bands
 from gradmon_ray.telemetry.bands import worst_head
 
@@ -103,17 +104,17 @@ def heads_in(metrics: Mapping[str, float], order: Sequence[str] | None = None) -
     Never in the metrics' key order: RLlib's ``MetricsLogger.aggregate`` merges the learners'
     results through a ``set`` of key paths, so that order changes from process to process.
     """
-    return order_heads(mn.heads_of(metrics, mn.HEAD_GRAD_NORM), order)
+    return order_heads(mp.heads_of(metrics, mn.HEAD_GRAD_NORM), order)
 
 
 def latched_heads(metrics: Mapping[str, float], kind: str) -> list[str]:
     """Heads whose ``kind`` ("nan" or "inf") latch metric is 1."""
     template = mn.HEAD_NAN_LATCH if kind == "nan" else mn.HEAD_INF_LATCH
-    return mn.heads_of((key for key, value in metrics.items() if value > 0), template)
+    return mp.heads_of((key for key, value in metrics.items() if value > 0), template)
 
 
 def _absent_when_undefined(key: str) -> bool:
-    parsed = mn.parse(key)
+    parsed = mp.parse(key)
     return parsed is not None and parsed.template in mn.ABSENT_WHEN_UNDEFINED
 
 

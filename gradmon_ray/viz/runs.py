@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray import metric_parsing as mp
 from gradmon_ray.telemetry.bands import DEFAULT_BANDS, classify_grad_norm
 
 VALUE_HEAD = mn.VALUE_HEAD
@@ -96,7 +97,7 @@ class ProbeView:
 
     @property
     def buckets(self) -> list[str]:
-        return sorted(self.norms, key=mn.bucket_index)
+        return sorted(self.norms, key=mp.bucket_index)
 
     @property
     def components(self) -> list[str]:
@@ -115,7 +116,7 @@ def probe_view(metrics: Mapping[str, float], step: int | None = None) -> ProbeVi
     view = ProbeView(step=step)
     tables = {mn.PROBE_COMPONENT_NORM: view.norms, mn.PROBE_SHARE: view.shares}
     for key, value in metrics.items():
-        parsed = mn.parse(key)
+        parsed = mp.parse(key)
         if parsed is not None and parsed.template in tables:
             tables[parsed.template].setdefault(parsed["bucket"], {})[parsed["component"]] = value
     return view

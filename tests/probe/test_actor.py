@@ -241,7 +241,7 @@ def test_end_of_run_flush_counts_the_probe_that_finishes_after_the_last_iteratio
     """`probe/completed` ended at 1 when 2 probes ran: the last probe finished after the last
     iteration's metrics were logged. The driver's final flush waits for it and returns the
     counters it logs at the last step."""
-    from gradmon_ray.train import _flush_probe
+    from gradmon_ray.probe_lifecycle import flush_probe
 
     name = _name()
     probe = start_probe_actor(
@@ -257,7 +257,7 @@ def test_end_of_run_flush_counts_the_probe_that_finishes_after_the_last_iteratio
         def get(self):
             return self.value
 
-    class Learners:  # what `_flush_probe` uses of an Algorithm: its (local) learner group
+    class Learners:  # what `flush_probe` uses of an Algorithm: its (local) learner group
         def __init__(self, learner):
             self.learner = learner
 
@@ -270,7 +270,7 @@ def test_end_of_run_flush_counts_the_probe_that_finishes_after_the_last_iteratio
     try:
         learner._probe.submit(request_template)  # the last iteration's probe: still running (1.5 s)
         assert learner._probe.metrics()[mn.PROBE_COMPLETED] == 0.0
-        counters = _flush_probe(algo)
+        counters = flush_probe(algo)
         assert counters == {
             mn.PROBE_REQUESTS_SENT: 1.0,
             mn.PROBE_REQUESTS_DROPPED: 0.0,
@@ -278,7 +278,7 @@ def test_end_of_run_flush_counts_the_probe_that_finishes_after_the_last_iteratio
             mn.PROBE_SKIPPED: 0.0,
             mn.PROBE_FAILURES: 0.0,
         }
-        assert _flush_probe(type("Algo", (), {"learner_group": Learners(object())})()) == {}  # no probe client
+        assert flush_probe(type("Algo", (), {"learner_group": Learners(object())})()) == {}  # no probe client
     finally:
         ray.kill(probe)
 
