@@ -351,5 +351,5 @@ def test_vgs_combinations_known_to_cancel_get_one_line_each():
     assert "optimizer adam" in both[0] and "global_norm" in both[1]
     upgd_unclipped = {"vgs": {"enabled": True, "apply_to": "gradient"}, "optimizer": "upgd", "ppo": {"grad_clip": None}}
     assert config_advisories(config_from_dict(upgd_unclipped)) == []  # meaningful there
-    with pytest.raises(ConfigError, match="vgs.apply_to"):
+    with pytest.raises(ConfigError, match=r"vgs\.apply_to"):
         config_from_dict({"vgs": {"apply_to": "optimizer"}})
