@@ -60,7 +60,7 @@ from gradmon_ray.telemetry import (
     NoiseScaleTracker,
     TelemetryTracker,
     VarianceGradientScaler,
-    logp_nonfinite_flags,
+    logp_sums,
 )
 from gradmon_ray.telemetry.noise_scale import GLOBAL_ENTRY
 
@@ -103,8 +103,8 @@ class GradmonMonitor(GradmonReporting):
         )
         self._accumulator = IterationAccumulator(self._tracker.layout, device=self.device)
         self._pending_norms: GradientNorms | None = None
-        self._pending_logp_flags: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._zero_flags = torch.zeros(len(self._tracker.latch_heads), device=self.device)
+        self._pending_logp_sums: torch.Tensor | None = None
+        self._zero_sums = torch.zeros(len(self._tracker.latch_heads), device=self.device)
         self._collective = self._make_collective()
         self._setup_noise_scale(groups)
         self._report_every = self.gradmon.report_every or int(getattr(self.config, "broadcast_interval", 1) or 1)
@@ -167,11 +167,12 @@ class GradmonMonitor(GradmonReporting):
         return loss
 
     def record_logp(self, per_head_logp: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """The minibatch's ``[B, latch heads]`` log-probs -> NaN/Inf flags (padding rows never latch)."""
+        """The minibatch's ``[B, latch heads]`` log-probs -> per-head sums, non-finite where a
+        log-prob was (``latches.logp_sums``; padding rows never latch)."""
         self._last_rows = int(per_head_logp.shape[0])  # host-side shape: no sync
         if mask is not None:
             per_head_logp = torch.where(mask.bool().reshape(-1, 1), per_head_logp, 0.0)
-        self._pending_logp_flags = logp_nonfinite_flags(per_head_logp)
+        self._pending_logp_sums = logp_sums(per_head_logp.detach())
 
     @override(Learner)
     def postprocess_gradients_for_module(
@@ -218,10 +219,10 @@ class GradmonMonitor(GradmonReporting):
         with self._scaled_update():
             skipped = self._step(optimizers, gradients_dict, found, skip_nonfinite)
         if self.gradmon.telemetry:
-            nan_flags, inf_flags = self._pending_logp_flags or (self._zero_flags, self._zero_flags)
-            self._accumulator.add_minibatch(norms, nan_flags, inf_flags, skipped)
+            sums = self._pending_logp_sums if self._pending_logp_sums is not None else self._zero_sums
+            self._accumulator.add_minibatch_logp_sums(norms, sums, skipped)
         self._pending_norms = None
-        self._pending_logp_flags = None
+        self._pending_logp_sums = None
 
     def _scaled_update(self) -> AbstractContextManager[None]:
         """VGS in update mode: the optimizers' steps move by factor x their update."""

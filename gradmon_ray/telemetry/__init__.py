@@ -12,7 +12,7 @@ from gradmon_ray.telemetry.bands import (
 )
 from gradmon_ray.telemetry.buckets import bucket_names, group_reward_stds, split_into_buckets
 from gradmon_ray.telemetry.head_norms import GradientNormPlan, GradientNorms, per_head_grad_norms
-from gradmon_ray.telemetry.latches import HeadLatches, logp_nonfinite_flags
+from gradmon_ray.telemetry.latches import HeadLatches, logp_nonfinite_flags, logp_sums
 from gradmon_ray.telemetry.noise_scale import NoiseScaleTracker, gradient_noise_terms
 from gradmon_ray.telemetry.shares import cosine_similarities, signed_shares
 from gradmon_ray.telemetry.summary import IterationTelemetry, TelemetryTracker
@@ -41,6 +41,7 @@ __all__ = [
     "gradient_noise_terms",
     "group_reward_stds",
     "logp_nonfinite_flags",
+    "logp_sums",
     "per_head_grad_norms",
     "signed_shares",
     "split_into_buckets",

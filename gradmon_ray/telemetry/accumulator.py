@@ -1,10 +1,13 @@
 """On-device accumulation of one training iteration's telemetry, drained once to the host.
 
-Every minibatch adds its numbers into ONE flat float64 buffer on the learner's device
-(a handful of kernels, no synchronisation).  Once per training iteration ``drain()`` copies
-that buffer to the host in a single transfer and zeroes it.  The buffer is laid out in
-lanes that reduce by SUM (norm sums, counts) followed by lanes that reduce by MAX (latch
-flags), so the same buffer is what a cross-learner reduction packs.
+Every minibatch writes its numbers as ONE row of a preallocated float64 table on the
+learner's device (one ``cat`` into the row, no synchronisation): on a CPU a kernel costs
+microseconds, so the per-minibatch tail must be as few kernels as possible (what used to be
+seven per minibatch now runs once per iteration).  Once per training iteration ``drain()``
+folds the rows into ONE flat buffer, copies it to the host in a single transfer and
+starts over.  The buffer is laid out in lanes that reduce by SUM (norm sums, counts)
+followed by lanes that reduce by MAX (latch flags), so the same buffer is what a
+cross-learner reduction packs.
 """
 
 from __future__ import annotations
@@ -105,15 +108,42 @@ class TelemetryLayout:
 
 
 class IterationAccumulator:
-    """Device-side running sums/maxima for the current training iteration."""
+    """Device-side table of the current training iteration's minibatches (see the module docstring)."""
 
-    def __init__(self, layout: TelemetryLayout, device: torch.device | str = "cpu") -> None:
+    def __init__(self, layout: TelemetryLayout, device: torch.device | str = "cpu", capacity: int = 64) -> None:
         self.layout = layout
         self.buffer = torch.zeros(layout.size, dtype=torch.float64, device=device)
-        self._sum_view = self.buffer[: layout.num_sum_lanes]
-        self._max_view = self.buffer[layout.num_sum_lanes :]
-        self._ones = torch.ones((), dtype=torch.float32, device=device)
+        # Row: [norms (reported heads), global norm, NaN count, Inf count, skipped,
+        #       log-prob NaN markers (latch heads), log-prob Inf markers (latch heads)].
+        self._width = layout.num_reported + 4 + 2 * layout.num_action_heads
+        self._rows = torch.zeros(capacity, self._width, dtype=torch.float64, device=device)
+        self._count = 0  # rows written this iteration (host-side: no sync)
 
+    def _next_row(self) -> torch.Tensor:
+        if self._count == self._rows.shape[0]:  # grow (host-known count): rare, amortised
+            self._rows = torch.cat([self._rows, torch.zeros_like(self._rows)])
+        self._count += 1
+        return self._rows[self._count - 1]
+
+    @torch.no_grad()
+    def add_minibatch_logp_sums(self, norms: GradientNorms, logp_sums: torch.Tensor, skipped: torch.Tensor) -> None:
+        """Add one minibatch in one kernel: norms, the 0-d skip flag and per-latch-head sums
+        of the log-probs (``latches.logp_sums``: NaN when the head had a NaN log-prob, +-Inf
+        when it had an infinite one).  No host synchronisation."""
+        torch.cat(
+            [
+                norms.head_norms,
+                norms.global_norm.reshape(1),
+                norms.nan_count.reshape(1),
+                norms.inf_count.reshape(1),
+                skipped.reshape(1),
+                logp_sums,
+                logp_sums,
+            ],
+            out=self._next_row(),
+        )
+
+    @torch.no_grad()
     def add_minibatch(
         self,
         norms: GradientNorms,
@@ -121,16 +151,46 @@ class IterationAccumulator:
         logp_inf: torch.Tensor,
         skipped: torch.Tensor,
     ) -> None:
-        """Add one minibatch: norms (NaN entries are left out of the means, Inf kept),
-        per-action-head log-prob flags and the 0-d skip flag.  No host synchronisation."""
-        # Seven kernels: the norms and the global norm as one vector, NaN entries left out
-        # of the sums and the counts (x == x is False only for NaN), then one add and one max.
-        values = torch.cat([norms.head_norms, norms.global_norm.reshape(1)])
-        known = values == values
-        counters = torch.stack([norms.nan_count, norms.inf_count, skipped, self._ones])
-        sum_lanes = torch.cat([torch.where(known, values, 0.0), known, counters])
-        self._sum_view.add_(sum_lanes)
-        torch.maximum(self._max_view, torch.cat([logp_nan, logp_inf]), out=self._max_view)
+        """Add one minibatch with explicit 0/1 log-prob NaN and Inf flags per latch head
+        (``latches.logp_nonfinite_flags``); the learner uses ``add_minibatch_logp_sums``."""
+        nan_marks = torch.where(logp_nan > 0, float("nan"), 0.0)
+        inf_marks = torch.where(logp_inf > 0, float("inf"), 0.0)
+        torch.cat(
+            [
+                norms.head_norms,
+                norms.global_norm.reshape(1),
+                norms.nan_count.reshape(1),
+                norms.inf_count.reshape(1),
+                skipped.reshape(1),
+                nan_marks,
+                inf_marks,
+            ],
+            out=self._next_row(),
+        )
+
+    def _fold_rows(self) -> None:
+        """The iteration's rows -> the SUM and MAX lanes of ``buffer`` (once per iteration)."""
+        layout, reported = self.layout, self.layout.num_reported
+        rows = self._rows[: self._count]
+        values = rows[:, : reported + 1]
+        known = values == values  # NaN norms are left out of the sums and counts, Inf kept
+        counters = rows[:, reported + 1 : reported + 4].sum(0)
+        heads = layout.num_action_heads
+        nan_marks = rows[:, reported + 4 : reported + 4 + heads]
+        inf_marks = rows[:, reported + 4 + heads :]
+        self.buffer.copy_(
+            torch.cat(
+                [
+                    torch.where(known, values, 0.0).sum(0),
+                    known.sum(0),
+                    counters,
+                    torch.full((1,), float(self._count), dtype=torch.float64, device=rows.device),
+                    (nan_marks != nan_marks).any(0),
+                    torch.isinf(inf_marks).any(0),
+                ]
+            )
+        )
+        self._count = 0
 
     def drain(
         self,
@@ -150,6 +210,7 @@ class IterationAccumulator:
         lanes then go through ``layout.merge_replicas``; the buffer is zeroed.  Returns
         ``(lanes, reduced_extra_on_host, local_extra_on_host)`` (empty arrays when absent).
         """
+        self._fold_rows()
         empty = self.buffer.new_zeros(0)
         extra_r = empty if reduced_extra is None else reduced_extra.reshape(-1).to(self.buffer.dtype)
         extra_l = empty if local_extra is None else local_extra.reshape(-1).to(self.buffer.dtype)

@@ -1,6 +1,7 @@
 """Per-head NaN/Inf OR-latches on the heads' log-probs (TELE-302/303).
 
-Detection (``logp_nonfinite_flags``) runs on the device every minibatch and returns flags
+Detection (``logp_sums`` in the learner, ``logp_nonfinite_flags`` where exact per-kind flags
+are wanted) runs on the device every minibatch and returns flags
 without synchronising; the latch itself (``HeadLatches``) lives on the host and is fed once
 per training iteration.  Once a head's latch is set it stays set for the whole run,
 including across checkpoint restores.
@@ -26,6 +27,17 @@ def logp_nonfinite_flags(per_head_logp: torch.Tensor) -> tuple[torch.Tensor, tor
     nan = torch.isnan(flat).any(dim=0).to(torch.float32)
     inf = torch.isinf(flat).any(dim=0).to(torch.float32)
     return nan, inf
+
+
+def logp_sums(per_head_logp: torch.Tensor) -> torch.Tensor:
+    """Per head, the sum of a ``[..., num_heads]`` log-prob tensor: NaN when the head had a NaN
+    log-prob, +-Inf when it had an infinite one (one kernel; the latch reads the sum).
+
+    What one kernel cannot tell apart: a head whose log-probs in the same minibatch hold NaN
+    and +-Inf, or both +Inf and -Inf, sums to NaN and sets only the NaN latch that minibatch.
+    Log-probs are <= 0, so a finite sum cannot overflow unless they reach ~-1e34.
+    """
+    return per_head_logp.reshape(-1, per_head_logp.shape[-1]).sum(0)
 
 
 @dataclass

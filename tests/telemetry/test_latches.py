@@ -56,3 +56,43 @@ def test_latch_state_round_trip_and_head_mismatch():
 def test_update_rejects_wrong_length():
     with pytest.raises(ValueError, match="expected 3 flags"):
         HeadLatches(HEADS).update([0, 0], [0, 0], iteration=1)
+
+
+def test_logp_sums_mark_each_head_the_way_the_drain_reads_them():
+    """The learner's one-kernel path: per-head sums, NaN where a head had a NaN log-prob and
+    +-Inf where it had an infinite one, read by the accumulator's drain into the same latch
+    lanes the explicit flags give (worked cases by hand; a NaN next to an Inf in the same head
+    and minibatch shows as NaN only, as documented)."""
+    from gradmon_ray.telemetry import GradientNorms, IterationAccumulator, TelemetryLayout, logp_sums
+
+    nan, inf = float("nan"), float("inf")
+    lp = torch.tensor([[-0.1, nan, -inf, -0.2, nan], [-0.3, -0.5, -0.7, -inf, -inf]])  # 2 rows, 5 heads
+    sums = logp_sums(lp)
+    assert torch.isnan(sums[1]) and sums[2] == -inf and sums[3] == -inf and torch.isnan(sums[4])
+    assert sums[0].item() == pytest.approx(-0.4)
+    layout = TelemetryLayout(num_reported=1, num_action_heads=5)
+    norms = GradientNorms(torch.ones(1), torch.ones(()), torch.zeros(()), torch.zeros(()))
+    acc = IterationAccumulator(layout)
+    acc.add_minibatch_logp_sums(norms, sums, torch.zeros(()))
+    lanes, _, _ = acc.drain()
+    assert lanes[layout.logp_nan].tolist() == [0.0, 1.0, 0.0, 0.0, 1.0]  # head 4: NaN and -Inf -> NaN only
+    assert lanes[layout.logp_inf].tolist() == [0.0, 0.0, 1.0, 1.0, 0.0]
+    assert lanes[layout.minibatches] == 1.0
+
+
+def test_rows_grow_past_their_capacity_and_fold_to_the_same_sums():
+    from gradmon_ray.telemetry import GradientNorms, IterationAccumulator, TelemetryLayout
+
+    layout = TelemetryLayout(num_reported=2, num_action_heads=1)
+    acc = IterationAccumulator(layout, capacity=2)
+    for k in range(5):  # 5 rows through a table of 2: it grows twice
+        norms = GradientNorms(
+            torch.tensor([1.0 + k, float("nan")]), torch.tensor(2.0), torch.tensor(3.0), torch.zeros(())
+        )
+        acc.add_minibatch(norms, torch.zeros(1), torch.zeros(1), torch.tensor(float(k % 2)))
+    lanes, _, _ = acc.drain()
+    assert lanes[layout.norm_sum].tolist() == [15.0, 0.0] and lanes[layout.norm_count].tolist() == [5.0, 0.0]
+    assert lanes[layout.global_norm_sum] == 10.0 and lanes[layout.nan_grad_count] == 15.0
+    assert lanes[layout.skipped] == 2.0 and lanes[layout.minibatches] == 5.0
+    again, _, _ = acc.drain()  # a drain starts the next iteration empty
+    assert again[layout.minibatches] == 0.0 and again[layout.norm_sum].tolist() == [0.0, 0.0]
