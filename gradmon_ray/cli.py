@@ -7,10 +7,11 @@ run failed (one line; ``--debug`` shows the traceback), 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import yaml
@@ -24,7 +25,8 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse's own errors: status 2, no traceback
-        self.exit(EXIT_USAGE, f"gradmon-ray: {message}\n(run 'gradmon-ray {self.prog.split()[-1]} --help' for usage)\n")
+        command = " ".join(["gradmon-ray", *self.prog.split()[1:]])  # prog is "gradmon-ray [subcommand]"
+        self.exit(EXIT_USAGE, f"gradmon-ray: {message}\n(run '{command} --help' for usage)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,7 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("spill_file", help="a .jsonl file from mlflow.spill_dir")
     replay.add_argument("--tracking-uri", help="MLflow tracking URI (default: the one the run was writing to)")
     replay.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.set_defaults(subparsers=sub.choices)
     return parser
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse; an unknown option is reported by its subcommand (so the usage hint names it)."""
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        args.subparsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -99,8 +110,13 @@ def _client(args: argparse.Namespace) -> Any:
     from mlflow.tracking import MlflowClient
 
     from gradmon_ray.config import default_tracking_uri
+    from gradmon_ray.tracking.store_check import local_store_problem
 
-    return MlflowClient(tracking_uri=args.tracking_uri or default_tracking_uri())
+    uri = args.tracking_uri or default_tracking_uri()
+    problem = local_store_problem(uri, must_exist=True)  # a read-only command never creates a store
+    if problem:
+        raise ConfigError("--tracking-uri", problem)
+    return MlflowClient(tracking_uri=uri)
 
 
 def _watch(args: argparse.Namespace) -> int:
@@ -146,14 +162,18 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, _overrides(args))
-    _advise(cfg)
+    from gradmon_ray.rllib.preflight import preflight
     from gradmon_ray.train import run_training
+
+    with _quiet_ray(args.debug):
+        preflight(cfg)  # store, GPUs, env, model, restore point: before the banner, Ray or MLflow
+    _advise(cfg)
 
     print(
         f"gradmon-ray: training {cfg.iterations} iterations on {cfg.env.id}; MLflow: {cfg.mlflow.tracking_uri}",
         flush=True,
     )
-    outcome = run_training(cfg, progress=lambda line: print(line, flush=True))
+    outcome = run_training(cfg, progress=lambda line: print(line, flush=True), checked=True)
     print(
         f"gradmon-ray: done. MLflow run {outcome.run_id} in experiment '{cfg.mlflow.experiment}'"
         + ("" if outcome.mlflow_complete else " (MLflow did not receive everything; see warnings)")
@@ -170,6 +190,22 @@ def _fail_fast_mlflow_http(timeout_s: int) -> None:
     cannot deliver, so MLflow's retries would only delay it. A user's own settings win."""
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(timeout_s))
+
+
+@contextlib.contextmanager
+def _quiet_ray(debug: bool) -> Iterator[None]:
+    """RLlib's deprecation notices while the env and model are built for the check are not the
+    user's concern (``--debug`` shows them)."""
+    if debug:
+        yield
+        return
+    ray_logger = logging.getLogger("ray")
+    level = ray_logger.level
+    ray_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        ray_logger.setLevel(level)
 
 
 def _advise(cfg: Any) -> None:
@@ -194,7 +230,7 @@ def _tune(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gradmon-ray`` console script."""
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
     logging.basicConfig(
         level=logging.INFO if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )

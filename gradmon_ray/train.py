@@ -109,6 +109,7 @@ def run_training(
     sink: MlflowSink | None = None,
     reporter: IterationReporter | None = None,
     resume: ResumePoint | None = None,
+    checked: bool = False,
 ) -> TrainingOutcome:
     """Train ``cfg.iterations`` iterations; every iteration's telemetry goes to MLflow.
 
@@ -123,7 +124,7 @@ def run_training(
 
     from gradmon_ray.rllib.config import build_ppo_config, probe_actor_name_of
 
-    if sink is None:  # a sweep checks its base config before it creates any run
+    if sink is None and not checked:  # the CLI and a sweep check before they create anything
         from gradmon_ray.rllib.preflight import preflight
 
         preflight(cfg)  # env, model and restore_from: a bad input fails before Ray or MLflow start

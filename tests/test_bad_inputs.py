@@ -15,10 +15,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from gradmon_ray.cli import main
-from gradmon_ray.config import config_from_dict
+from gradmon_ray.config import ConfigError, config_from_dict
 from gradmon_ray.rllib import build_ppo_config
 from gradmon_ray.rllib.preflight import LEARNER_SUBDIR, check_restore_point
 
@@ -233,6 +234,32 @@ CASES = [
         ["--set", "model.head_logit_scale.op=0"],
         "model.head_logit_scale.op: must be > 0.0, got 0",
     ),
+    # A local MLflow store that can never work: refused before training, nothing created.
+    (
+        "store-dir-not-creatable",
+        {},
+        ["--mlflow-uri", "file:///proc/mlruns"],
+        "mlflow.tracking_uri: file:///proc/mlruns: /proc is a directory nothing can be created in",
+    ),
+    (
+        "sqlite-store-under-a-file",
+        {},
+        ["--mlflow-uri", "sqlite:////proc/version/mlflow.db"],
+        "mlflow.tracking_uri: sqlite:////proc/version/mlflow.db: /proc/version is not a directory",
+    ),
+    (
+        "learners-sharing-a-gpu",
+        {"resources": {"num_learners": 2, "num_gpus_per_learner": 0.5}},
+        [],
+        "resources.num_gpus_per_learner: with 2 learners each needs a whole GPU",
+    ),
+    pytest.param(
+        "gpu-not-on-this-machine",
+        {"resources": {"num_gpus_per_learner": 1}},
+        [],
+        "resources.num_gpus_per_learner: 1 learner(s) x 1 GPU need 1 GPU(s) on this machine (local Ray), it has 0",
+        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU (unit test below)"),
+    ),
 ]
 
 
@@ -244,7 +271,15 @@ def restore_env():
     os.environ.update(saved)
 
 
-@pytest.mark.parametrize(("overrides", "extra", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def _case(c):
+    """A table row as a pytest param: (id, overrides, extra args, expected), or one wrapped in
+    ``pytest.param`` to carry marks."""
+    if hasattr(c, "marks"):
+        return pytest.param(*c.values[1:], id=c.values[0], marks=c.marks)
+    return pytest.param(*c[1:], id=c[0])
+
+
+@pytest.mark.parametrize(("overrides", "extra", "expected"), [_case(c) for c in CASES])
 def test_bad_input_exits_2_with_one_line_and_no_mlflow_run(
     overrides, extra, expected, checkpoints, tmp_path, capsys, restore_env
 ):
@@ -255,7 +290,9 @@ def test_bad_input_exits_2_with_one_line_and_no_mlflow_run(
     config.write_text(yaml.safe_dump(data))
     store = tmp_path / "mlflow.db"
     rc = main(["train", "--config", str(config), "--mlflow-uri", f"sqlite:///{store}", *extra])
-    err = capsys.readouterr().err.strip()
+    out, err = capsys.readouterr()
+    err = err.strip()
+    assert "training" not in out  # no banner before the check fails
     assert rc == 2, err
     assert len(err.splitlines()) == 1 and err.startswith("gradmon-ray: config error: "), err
     assert expected in err, err
@@ -264,7 +301,43 @@ def test_bad_input_exits_2_with_one_line_and_no_mlflow_run(
 
 
 def test_the_table_is_at_least_25_cases():
-    assert len(CASES) >= 25 and len({c[0] for c in CASES}) == len(CASES)
+    ids = [_case(c).id for c in CASES]
+    assert len(CASES) >= 25 and len(set(ids)) == len(CASES)
+
+
+def test_gpus_a_local_ray_would_need_are_counted():
+    from gradmon_ray.rllib.preflight import check_local_gpus
+
+    two = config_from_dict({"resources": {"num_learners": 2, "num_gpus_per_learner": 1}})
+    check_local_gpus(two, visible=2)  # enough
+    with pytest.raises(
+        ConfigError, match=r"2 learner\(s\) x 1 GPU need 2 GPU\(s\) on this machine \(local Ray\), it has 1"
+    ):
+        check_local_gpus(two, visible=1)
+    cluster = config_from_dict({"resources": {"num_gpus_per_learner": 1, "ray_address": "ray://head:10001"}})
+    check_local_gpus(cluster, visible=0)  # a cluster's GPUs are the cluster's business
+    check_local_gpus(config_from_dict({}), visible=0)  # CPU learners
+
+
+@pytest.mark.parametrize("command", [["watch", "--once"], ["report", "0123abcd"]], ids=["watch", "report"])
+def test_read_only_commands_never_create_a_store(command, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for extra in ([], ["--tracking-uri", f"sqlite:///{tmp_path / 'elsewhere.db'}"]):
+        assert main([*command, *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "no MLflow store at sqlite:///" in err, err
+    assert list(tmp_path.iterdir()) == []  # no mlflow.db, nothing at all
+
+
+@pytest.mark.parametrize(
+    ("argv", "hint"), [([], "'gradmon-ray --help'"), (["train", "--bogus"], "'gradmon-ray train --help'")]
+)
+def test_usage_errors_name_the_right_command(argv, hint, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert hint in capsys.readouterr().err
 
 
 def test_unreadable_yaml_and_non_mapping_yaml(tmp_path, capsys, restore_env):

@@ -55,7 +55,7 @@ def test_set_takes_the_help_texts_own_exponent_float(monkeypatch, tmp_path, caps
 
     seen = {}
 
-    def fake_run_training(cfg, progress=None):
+    def fake_run_training(cfg, progress=None, checked=False):
         seen["cfg"] = cfg
         return SimpleNamespace(run_id="r", mlflow_complete=True, checkpoint_path=None)
 

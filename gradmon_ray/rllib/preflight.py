@@ -9,6 +9,7 @@ leaves a half-made run behind.
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -21,8 +22,16 @@ LEARNER_SUBDIR = Path("learner_group") / "learner"
 
 
 def preflight(cfg: GradmonConfig) -> None:
-    """Build the env (on an RLlib EnvRunner, as training does) and the model; check ``restore_from``."""
+    """Check what can be checked before Ray or MLflow start: the local MLflow store, the GPUs
+    a local Ray would need, the env (built on an RLlib EnvRunner, as training does), the
+    model, and ``restore_from``."""
     from gradmon_ray.rllib.standalone import env_spaces
+    from gradmon_ray.tracking.store_check import local_store_problem
+
+    problem = local_store_problem(cfg.mlflow.tracking_uri, must_exist=False)
+    if problem:
+        raise ConfigError("mlflow.tracking_uri", problem)
+    check_local_gpus(cfg)
 
     try:
         env_spaces(cfg)  # creates the env and the RLModule exactly as every EnvRunner will
@@ -38,6 +47,28 @@ def preflight(cfg: GradmonConfig) -> None:
         raise ConfigError("env", f"cannot create env {cfg.env.id!r}: {type(exc).__name__}: {exc}") from None
     if cfg.restore_from:
         check_restore_point(cfg)
+
+
+def check_local_gpus(cfg: GradmonConfig, visible: int | None = None) -> None:
+    """A local Ray (no ``resources.ray_address``) cannot give learners GPUs this machine lacks.
+
+    ``visible``: the GPUs to assume (default: what torch sees).  On a cluster the GPUs are the
+    cluster's business; the driver's machine may have none.
+    """
+    res = cfg.resources
+    if res.num_gpus_per_learner <= 0 or res.ray_address or os.environ.get("RAY_ADDRESS"):
+        return
+    import torch
+
+    have = torch.cuda.device_count() if visible is None else visible
+    learners = max(1, res.num_learners)
+    need = learners * res.num_gpus_per_learner
+    if have < need:
+        raise ConfigError(
+            "resources.num_gpus_per_learner",
+            f"{learners} learner(s) x {res.num_gpus_per_learner:g} GPU need {need:g} GPU(s) on this machine "
+            f"(local Ray), it has {have}; use 0 for CPU learners or resources.ray_address for a cluster with GPUs",
+        )
 
 
 def check_restore_point(cfg: GradmonConfig) -> None:
