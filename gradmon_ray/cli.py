@@ -180,7 +180,13 @@ def _train(args: argparse.Namespace) -> int:
         + (f"; checkpoint {outcome.checkpoint_path}" if outcome.checkpoint_path else ""),
         flush=True,
     )
-    print(f"gradmon-ray: view it with: mlflow ui --backend-store-uri {cfg.mlflow.tracking_uri}", flush=True)
+    uri = cfg.mlflow.tracking_uri
+    hint = (
+        f"open {uri} in a browser"
+        if uri.startswith(("http://", "https://"))
+        else f"mlflow ui --backend-store-uri {uri}"
+    )
+    print(f"gradmon-ray: view it with: {hint}", flush=True)
     return EXIT_OK
 
 

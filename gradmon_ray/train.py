@@ -117,8 +117,8 @@ def run_training(
     ``RAY_ADDRESS`` name a cluster.  A ``health_stop`` rule that fires ends the run early
     (``outcome.stop_reason``, the MLflow tag ``gradmon.stop_reason`` and the metric
     ``health/stop_reason``).  ``resume`` continues from a checkpoint (Tune's trial restarts).
-    The sink is closed (flushed, run ended as FINISHED or FAILED) on the way out, whatever
-    happens.
+    The sink is closed (flushed, run ended as FINISHED, FAILED, or KILLED on Ctrl-C) on the way
+    out, whatever happens.
     """
     import ray
 
@@ -216,6 +216,9 @@ def run_training(
             outcome.checkpoint_path = str(algo.save_to_path(os.path.abspath(cfg.checkpoint_dir)))
         status = "FINISHED"
         return outcome
+    except KeyboardInterrupt:
+        status = "KILLED"  # MLflow's status for a run stopped by its user (Ctrl-C), not a failure
+        raise
     finally:
         # The last probe usually finishes after the last iteration's metrics were logged:
         # wait for it (the learner's client, before the learner stops) and log the final

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -132,6 +133,36 @@ def test_cli_train_on_embedded_defaults(tmp_path):
     for head in ALL_HEADS:
         history = client.get_metric_history(run.info.run_id, mn.head_metric(mn.HEAD_GRAD_NORM, head))
         assert len(history) == 3 and all(math.isfinite(m.value) for m in history)
+
+
+def test_ctrl_c_ends_the_run_as_killed(tmp_path):
+    """Ctrl-C (SIGINT to the CLI) during training: exit 130, and the MLflow run is KILLED (what
+    MLflow calls a run its user stopped), not FAILED, with what was trained so far logged."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gradmon_ray.cli", "train", "--iterations", "200", "--num-env-runners", "0"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for line in proc.stdout:  # the first progress line: an iteration was trained and logged
+            if line.startswith("iter 1/200"):
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "gradmon-ray: interrupted" in err
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("gradmon-ray").experiment_id])
+    assert run.info.status == "KILLED"
+    assert run.data.tags[mn.TAG_STATUS] == "killed"
+    assert len(client.get_metric_history(run.info.run_id, mn.GLOBAL_GRAD_NORM)) >= 1
 
 
 def test_plots_are_artifacts_of_the_real_run_and_match_its_metrics(trained, tmp_path):
