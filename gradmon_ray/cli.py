@@ -45,18 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-name", help="MLflow run name (config: mlflow.run_name)")
     train.add_argument("--seed", type=int, help="seed (config: seed)")
     train.add_argument("--ray-address", help="Ray cluster address (config: resources.ray_address)")
-    train.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override any config field, e.g. --set ppo.lr=1e-3 (VALUE is parsed as YAML)",
-    )
+    _set_flag(train, "override any config field, e.g. --set ppo.lr=1e-3")
     train.add_argument("--debug", action="store_true", help="show tracebacks and Ray's logs")
     sweep = sub.add_parser("tune", help="run a Ray Tune sweep from a sweep file (see tune_configs/*_sweep.yaml)")
     sweep.add_argument("sweep_file", help="sweep YAML: base_config/base, search_space, num_samples, ...")
     sweep.add_argument("--mlflow-uri", help="MLflow tracking URI for the parent and trial runs")
     sweep.add_argument("--ray-address", help="Ray cluster address (default: local Ray or RAY_ADDRESS)")
+    sweep.add_argument("--iterations", type=int, help="training iterations per trial (base config: iterations)")
+    _set_flag(sweep, "override a base config field for every trial, e.g. --set ppo.train_batch_size=512")
     sweep.add_argument("--debug", action="store_true", help="show tracebacks")
     watch = sub.add_parser("watch", help="live terminal panel of a run's per-head gradient health (from MLflow)")
     which = watch.add_mutually_exclusive_group()
@@ -137,6 +133,26 @@ def _report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _set_flag(parser: argparse.ArgumentParser, help_text: str) -> None:
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help=f"{help_text} (VALUE is parsed as YAML)"
+    )
+
+
+def _set_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` flags as dotted overrides (values parsed as YAML)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError("--set", f"expected KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = load_yaml(raw)
+        except yaml.YAMLError:
+            raise ConfigError(key, f"value {raw!r} is not valid YAML") from None
+    return out
+
+
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     flags = {
         "iterations": args.iterations,
@@ -148,16 +164,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "resources.ray_address": args.ray_address,
     }
-    out = {k: v for k, v in flags.items() if v is not None}
-    for item in args.set:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError("--set", f"expected KEY=VALUE, got {item!r}")
-        try:
-            out[key.strip()] = load_yaml(raw)
-        except yaml.YAMLError:
-            raise ConfigError(key, f"value {raw!r} is not valid YAML") from None
-    return out
+    return {**{k: v for k, v in flags.items() if v is not None}, **_set_overrides(args.set)}
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -224,8 +231,12 @@ def _tune(args: argparse.Namespace) -> int:
     from gradmon_ray.sweep import load_sweep, run_sweep
 
     sweep, base = load_sweep(args.sweep_file)
-    flags = {"mlflow.tracking_uri": args.mlflow_uri, "resources.ray_address": args.ray_address}
-    base = apply_overrides(base, {k: v for k, v in flags.items() if v is not None})
+    flags = {
+        "mlflow.tracking_uri": args.mlflow_uri,
+        "resources.ray_address": args.ray_address,
+        "iterations": args.iterations,
+    }
+    base = apply_overrides(base, {**{k: v for k, v in flags.items() if v is not None}, **_set_overrides(args.set)})
     _advise(config_from_dict(dict(base)))  # the flags too are validated before Ray starts
     print(f"gradmon-ray: sweep '{sweep.name}' over {', '.join(sweep.search_space)}", flush=True)
     outcome = run_sweep(sweep, base, progress=lambda line: print(line, flush=True))

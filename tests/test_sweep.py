@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gradmon_ray.cli import main
-from gradmon_ray.config import ConfigError
+from gradmon_ray.config import ConfigError, config_from_dict
 from gradmon_ray.sweep import absolute_tracking_uri, load_sweep, tune_search_space
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,3 +102,29 @@ def test_sweep_file_with_exponent_floats(tmp_path):
     assert sweep.search_space["ppo.lr"] == {"grid": [1e-4, 3e-4, 1e-3]}
     assert sweep.search_space["ppo.entropy_coeff"] == {"choice": [0, 1e-3, 5e-3]}
     assert tune_search_space(sweep.search_space)["ppo.lr"] == {"grid_search": [1e-4, 3e-4, 1e-3]}
+
+
+def test_cli_tune_takes_set_and_iterations_into_every_trial_base(monkeypatch, tmp_path, capsys):
+    """``gradmon-ray tune FILE --set K=V --iterations N`` shrinks a sweep without a new file: the
+    base config every trial starts from carries them; a bad --set key exits 2 before Ray starts."""
+    from types import SimpleNamespace
+
+    import gradmon_ray.sweep
+
+    seen = {}
+
+    def fake_run_sweep(sweep, base, progress=None):
+        seen["base"] = base
+        return SimpleNamespace(parent_run_id="p", best=None, trials=[SimpleNamespace(status="finished")])
+
+    monkeypatch.setattr(gradmon_ray.sweep, "run_sweep", fake_run_sweep)
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    argv = ["tune", "tune_configs/vgs_sweep.yaml", "--mlflow-uri", uri, "--iterations", "2"]
+    argv += ["--set", "ppo.train_batch_size=256", "--set", "ppo.minibatch_size=64"]
+    assert main(argv) == 0, capsys.readouterr().err
+    cfg = config_from_dict(seen["base"])
+    assert cfg.iterations == 2 and cfg.ppo.train_batch_size == 256 and cfg.ppo.minibatch_size == 64
+    assert cfg.vgs.enabled  # the sweep file's own base survives
+    assert main([*argv, "--set", "ppo.lrr=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "ppo.lrr: unknown key" in err, err
