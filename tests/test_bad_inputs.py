@@ -375,3 +375,17 @@ def test_restore_from_continues_the_checkpointed_run(checkpoints, tmp_path):
     assert run.data.metrics[mn.TELEMETRY_ITERATION] == 2.0  # iteration 1 came from the checkpoint
     assert run.data.metrics[mn.VGS_STEP_COUNT] > 2  # the checkpoint's steps plus this iteration's
     assert not math.isnan(run.data.metrics[mn.head_metric(mn.HEAD_GRAD_NORM_PREV, "op")])  # prev value restored
+
+
+def test_a_relative_store_inside_a_job_working_dir_is_refused(tmp_path):
+    """Under ``ray job submit`` the working directory is Ray's throwaway copy: a relative store
+    there (the embedded default) would vanish with it; absolute paths and servers are fine."""
+    from gradmon_ray.tracking.store_check import ephemeral_store_problem
+
+    job_dir = tmp_path / "session_x" / "runtime_resources" / "working_dir_files" / "_ray_pkg_0123"
+    problem = ephemeral_store_problem("sqlite:///mlflow.db", job_dir)
+    assert problem is not None and "temporary working directory" in problem and str(job_dir) in problem
+    assert ephemeral_store_problem("mlruns", job_dir) is not None  # a relative file store too
+    assert ephemeral_store_problem(f"sqlite:///{tmp_path / 'm.db'}", job_dir) is None
+    assert ephemeral_store_problem("http://head:5000", job_dir) is None
+    assert ephemeral_store_problem("sqlite:///mlflow.db", tmp_path) is None  # an ordinary directory

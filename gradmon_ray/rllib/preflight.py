@@ -26,9 +26,10 @@ def preflight(cfg: GradmonConfig) -> None:
     a local Ray would need, the env (built on an RLlib EnvRunner, as training does), the
     model, and ``restore_from``."""
     from gradmon_ray.rllib.standalone import env_spaces
-    from gradmon_ray.tracking.store_check import local_store_problem
+    from gradmon_ray.tracking.store_check import ephemeral_store_problem, local_store_problem
 
-    problem = local_store_problem(cfg.mlflow.tracking_uri, must_exist=False)
+    uri = cfg.mlflow.tracking_uri
+    problem = ephemeral_store_problem(uri, Path.cwd()) or local_store_problem(uri, must_exist=False)
     if problem:
         raise ConfigError("mlflow.tracking_uri", problem)
     check_local_gpus(cfg)

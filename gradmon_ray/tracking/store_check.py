@@ -79,3 +79,15 @@ def _existing_ancestor(path: Path) -> Path:
         if candidate.exists():
             return candidate
     return Path("/")
+
+
+def ephemeral_store_problem(uri: str, cwd: Path) -> str | None:
+    """A relative local store inside a ``ray job submit`` working directory, which Ray unpacks
+    under ``.../runtime_resources/working_dir_files/`` and deletes: the run would be lost."""
+    path = local_store_path(uri)
+    if path is None or path.is_absolute() or "working_dir_files" not in cwd.parts:
+        return None
+    return (
+        f"{uri} would be written inside this job's temporary working directory ({cwd}), which Ray deletes; "
+        "pass --mlflow-uri with an absolute path or a tracking server, or set MLFLOW_TRACKING_URI on the cluster"
+    )

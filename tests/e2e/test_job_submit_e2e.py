@@ -165,6 +165,34 @@ def test_submitted_training_job_succeeds_and_writes_mlflow(head_node: HeadNode, 
         assert [m.step for m in history] == [1, 2]
 
 
+def test_a_job_without_a_lasting_tracking_uri_is_refused(head_node: HeadNode, working_dir: Path):
+    """No --mlflow-uri and no MLFLOW_TRACKING_URI: the embedded sqlite:///mlflow.db would land in
+    Ray's throwaway copy of the working directory, so the job exits 2 with one line, and no
+    store is left in it."""
+    submit = head_node.ray(
+        "job",
+        "submit",
+        "--submission-id",
+        "gradmon-e2e-no-uri",
+        "--working-dir",
+        str(working_dir),
+        "--",
+        "env",
+        "-u",
+        "MLFLOW_TRACKING_URI",
+        "gradmon-ray",
+        "train",
+        "--config",
+        "job.yaml",
+        timeout=JOB_TIMEOUT_S,
+    )
+    logs = submit.stdout + submit.stderr
+    assert submit.returncode != 0, logs[-4000:]
+    assert "gradmon-ray: config error: mlflow.tracking_uri: sqlite:///mlflow.db would be written inside" in logs
+    assert "working_dir_files" in logs and "Traceback" not in logs
+    assert "gradmon-ray: training" not in logs  # refused before the banner, Ray or MLflow
+
+
 @pytest.mark.parametrize("token", [None, "0" * 64], ids=["no-token", "wrong-token"])
 def test_submission_without_the_clusters_token_is_refused(head_node: HeadNode, token: str | None):
     refused = head_node.ray("job", "submit", "--no-wait", "--", "echo", "should-not-run", token=token)
