@@ -11,6 +11,7 @@ from typing import Any
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import GradmonConfig
 from gradmon_ray.probe_lifecycle import flush_probe, start_probe, stop_probe
+from gradmon_ray.resource_wait import ResourceWait
 from gradmon_ray.telemetry.bands import BandSet
 from gradmon_ray.telemetry.health_stop import HealthStopMonitor, HealthStopRules
 from gradmon_ray.tracking import MlflowSink, progress_line, result_to_metrics
@@ -155,7 +156,8 @@ def run_training(
         outcome.probe_actor = probe_actor_name_of(ppo_config)
         if outcome.probe_actor is not None:
             probe = start_probe(cfg, outcome.probe_actor, sink)
-        algo = ppo_config.build_algo()
+        with ResourceWait(cfg):  # a request the cluster cannot place is reported, then given up on
+            algo = ppo_config.build_algo()
         head_order = _head_order(algo, cfg)
         resumed_tags: dict[str, str] = {}
         named_heads = resume is not None  # the head-names tag is set once, by the first trained iteration

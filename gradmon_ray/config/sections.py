@@ -111,6 +111,12 @@ class ResourcesSection(ConfigModel):
     max_env_runner_restarts: int = Field(
         1000, ge=0, description="EnvRunner restarts allowed over the run before it fails."
     )
+    wait_for_resources_s: float = Field(
+        600.0,
+        gt=0.0,
+        description="Give up (exit 1) when Ray has not placed the learners and EnvRunners after this long "
+        "(what is pending is logged after 30 s).",
+    )
 
     @field_validator("num_gpus_per_learner")
     @classmethod
