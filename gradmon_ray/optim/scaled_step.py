@@ -70,8 +70,10 @@ class UpdateScaler:
                 lr = group["lr"]
                 if isinstance(lr, torch.Tensor):
                     group["lr"] = factor.to(device=lr.device, dtype=lr.dtype) * lr
-                else:  # a python float is a double: keep lr * 1.0 == lr exactly
+                elif factor.device.type == "cpu":  # a python float is a double: lr * 1.0 == lr exactly
                     group["lr"] = factor.double() * lr
+                else:  # CUDA's fused kernels read a tensor lr as float32 (not verified on a GPU here)
+                    group["lr"] = factor.float() * lr
         try:
             yield
         finally:
