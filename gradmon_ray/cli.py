@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, help="seed (config: seed)")
     train.add_argument("--ray-address", help="Ray cluster address (config: resources.ray_address)")
     _set_flag(train, "override any config field, e.g. --set ppo.lr=1e-3")
+    train.add_argument(
+        "--resume",
+        metavar="RUN_ID",
+        help="continue this interrupted MLflow run from its last checkpoint (trained with checkpoint_every > 0), "
+        "with its own config; --iterations may extend it",
+    )
     train.add_argument("--debug", action="store_true", help="show tracebacks and Ray's logs")
     sweep = sub.add_parser("tune", help="run a Ray Tune sweep from a sweep file (see tune_configs/*_sweep.yaml)")
     sweep.add_argument("sweep_file", help="sweep YAML: base_config/base, search_space, num_samples, ...")
@@ -167,7 +173,44 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {**{k: v for k, v in flags.items() if v is not None}, **_set_overrides(args.set)}
 
 
+def _resume(args: argparse.Namespace) -> int:
+    from gradmon_ray.config import default_tracking_uri
+    from gradmon_ray.resume import resume_point
+    from gradmon_ray.tracking import MlflowSink
+    from gradmon_ray.tracking.spill import default_spill_path
+    from gradmon_ray.train import plotter, run_training
+
+    others = {k: v for k, v in vars(args).items() if k in ("config", "num_learners", "num_env_runners", "seed")}
+    if any(v is not None for v in others.values()) or args.set:
+        raise ConfigError("--resume", "takes the run's own config; only --iterations and --mlflow-uri may be given")
+    uri = args.mlflow_uri or default_tracking_uri()
+    cfg, point = resume_point(uri, args.resume)
+    cfg.mlflow.tracking_uri = uri
+    if args.iterations is not None:
+        cfg.iterations = args.iterations
+    print(
+        f"gradmon-ray: resuming run {args.resume} after iteration {point.iterations_done} of {cfg.iterations}",
+        flush=True,
+    )
+    sink = MlflowSink(
+        uri,
+        cfg.mlflow.experiment,
+        params=None,
+        max_pending=cfg.mlflow.queue_size,
+        plots_every=cfg.mlflow.plots_every,
+        plot_fn=plotter(cfg.mlflow.plots_every),
+        spill_path=default_spill_path(cfg.mlflow.spill_dir, args.resume),
+        run_id=args.resume,
+        end_run=True,
+    )
+    outcome = run_training(cfg, progress=lambda line: print(line, flush=True), sink=sink, resume=point)
+    print(f"gradmon-ray: done. MLflow run {outcome.run_id} (resumed)", flush=True)
+    return EXIT_OK
+
+
 def _train(args: argparse.Namespace) -> int:
+    if args.resume:
+        return _resume(args)
     cfg = load_config(args.config, _overrides(args))
     from gradmon_ray.rllib.preflight import preflight
     from gradmon_ray.train import run_training

@@ -199,6 +199,8 @@ TAG_RESUMED_FROM = "gradmon.resumed_from_iteration"
 """Set when a run continued from a checkpoint (a Tune trial restart): the last checkpointed iteration."""
 TAG_RESTORED_FROM = "gradmon.restored_from"
 """The ``restore_from`` checkpoint a run started from."""
+TAG_CHECKPOINT_DIR = "gradmon.checkpoint_dir"
+"""Where a ``checkpoint_every`` run keeps its resumable checkpoint (``gradmon-ray train --resume RUN_ID``)."""
 TAG_RESUMED_STATE_DIGEST = "gradmon.resumed_state_digest"
 """SHA-256 of the learner's gradmon state right after the restore; equal to the checkpoint's, or the run stops."""
 TAG_RECOMPUTED_ITERATIONS = "gradmon.recomputed_iterations"
@@ -300,6 +302,7 @@ TAG_NAMES: tuple[str, ...] = (
     TAG_RESUMED_STATE_DIGEST,
     TAG_RECOMPUTED_ITERATIONS,
     TAG_RESTORED_FROM,
+    TAG_CHECKPOINT_DIR,
 )
 
 

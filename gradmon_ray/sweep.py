@@ -173,9 +173,10 @@ def _trial(params: dict[str, Any]) -> None:
     """One Tune trial: ``run_training`` with the sampled overrides, reporting to Tune."""
     from ray import tune
 
+    from gradmon_ray.checkpointing import learner_state_digest
     from gradmon_ray.tracking import MlflowSink
     from gradmon_ray.tracking.spill import default_spill_path
-    from gradmon_ray.train import ResumePoint, last_logged_iteration, learner_state_digest, plotter, run_training
+    from gradmon_ray.train import ResumePoint, last_logged_iteration, plotter, run_training
 
     meta = params["__gradmon__"]
     overrides = {k: v for k, v in params.items() if k != "__gradmon__"}

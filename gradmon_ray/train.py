@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray.checkpointing import checkpoint_reporter, checkpoint_root, learner_state_digest
 from gradmon_ray.config import GradmonConfig
 from gradmon_ray.probe_lifecycle import flush_probe, start_probe, stop_probe
 from gradmon_ray.resource_wait import ResourceWait
@@ -57,10 +58,8 @@ class CheckpointStateMismatchError(RuntimeError):
     """The learner's restored gradmon state differs from the one written with the checkpoint."""
 
 
-def learner_state_digest(algo: Any) -> str:
-    """SHA-256 of the first (rank-0) learner's gradmon state (``GradmonPPOTorchLearner.gradmon_state_digest``)."""
-    results = algo.learner_group.foreach_learner(lambda learner: learner.gradmon_state_digest())
-    return next(iter(results)).get()  # a list (local learner) or RemoteCallResults; .get() re-raises
+def _checkpoint_tags(cfg: GradmonConfig) -> dict[str, str]:
+    return {mn.TAG_CHECKPOINT_DIR: str(checkpoint_root(cfg))} if cfg.checkpoint_every > 0 else {}
 
 
 def last_logged_iteration(tracking_uri: str, run_id: str) -> int:
@@ -136,13 +135,16 @@ def run_training(
             cfg.mlflow.experiment,
             run_name=cfg.mlflow.run_name,
             params=cfg.to_flat_dict(),
-            tags={mn.TAG_STATUS: "running"},
+            tags={mn.TAG_STATUS: "running", **_checkpoint_tags(cfg)},
             max_pending=cfg.mlflow.queue_size,
             plots_every=cfg.mlflow.plots_every,
             plot_fn=plotter(cfg.mlflow.plots_every),
             spill_path=default_spill_path(cfg.mlflow.spill_dir, cfg.mlflow.run_name),
         )
     outcome = TrainingOutcome(run_id=None, iterations_done=resume.iterations_done if resume else 0)
+    if reporter is None and cfg.checkpoint_every > 0:  # the CLI's own runs: resumable with --resume
+        own_sink = sink
+        reporter = checkpoint_reporter(cfg, lambda: own_sink.run_id)
     rules = HealthStopRules(**cfg.health_stop.model_dump())
     monitor = HealthStopMonitor(rules) if rules.any else None
     bands = BandSet.from_dict(cfg.telemetry.bands.model_dump())  # the progress line judges heads by these

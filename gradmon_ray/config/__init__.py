@@ -86,6 +86,12 @@ class GradmonConfig(ConfigModel):
     iterations: int = Field(20, ge=1, description="Training iterations.")
     seed: Union[int, None] = Field(0, ge=0, description="Seed for RLlib and the envs (null: random).")
     checkpoint_dir: Union[Text, None] = Field(None, description="Save a checkpoint here at the end.")
+    checkpoint_every: int = Field(
+        0,
+        ge=0,
+        description="Also keep a resumable checkpoint, renewed every N iterations, in checkpoint_dir (default "
+        "gradmon-checkpoints): `gradmon-ray train --resume RUN_ID` continues the run from it (0: off).",
+    )
     restore_from: Union[Text, None] = Field(
         None,
         description="Start from this checkpoint (a checkpoint_dir of an earlier run with the same model): weights, "

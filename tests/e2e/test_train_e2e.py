@@ -204,3 +204,47 @@ def test_a_request_the_cluster_cannot_place_is_reported_then_given_up(tmp_path):
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("gradmon-ray").experiment_id])
     assert run.info.status == "FAILED"
+
+
+def test_an_interrupted_run_resumes_in_the_same_mlflow_run(tmp_path):
+    """``checkpoint_every: 2``, Ctrl-C after iteration 3, then ``train --resume RUN_ID``: the
+    same MLflow run continues from the iteration-2 checkpoint to the end, FINISHED, every
+    iteration logged exactly once (iteration 3 is trained again, not logged again)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    base = [sys.executable, "-m", "gradmon_ray.cli", "train"]
+    proc = subprocess.Popen(
+        [*base, "--iterations", "5", "--num-env-runners", "0", "--set", "checkpoint_every=2"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for line in proc.stdout:
+            if line.startswith("iter 3/5"):
+                break
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("gradmon-ray").experiment_id
+    (run,) = client.search_runs([experiment])
+    assert run.info.status == "KILLED"
+    assert (tmp_path / "gradmon-checkpoints" / "latest" / "gradmon_resume.json").is_file()
+
+    resumed = subprocess.run(
+        [*base, "--resume", run.info.run_id], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming run {run.info.run_id} after iteration 2 of 5" in resumed.stdout
+    (again,) = client.search_runs([experiment])  # still one run
+    assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
+    assert again.data.tags[mn.TAG_RESUMED_FROM] == "2"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, mn.GLOBAL_GRAD_NORM)]
+    assert sorted(steps) == [1, 2, 3, 4, 5]
+    bad = subprocess.run([*base, "--resume", "0" * 32], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("gradmon-ray: config error: --resume: no run")
