@@ -7,11 +7,10 @@ run failed (one line; ``--debug`` shows the traceback), 130 interrupted.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import yaml
@@ -215,10 +214,10 @@ def _train(args: argparse.Namespace) -> int:
     from gradmon_ray.rllib.preflight import preflight
     from gradmon_ray.train import run_training
 
-    with _quiet_ray(args.debug):
-        preflight(cfg)  # store, GPUs, env, model, restore point: before the banner, Ray or MLflow
+    if not args.debug:
+        _filter_startup_noise()
+    preflight(cfg)  # store, GPUs, env, model, restore point: before the banner, Ray or MLflow
     _advise(cfg)
-
     print(
         f"gradmon-ray: training {cfg.iterations} iterations on {cfg.env.id}; MLflow: {cfg.mlflow.tracking_uri}",
         flush=True,
@@ -248,20 +247,36 @@ def _fail_fast_mlflow_http(timeout_s: int) -> None:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(timeout_s))
 
 
-@contextlib.contextmanager
-def _quiet_ray(debug: bool) -> Iterator[None]:
-    """RLlib's deprecation notices while the env and model are built for the check are not the
-    user's concern (``--debug`` shows them)."""
-    if debug:
-        yield
-        return
-    ray_logger = logging.getLogger("ray")
-    level = ray_logger.level
-    ray_logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        ray_logger.setLevel(level)
+_STARTUP_NOISE = (
+    "Token authentication is enabled for this Ray cluster",  # "...set RAY_AUTH_MODE=disabled": never do that
+    "Started a local Ray instance",
+    "You are running PPO on the new API stack",
+    "Install gputil for GPU system monitoring",
+    "Creating initial MLflow database tables",
+    "Updating database tables",
+    "DeprecationWarning: `RLModule(config=[RLModuleConfig object])` has been deprecated",  # RLlib's own call
+)
+
+
+class _StartupNoiseFilter(logging.Filter):
+    """Drops Ray's and MLflow's start-up notices that ask nothing of the user (``--debug`` keeps them)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(noise in message for noise in _STARTUP_NOISE)
+
+
+def _filter_startup_noise() -> None:
+    import warnings
+
+    import mlflow  # noqa: F401  (the imports set up these loggers' own handlers)
+    import ray.rllib  # noqa: F401
+
+    for name in ("ray", "ray.rllib", "mlflow"):
+        for handler in logging.getLogger(name).handlers:
+            handler.addFilter(_StartupNoiseFilter())
+    # RLlib re-registers its own env wrapper on every EnvRunner build.
+    warnings.filterwarnings("ignore", message=".*Overriding environment rllib-single-agent-env.*")
 
 
 def _advise(cfg: Any) -> None:
