@@ -248,7 +248,7 @@ def _fail_fast_mlflow_http(timeout_s: int) -> None:
 
 
 _STARTUP_NOISE = (
-    "Token authentication is enabled for this Ray cluster",  # "...set RAY_AUTH_MODE=disabled": never do that
+    "Token authentication is enabled for this Ray cluster",  # and how to opt out of it: never do that
     "Started a local Ray instance",
     "You are running PPO on the new API stack",
     "Install gputil for GPU system monitoring",

@@ -127,7 +127,7 @@ def test_cli_train_on_embedded_defaults(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "iter 3/3 | env steps 3072" in proc.stdout
-    # Ray's and MLflow's start-up notices are filtered (never "set RAY_AUTH_MODE=disabled")
+    # Ray's and MLflow's start-up notices are filtered (never the hint to switch token auth off)
     assert "RAY_AUTH_MODE" not in proc.stderr and "new API stack" not in proc.stderr, proc.stderr[-3000:]
     assert "Creating initial MLflow database tables" not in proc.stderr
     assert (Path(tmp_path) / "mlflow.db").exists()
