@@ -1,11 +1,11 @@
 """On-device accumulation of one training iteration's telemetry, drained once to the host.
 
-Every minibatch writes its numbers as ONE row of a preallocated float64 table on the
-learner's device (one ``cat`` into the row, no synchronisation): on a CPU a kernel costs
-microseconds, so the per-minibatch tail must be as few kernels as possible (what used to be
-seven per minibatch now runs once per iteration).  Once per training iteration ``drain()``
-folds the rows into ONE flat buffer, copies it to the host in a single transfer and
-starts over.  The buffer is laid out in lanes that reduce by SUM (norm sums, counts)
+Every minibatch records the small device tensors it already has (norms, counts, flags) in a
+list: no kernel, no synchronisation.  On a CPU a kernel and its dispatch cost microseconds, so
+the per-minibatch tail must be as close to nothing as possible; the arithmetic that used to
+run per minibatch (seven kernels) runs once per iteration.  Once per training iteration
+``drain()`` stacks the records into ONE flat buffer, copies it to the host in a single
+transfer and starts over.  The buffer is laid out in lanes that reduce by SUM (norm sums, counts)
 followed by lanes that reduce by MAX (latch flags), so the same buffer is what a
 cross-learner reduction packs.
 """
@@ -108,39 +108,23 @@ class TelemetryLayout:
 
 
 class IterationAccumulator:
-    """Device-side table of the current training iteration's minibatches (see the module docstring)."""
+    """Device-side record of the current training iteration's minibatches (see the module docstring)."""
 
-    def __init__(self, layout: TelemetryLayout, device: torch.device | str = "cpu", capacity: int = 64) -> None:
+    def __init__(self, layout: TelemetryLayout, device: torch.device | str = "cpu") -> None:
         self.layout = layout
+        self.device = torch.device(device)
         self.buffer = torch.zeros(layout.size, dtype=torch.float64, device=device)
-        # Row: [norms (reported heads), global norm, NaN count, Inf count, skipped,
-        #       log-prob NaN markers (latch heads), log-prob Inf markers (latch heads)].
-        self._width = layout.num_reported + 4 + 2 * layout.num_action_heads
-        self._rows = torch.zeros(capacity, self._width, dtype=torch.float64, device=device)
-        self._count = 0  # rows written this iteration (host-side: no sync)
+        # Per minibatch: (head norms, global norm, NaN count, Inf count, skipped, log-prob NaN
+        # markers, log-prob Inf markers), kept as the tensors they already are: recording one
+        # is a list append, no kernel; the iteration's records are stacked once, at the drain.
+        self._records: list[tuple[torch.Tensor, ...]] = []
 
-    def _next_row(self) -> torch.Tensor:
-        if self._count == self._rows.shape[0]:  # grow (host-known count): rare, amortised
-            self._rows = torch.cat([self._rows, torch.zeros_like(self._rows)])
-        self._count += 1
-        return self._rows[self._count - 1]
-
-    @torch.no_grad()
     def add_minibatch_logp_sums(self, norms: GradientNorms, logp_sums: torch.Tensor, skipped: torch.Tensor) -> None:
-        """Add one minibatch in one kernel: norms, the 0-d skip flag and per-latch-head sums
-        of the log-probs (``latches.logp_sums``: NaN when the head had a NaN log-prob, +-Inf
-        when it had an infinite one).  No host synchronisation."""
-        torch.cat(
-            [
-                norms.head_norms,
-                norms.global_norm.reshape(1),
-                norms.nan_count.reshape(1),
-                norms.inf_count.reshape(1),
-                skipped.reshape(1),
-                logp_sums,
-                logp_sums,
-            ],
-            out=self._next_row(),
+        """Record one minibatch: norms, the 0-d skip flag and per-latch-head sums of the
+        log-probs (``latches.logp_sums``: NaN when the head had a NaN log-prob, +-Inf when it
+        had an infinite one).  No kernel, no host synchronisation."""
+        self._records.append(
+            (norms.head_norms, norms.global_norm, norms.nan_count, norms.inf_count, skipped, logp_sums, logp_sums)
         )
 
     @torch.no_grad()
@@ -151,46 +135,40 @@ class IterationAccumulator:
         logp_inf: torch.Tensor,
         skipped: torch.Tensor,
     ) -> None:
-        """Add one minibatch with explicit 0/1 log-prob NaN and Inf flags per latch head
+        """Record one minibatch with explicit 0/1 log-prob NaN and Inf flags per latch head
         (``latches.logp_nonfinite_flags``); the learner uses ``add_minibatch_logp_sums``."""
         nan_marks = torch.where(logp_nan > 0, float("nan"), 0.0)
         inf_marks = torch.where(logp_inf > 0, float("inf"), 0.0)
-        torch.cat(
-            [
-                norms.head_norms,
-                norms.global_norm.reshape(1),
-                norms.nan_count.reshape(1),
-                norms.inf_count.reshape(1),
-                skipped.reshape(1),
-                nan_marks,
-                inf_marks,
-            ],
-            out=self._next_row(),
+        self._records.append(
+            (norms.head_norms, norms.global_norm, norms.nan_count, norms.inf_count, skipped, nan_marks, inf_marks)
         )
 
-    def _fold_rows(self) -> None:
-        """The iteration's rows -> the SUM and MAX lanes of ``buffer`` (once per iteration)."""
-        layout, reported = self.layout, self.layout.num_reported
-        rows = self._rows[: self._count]
-        values = rows[:, : reported + 1]
+    @torch.no_grad()
+    def _fold_records(self) -> None:
+        """The iteration's records -> the SUM and MAX lanes of ``buffer`` (once per iteration)."""
+        records, self._records = self._records, []
+        count = len(records)
+        if count == 0:
+            self.buffer.zero_()
+            return
+        fields = list(zip(*records, strict=True))
+        f64 = torch.float64
+        values = torch.cat([torch.stack(fields[0]), torch.stack(fields[1]).reshape(-1, 1)], dim=1).to(f64)
         known = values == values  # NaN norms are left out of the sums and counts, Inf kept
-        counters = rows[:, reported + 1 : reported + 4].sum(0)
-        heads = layout.num_action_heads
-        nan_marks = rows[:, reported + 4 : reported + 4 + heads]
-        inf_marks = rows[:, reported + 4 + heads :]
+        counters = torch.stack([torch.stack(fields[k]).reshape(-1).to(f64) for k in (2, 3, 4)], dim=1).sum(0)
+        nan_marks, inf_marks = torch.stack(fields[5]), torch.stack(fields[6])
         self.buffer.copy_(
             torch.cat(
                 [
                     torch.where(known, values, 0.0).sum(0),
                     known.sum(0),
                     counters,
-                    torch.full((1,), float(self._count), dtype=torch.float64, device=rows.device),
+                    torch.full((1,), float(count), dtype=f64, device=values.device),
                     (nan_marks != nan_marks).any(0),
                     torch.isinf(inf_marks).any(0),
                 ]
             )
         )
-        self._count = 0
 
     def drain(
         self,
@@ -210,7 +188,7 @@ class IterationAccumulator:
         lanes then go through ``layout.merge_replicas``; the buffer is zeroed.  Returns
         ``(lanes, reduced_extra_on_host, local_extra_on_host)`` (empty arrays when absent).
         """
-        self._fold_rows()
+        self._fold_records()
         empty = self.buffer.new_zeros(0)
         extra_r = empty if reduced_extra is None else reduced_extra.reshape(-1).to(self.buffer.dtype)
         extra_l = empty if local_extra is None else local_extra.reshape(-1).to(self.buffer.dtype)

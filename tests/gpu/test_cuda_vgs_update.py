@@ -1,4 +1,4 @@
-"""On CUDA: VGS update mode (a tensor learning rate) and the one-row accumulator, without host syncs.
+"""On CUDA: VGS update mode (a tensor learning rate) and the accumulator's records, without host syncs.
 
 Skipped without CUDA (CI has none); run on a lent GPU with ``pytest tests/gpu``.
 """
@@ -45,10 +45,10 @@ def test_update_mode_scales_the_cuda_step_without_a_sync(kind):
         torch.testing.assert_close(p.detach() - b, 0.3 * (q.detach() - b), rtol=1e-4, atol=1e-6)
 
 
-def test_one_row_per_minibatch_does_not_sync():
+def test_recording_minibatches_does_not_sync():
     dev = torch.device("cuda")
     layout = TelemetryLayout(num_reported=3, num_action_heads=2)
-    acc = IterationAccumulator(layout, device=dev, capacity=2)
+    acc = IterationAccumulator(layout, device=dev)
     norms = GradientNorms(
         torch.rand(3, device=dev), torch.rand((), device=dev), torch.zeros((), device=dev), torch.zeros((), device=dev)
     )
@@ -57,7 +57,7 @@ def test_one_row_per_minibatch_does_not_sync():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(3):  # past the capacity: the table grows on the host-known count
+        for _ in range(3):
             acc.add_minibatch_logp_sums(norms, logp_sums(torch.randn(16, 2, device=dev)), torch.zeros((), device=dev))
     finally:
         torch.cuda.set_sync_debug_mode("default")

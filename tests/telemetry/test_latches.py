@@ -80,12 +80,12 @@ def test_logp_sums_mark_each_head_the_way_the_drain_reads_them():
     assert lanes[layout.minibatches] == 1.0
 
 
-def test_rows_grow_past_their_capacity_and_fold_to_the_same_sums():
+def test_records_fold_to_the_sums_and_a_drain_starts_over():
     from gradmon_ray.telemetry import GradientNorms, IterationAccumulator, TelemetryLayout
 
     layout = TelemetryLayout(num_reported=2, num_action_heads=1)
-    acc = IterationAccumulator(layout, capacity=2)
-    for k in range(5):  # 5 rows through a table of 2: it grows twice
+    acc = IterationAccumulator(layout)
+    for k in range(5):
         norms = GradientNorms(
             torch.tensor([1.0 + k, float("nan")]), torch.tensor(2.0), torch.tensor(3.0), torch.zeros(())
         )
