@@ -138,12 +138,12 @@ def test_cli_train_on_embedded_defaults(tmp_path):
         assert len(history) == 3 and all(math.isfinite(m.value) for m in history)
 
 
-def test_ctrl_c_ends_the_run_as_killed(tmp_path):
-    """Ctrl-C (SIGINT to the CLI) during training: exit 130, and the MLflow run is KILLED (what
-    MLflow calls a run its user stopped), not FAILED, with what was trained so far logged."""
+def _train_until_then_ctrl_c(tmp_path, args: list[str], progress_prefix: str) -> tuple[int, str]:
+    """Run ``gradmon-ray train ARGS`` in ``tmp_path``, send SIGINT (Ctrl-C) once a progress line
+    starts with ``progress_prefix``; returns (exit code, stderr)."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gradmon_ray.cli", "train", "--iterations", "200", "--num-env-runners", "0"],
+        [sys.executable, "-m", "gradmon_ray.cli", "train", *args],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
@@ -151,15 +151,24 @@ def test_ctrl_c_ends_the_run_as_killed(tmp_path):
         text=True,
     )
     try:
-        for line in proc.stdout:  # the first progress line: an iteration was trained and logged
-            if line.startswith("iter 1/200"):
+        for line in proc.stdout:
+            if line.startswith(progress_prefix):
                 break
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, err[-3000:]
+    return proc.returncode, err
+
+
+def test_ctrl_c_ends_the_run_as_killed(tmp_path):
+    """Ctrl-C (SIGINT to the CLI) during training: exit 130, and the MLflow run is KILLED (what
+    MLflow calls a run its user stopped), not FAILED, with what was trained so far logged."""
+    returncode, err = _train_until_then_ctrl_c(
+        tmp_path, ["--iterations", "200", "--num-env-runners", "0"], "iter 1/200"
+    )
+    assert returncode == 130, err[-3000:]
     assert "gradmon-ray: interrupted" in err
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("gradmon-ray").experiment_id])
@@ -215,24 +224,9 @@ def test_an_interrupted_run_resumes_in_the_same_mlflow_run(tmp_path):
     iteration logged exactly once (iteration 3 is trained again, not logged again)."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     base = [sys.executable, "-m", "gradmon_ray.cli", "train"]
-    proc = subprocess.Popen(
-        [*base, "--iterations", "5", "--num-env-runners", "0", "--set", "checkpoint_every=2"],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        for line in proc.stdout:
-            if line.startswith("iter 3/5"):
-                break
-        proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130
+    args = ["--iterations", "5", "--num-env-runners", "0", "--set", "checkpoint_every=2"]
+    returncode, _ = _train_until_then_ctrl_c(tmp_path, args, "iter 3/5")
+    assert returncode == 130
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("gradmon-ray").experiment_id
     (run,) = client.search_runs([experiment])
