@@ -19,12 +19,15 @@ from typing import Any, Literal, Union
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from gradmon_ray.config.base import SECTION_PATHS, ConfigError, ConfigModel, config_error, describe, parse
-from gradmon_ray.config.sections import (
-    EMBEDDED_TRACKING_URI,
+from gradmon_ray.config.band_sections import (
     ActionBandsSection,
     BandEdges,
     BandsSection,
+    ValueBandsSection,
+)
+from gradmon_ray.config.base import SECTION_PATHS, ConfigError, ConfigModel, config_error, describe, parse
+from gradmon_ray.config.sections import (
+    EMBEDDED_TRACKING_URI,
     DistributedSection,
     EnvSection,
     HealthStopSection,
@@ -37,7 +40,6 @@ from gradmon_ray.config.sections import (
     TelemetrySection,
     Text,
     UpgdSection,
-    ValueBandsSection,
     VgsSection,
     default_tracking_uri,
 )

@@ -8,13 +8,13 @@ in place, each assignment validated.
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 from typing import Annotated, Literal, Union
 
 from pydantic import ConfigDict, Field, JsonValue, field_validator, model_validator
 
+from gradmon_ray.config.band_sections import BandsSection
 from gradmon_ray.config.base import ConfigError, ConfigModel
 from gradmon_ray.import_paths import resolve_regularizer_fn
 
@@ -136,61 +136,6 @@ class ResourcesSection(ConfigModel):
                 f"one GPU), got {self.num_gpus_per_learner:g}; use 1, or 0 for CPU learners",
             )
         return self
-
-
-class BandEdges(ConfigModel):
-    """Health band edges: each positive, finite and strictly increasing."""
-
-    model_config = ConfigDict(frozen=True)
-
-    @model_validator(mode="after")
-    def _edges_strictly_increase(self) -> BandEdges:
-        names = list(type(self).model_fields)
-        for lower, name in itertools.pairwise(names):
-            value, below = getattr(self, name), getattr(self, lower)
-            if not value > below:
-                raise ConfigError(name, f"must be > {lower} ({below!r}; edges strictly increase), got {value!r}")
-        return self
-
-
-_EDGE_DOCS = {
-    "dead_below": "Below this a head is dead.",
-    "weak_below": "Below this (and >= dead_below) a head is weak.",
-    "healthy_max": "Up to this (and >= weak_below) a head is healthy.",
-    "elevated_max": "Up to this (and > healthy_max) a head is elevated; above it, exploding.",
-}
-
-
-def _edge(default: float, name: str) -> float:
-    return Field(default, gt=0.0, description=_EDGE_DOCS[name])
-
-
-class ActionBandsSection(BandEdges):
-    """Health band edges of the action heads' gradient norms (TELE-320: 10 x the 0.5 clip norm explodes)."""
-
-    dead_below: float = _edge(0.01, "dead_below")
-    weak_below: float = _edge(0.1, "weak_below")
-    healthy_max: float = _edge(2.0, "healthy_max")
-    elevated_max: float = _edge(5.0, "elevated_max")
-
-
-class ValueBandsSection(BandEdges):
-    """Health band edges of the value head's gradient norm (a squared-error critic runs larger)."""
-
-    dead_below: float = _edge(0.01, "dead_below")
-    weak_below: float = _edge(0.1, "weak_below")
-    healthy_max: float = _edge(10.0, "healthy_max")
-    elevated_max: float = _edge(50.0, "elevated_max")
-
-
-class BandsSection(ConfigModel):
-    """Health band edges: dead < dead_below <= weak < weak_below <= healthy <= healthy_max < elevated
-    <= elevated_max < exploding.  Each set must be positive, finite and strictly increasing."""
-
-    model_config = ConfigDict(frozen=True)
-
-    action: ActionBandsSection = Field(default_factory=ActionBandsSection, description="The action heads' edges.")
-    value: ValueBandsSection = Field(default_factory=ValueBandsSection, description="The value head's edges.")
 
 
 class TelemetrySection(ConfigModel):
