@@ -33,6 +33,16 @@ def learner_state_digest(algo: Any) -> str:
     return next(iter(results)).get()  # a list (local learner) or RemoteCallResults; .get() re-raises
 
 
+def resume_state(algo: Any, iteration: int, run_id: str | None, monitor: Any) -> dict[str, Any]:
+    """What a resume needs besides the algorithm checkpoint (``train --resume`` and Tune trial restarts)."""
+    return {
+        "iterations_done": iteration,
+        "run_id": run_id,
+        "health": monitor.state_dict() if monitor is not None else {},
+        "state_digest": learner_state_digest(algo),
+    }
+
+
 def checkpoint_reporter(cfg: GradmonConfig, run_id: Callable[[], str | None]) -> Callable[..., None]:
     """A ``run_training`` reporter that saves a resumable checkpoint every ``cfg.checkpoint_every``
     iterations (and when a health rule stops the run)."""
@@ -44,13 +54,7 @@ def checkpoint_reporter(cfg: GradmonConfig, run_id: Callable[[], str | None]) ->
         staging = root / f".{LATEST}.partial"
         shutil.rmtree(staging, ignore_errors=True)
         algo.save_to_path(str(staging / "algo"))
-        state = {
-            "run_id": run_id(),
-            "iterations_done": iteration,
-            "health": monitor.state_dict() if monitor is not None else {},
-            "state_digest": learner_state_digest(algo),
-            "config": cfg.model_dump(mode="json"),
-        }
+        state = {**resume_state(algo, iteration, run_id(), monitor), "config": cfg.model_dump(mode="json")}
         (staging / RESUME_FILE).write_text(json.dumps(state))
         old = root / f".{LATEST}.old"
         shutil.rmtree(old, ignore_errors=True)

@@ -173,7 +173,7 @@ def _trial(params: dict[str, Any]) -> None:
     """One Tune trial: ``run_training`` with the sampled overrides, reporting to Tune."""
     from ray import tune
 
-    from gradmon_ray.checkpointing import learner_state_digest
+    from gradmon_ray.checkpointing import resume_state
     from gradmon_ray.tracking import MlflowSink
     from gradmon_ray.tracking.spill import default_spill_path
     from gradmon_ray.train import ResumePoint, last_logged_iteration, plotter, run_training
@@ -223,12 +223,7 @@ def _trial(params: dict[str, Any]) -> None:
         # tune.report copies the checkpoint into the trial's storage before it returns (Ray's own pattern).
         with tempfile.TemporaryDirectory(prefix="gradmon-ckpt-") as directory:
             algo.save_to_path(os.path.join(directory, "algo"))
-            state = {
-                "iterations_done": iteration,
-                "run_id": sink.run_id,
-                "health": monitor.state_dict() if monitor is not None else {},
-                "state_digest": learner_state_digest(algo),
-            }
+            state = resume_state(algo, iteration, sink.run_id, monitor)
             (Path(directory) / TRIAL_STATE_FILE).write_text(json.dumps(state))
             tune.report(payload, checkpoint=tune.Checkpoint.from_directory(directory))
 
