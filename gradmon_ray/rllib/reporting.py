@@ -17,6 +17,7 @@ from ray.rllib.utils.typing import StateDict
 from gradmon_ray import metric_names as mn
 from gradmon_ray.distributed import ReplicaDivergenceError, Segments, parameter_checksum, reduce_iteration
 from gradmon_ray.rllib import compat
+from gradmon_ray.rllib.metrics_stats import log_step_metrics
 from gradmon_ray.telemetry.noise_scale import noise_scales
 from gradmon_ray.telemetry.state_digest import state_digest
 
@@ -92,8 +93,7 @@ class GradmonReporting:
         return mn.noise_scale_metrics(per_head, global_scale)
 
     def _log_gradmon_metrics(self, metrics: dict[str, float]) -> None:
-        for name, value in metrics.items():
-            self.metrics.log_value((self._module_id, name), value, window=1)
+        log_step_metrics(self.metrics, self._module_id, metrics)
 
     def _reduce_step(self) -> tuple[dict[str, np.ndarray], bool | None]:
         """Pack, reduce ONCE across learners, copy to the host ONCE; then unpack by segment name.

@@ -1,0 +1,97 @@
+"""``GradmonMeanStats`` against RLlib's own ``MeanStats`` (the oracle), through RLlib's ``MetricsLogger``.
+
+A bug in the fast path (returning a stale value, dropping NaN, mishandling a learner merge or a
+checkpoint restore) shows up as a difference from what stock RLlib reports for the same logs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from ray.rllib.utils.metrics.metrics_logger import DEFAULT_STATS_CLS_LOOKUP, MetricsLogger
+from ray.rllib.utils.metrics.stats.mean import MeanStats
+
+from gradmon_ray.rllib.metrics_stats import GRADMON_REDUCE, GradmonMeanStats, log_step_metrics
+
+KEY = "default_policy"
+
+
+def _same(a: object, b: object) -> bool:
+    a, b = float(a), float(b)
+    return (math.isnan(a) and math.isnan(b)) or a == b
+
+
+def _stock_logger(steps: list[dict[str, object]]) -> dict:
+    logger = MetricsLogger()
+    for step in steps:
+        for name, value in step.items():
+            logger.log_value((KEY, name), value, window=1)
+    return logger
+
+
+def _gradmon_logger(steps: list[dict[str, object]]) -> MetricsLogger:
+    logger = MetricsLogger()
+    for step in steps:
+        log_step_metrics(logger, KEY, step)
+    return logger
+
+
+STEPS = [
+    {"a": 1.5, "b": float("nan"), "c": 3, "d": np.float64(2.25), "e": torch.tensor(4.0), "f": float("inf")},
+    {"a": -0.5, "b": 7.0, "c": 4, "d": np.float64(float("nan")), "e": torch.tensor(5.0), "f": 1.0},
+]
+
+
+@pytest.mark.parametrize("upto", [1, 2])
+def test_reduces_like_rllibs_mean_stats(upto: int) -> None:
+    steps = STEPS[:upto]
+    stock = _stock_logger(steps).reduce(compile=True)[KEY]
+    ours = _gradmon_logger(steps).reduce(compile=True)[KEY]
+    assert stock.keys() == ours.keys()
+    for name in stock:
+        assert _same(ours[name], stock[name]), name
+
+
+def test_merge_of_two_learners_matches_stock_rllib() -> None:
+    # The driver's root logger merges the learners' reduced stats: the mean of their values.
+    per_learner = [{"a": 1.0, "b": float("nan"), "rank0_only": 9.0}, {"a": 3.0, "b": 2.0}]
+    results = {}
+    for make in (_stock_logger, _gradmon_logger):
+        root = MetricsLogger(root=True)
+        root.aggregate([make([s]).reduce() for s in per_learner], key="learners")
+        results[make.__name__] = root.reduce(compile=True)["learners"][KEY]
+    stock, ours = results["_stock_logger"], results["_gradmon_logger"]
+    assert stock == pytest.approx({"a": 2.0, "b": 2.0, "rank0_only": 9.0})
+    assert set(ours) == set(stock)
+    for name in stock:
+        assert _same(ours[name], stock[name]), name
+
+
+def test_fast_path_only_for_a_single_python_float() -> None:
+    stats = GradmonMeanStats(window=1)
+    stats.push(2.5)
+    assert stats.window_reduce() == [2.5]
+    stats.push(float("nan"))  # window 1: the newest value replaces the old one
+    assert math.isnan(stats.window_reduce()[0])
+    assert GradmonMeanStats().window_reduce([1.0, 4.0, float("nan")]) == [2.5]  # RLlib's nanmean path
+
+
+def test_logger_rebuilt_by_rllib_gets_the_class_back() -> None:
+    logger = MetricsLogger()  # RLlib's Learner._reset makes a fresh one from the config's lookup
+    assert GRADMON_REDUCE not in logger.stats_cls_lookup
+    log_step_metrics(logger, KEY, {"a": 1.0})
+    assert logger.stats_cls_lookup[GRADMON_REDUCE] is GradmonMeanStats
+    assert DEFAULT_STATS_CLS_LOOKUP.get(GRADMON_REDUCE) is None  # RLlib's module-level default untouched
+    assert isinstance(logger.stats[KEY]["a"], GradmonMeanStats)
+
+
+def test_checkpointed_state_restores_as_plain_mean_stats() -> None:
+    logger = _gradmon_logger([{"a": 1.25}])
+    restored = MetricsLogger()  # no gradmon lookup: e.g. a driver restoring an Algorithm checkpoint
+    restored.set_state(logger.get_state())
+    stats = restored.stats[KEY]["a"]
+    assert type(stats) is MeanStats
+    assert restored.reduce(compile=True)[KEY]["a"] == 1.25
