@@ -1,6 +1,6 @@
 """Update-time overhead of gradmon's telemetry, measured side by side in one process.
 
-Four learners train the same FactoredActorCritic (same initial weights) on the same
+Four learners (five with the A/A twin) train the same FactoredActorCritic (same initial weights) on the same
 postprocessed batch of real FactoredOps episodes, one full training-iteration update each
 (``num_epochs`` x minibatches), in rotating order so that drift on the machine hits all of
 them alike:
@@ -10,7 +10,13 @@ them alike:
   (``configure_optimizers_for_module`` overridden: ``torch.optim.Adam(params, fused=True)``);
 * ``gradmon``: ``GradmonPPOTorchLearner`` with full telemetry (fused Adam, its default);
 * ``off``: the same learner with telemetry disabled (``telemetry.enabled: false``): isolates
-  telemetry's own cost.
+  telemetry's own cost;
+* ``gradmon-twin``: a second ``gradmon``, identical: ``gradmon/gradmon-twin`` is an A/A
+  comparison whose distance from 1 is the run's noise floor (``--no-twin`` leaves it out).
+
+The learners are built afresh for every repetition (``--keep-learners`` builds them once):
+where one learner's tensors land in memory can make it a few percent faster or slower than
+an identical twin for the life of the object, which no amount of rotation averages out.
 
 A repetition times ``--rounds`` updates per learner and takes each learner's median; every
 ratio is computed per repetition, and the printed median / min / max are over ``--repeats``
@@ -30,6 +36,7 @@ import argparse
 import statistics
 import time
 import warnings
+from typing import Any
 
 import torch
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
@@ -54,21 +61,8 @@ class FusedAdamPPOTorchLearner(PPOTorchLearner):
         )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15, help="updates per learner per repetition")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--trunk", type=int, nargs="+", default=None, help="trunk widths (default: the config's)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore")
-
-    cfg = GradmonConfig()  # the default model and batch sizes
-    if args.trunk:
-        cfg.model.trunk_hiddens = list(args.trunk)
-    if args.device == "cuda":
-        cfg.resources.num_gpus_per_learner = 1.0
+def build_arms(cfg: GradmonConfig, twin: bool) -> dict[str, Any]:
+    """The arms, freshly built, all starting from the same weights."""
     off = cfg.model_copy(deep=True)
     off.telemetry.enabled = False
     learners = {
@@ -77,9 +71,39 @@ def main() -> None:
         "gradmon": build_local_learner(cfg),
         "off": build_local_learner(off),
     }
+    if twin:
+        learners["gradmon-twin"] = build_local_learner(cfg)
     weights = learners["gradmon"].module[DEFAULT_MODULE_ID].get_state()
     for learner in learners.values():
         learner.module[DEFAULT_MODULE_ID].set_state(weights)
+    return learners
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15, help="updates per learner per repetition")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--trunk", type=int, nargs="+", default=None, help="trunk widths (default: the config's)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument(
+        "--no-twin", dest="twin", action="store_false", help="leave out the A/A arm (a second, identical gradmon)"
+    )
+    parser.add_argument(
+        "--keep-learners",
+        dest="fresh",
+        action="store_false",
+        help="build the learners once, not afresh for every repetition",
+    )
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+
+    cfg = GradmonConfig()  # the default model and batch sizes
+    if args.trunk:
+        cfg.model.trunk_hiddens = list(args.trunk)
+    if args.device == "cuda":
+        cfg.resources.num_gpus_per_learner = 1.0
+    learners = build_arms(cfg, args.twin)
     batch = train_batch(learners["gradmon"], sample_episodes(cfg, learners["gradmon"], cfg.ppo.train_batch_size))
 
     def timed(name: str) -> float:
@@ -92,11 +116,18 @@ def main() -> None:
         return time.perf_counter() - start
 
     names = list(learners)
-    for _ in range(args.warmup):
-        for name in names:
-            timed(name)
     per_repeat: list[dict[str, float]] = []
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
+        if args.fresh and repeat > 0:
+            # New learner objects each repetition: where their tensors land in memory (cache
+            # sets, alignment) is drawn anew, so a lucky or unlucky placement of one arm's
+            # buffers cannot bias every repetition of a run the same way.
+            for learner in learners.values():
+                learner.shutdown()
+            learners = build_arms(cfg, args.twin)
+        for _ in range(args.warmup):
+            for name in names:
+                timed(name)
         times: dict[str, list[float]] = {n: [] for n in names}
         for r in range(args.rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
@@ -108,7 +139,7 @@ def main() -> None:
     print(
         f"device={args.device} torch={torch.__version__} threads={torch.get_num_threads()} "
         f"params={params / 1e6:.3f}M trunk={cfg.model.trunk_hiddens} minibatches/update={minibatches} "
-        f"repeats={args.repeats} x rounds={args.rounds}"
+        f"repeats={args.repeats} x rounds={args.rounds} fresh_learners_per_repeat={args.fresh}"
     )
     for n in names:
         meds = [r[n] * 1e3 for r in per_repeat]
@@ -118,11 +149,17 @@ def main() -> None:
         )
     extra = statistics.median([(r["gradmon"] - r["off"]) / minibatches * 1e3 for r in per_repeat])
     print(f"  telemetry's own time per minibatch: {extra:.3f} ms (median over repetitions)")
-    for a, b in RATIOS:
-        ratios = [r[a] / r[b] for r in per_repeat]
+    ratios = RATIOS + ([("gradmon", "gradmon-twin")] if args.twin else [])
+    for a, b in ratios:
+        values = [r[a] / r[b] for r in per_repeat]
         print(
-            f"ratio {a}/{b} median {statistics.median(ratios):.3f} min {min(ratios):.3f} max {max(ratios):.3f}",
+            f"ratio {a}/{b} median {statistics.median(values):.3f} min {min(values):.3f} max {max(values):.3f}",
             flush=True,
+        )
+    if args.twin:
+        print(
+            "  (gradmon/gradmon-twin is an A/A comparison of two identical learners: its distance "
+            "from 1.000 is this run's noise floor)"
         )
 
 

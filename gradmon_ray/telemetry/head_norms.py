@@ -15,6 +15,7 @@ import torch
 
 from gradmon_ray.telemetry import bands as _bands
 from gradmon_ray.telemetry import trends as _trends
+from gradmon_ray.telemetry.compiled import Kernel, wants_compile
 
 # The band edges, ``classify_grad_norm`` and ``worst_head`` live in the torch-free ``bands``
 # module, the trend arrow and the CV in the torch-free ``trends`` module; these names stay
@@ -84,23 +85,52 @@ class GradientNorms:
         return ((self.nan_count + self.inf_count) > 0).to(torch.float32)
 
 
+def squares_and_counts(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per tensor ``sum(g^2)`` (float32), and the NaN and +-Inf element counts over all of them.
+
+    Compiled (``GradientNormPlan`` on an accelerator, large models), each tensor is read ONCE
+    for all three reductions and nothing gradient-sized is allocated; eagerly it is a few
+    passes per tensor (the fallback when compiling fails).
+    """
+    squares, nans, infs = [], [], []
+    for grad in grads:
+        x = grad.float()
+        squares.append((x * x).sum())
+        nans.append((x != x).sum())
+        infs.append(torch.isinf(x).sum())
+    return torch.stack(squares), torch.stack(nans).sum().float(), torch.stack(infs).sum().float()
+
+
 class GradientNormPlan:
     """Precomputed parameter-to-head assignment for fast per-minibatch norms.
 
     ``groups`` maps each reported head to its parameters; ``all_params`` is every
     trainable parameter (heads plus the shared trunk), which the global norm and the
-    NaN/Inf counts cover.  ``compute()`` costs one ``_foreach_norm`` (as
-    ``torch.nn.utils.clip_grad_norm_`` uses), one ``index_add_``, one concatenation for
-    the exact NaN/Inf counts, and no host synchronisation.
+    NaN/Inf counts cover.  ``compute()`` never synchronises with the host; how it counts
+    NaN/Inf elements depends on where the gradients are:
+
+    * CPU: one ``_foreach_norm`` (as ``torch.nn.utils.clip_grad_norm_`` uses) and one
+      ``index_add_``; the counts only when the global norm is not finite (testing a CPU
+      tensor is no device sync);
+    * accelerator, ``fused_counts`` (``"auto"``: from ``AUTO_COMPILE_MIN_PARAMETERS``
+      gradient elements): ``squares_and_counts`` compiled, one read of every gradient for
+      the norms and the counts together, no copy;
+    * accelerator otherwise: ``_foreach_norm`` plus one concatenation of the gradients for
+      the counts (three kernels: at small sizes launches, not bytes, are the cost).
     """
 
     def __init__(
         self,
         groups: Mapping[str, Iterable[torch.nn.Parameter]],
         all_params: Iterable[torch.nn.Parameter],
+        *,
+        fused_counts: str = "auto",
     ) -> None:
         self.head_names: tuple[str, ...] = tuple(groups)
         self.params: tuple[torch.nn.Parameter, ...] = tuple(all_params)
+        numel = sum(p.numel() for p in self.params)
+        self._fused = Kernel(squares_and_counts, compile=True, label="gradient norms")
+        self._use_fused = wants_compile(fused_counts, numel)
         slot_of: dict[int, int] = {}
         for slot, params in enumerate(groups.values()):
             for p in params:
@@ -141,12 +171,14 @@ class GradientNormPlan:
             nan = torch.full((len(self.head_names),), float("nan"), device=device)
             return GradientNorms(nan, torch.full((), float("nan"), device=device), zero, zero)
         index, has_grad = self._index_for(present, grads[0].device)
+        on_cpu = grads[0].device.type == "cpu"
+        if self._use_fused and not on_cpu:
+            squares, nan_count, inf_count = self._fused(grads)
+            head_norms, global_norm = self._head_and_global(squares, index, has_grad)
+            return GradientNorms(head_norms, global_norm, nan_count, inf_count)
         norms = torch.stack(torch._foreach_norm(grads)).float()
-        squares = norms * norms
-        per_slot = torch.zeros(self._trunk_slot + 1, device=norms.device).index_add_(0, index, squares)
-        head_norms = torch.where(has_grad, per_slot[: self._trunk_slot].sqrt(), float("nan"))
-        global_norm = squares.sum().sqrt()
-        if grads[0].device.type == "cpu":
+        head_norms, global_norm = self._head_and_global(norms * norms, index, has_grad)
+        if on_cpu:
             # On the CPU a tensor is host memory, so testing it is no device sync. A finite
             # global norm means every element is finite: skip the counts, which cost about 70
             # norms' worth of time on the CPU (bool sums and isinf are not vectorised there).
@@ -156,9 +188,16 @@ class GradientNormPlan:
             nan_count = torch.stack([torch.count_nonzero(g != g) for g in grads]).sum().float()
             inf_count = torch.stack([torch.count_nonzero(torch.isinf(g)) for g in grads]).sum().float()
             return GradientNorms(head_norms, global_norm, nan_count, inf_count)
-        # On an accelerator: exact counts every minibatch, without a host sync; one
-        # concatenation keeps it to three kernels instead of two per tensor.
+        # A small model on an accelerator: exact counts every minibatch, without a host sync;
+        # one concatenation keeps it to three kernels instead of two per tensor.
         flat = torch.cat([g.reshape(-1) for g in grads])
         nan_count = torch.isnan(flat).sum().float()
         inf_count = torch.isinf(flat).sum().float()
         return GradientNorms(head_norms, global_norm, nan_count, inf_count)
+
+    def _head_and_global(
+        self, squares: torch.Tensor, index: torch.Tensor, has_grad: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-tensor squared norms -> (per-head norms, NaN for a head without gradients; global norm)."""
+        per_slot = torch.zeros(self._trunk_slot + 1, device=squares.device).index_add_(0, index, squares)
+        return torch.where(has_grad, per_slot[: self._trunk_slot].sqrt(), float("nan")), squares.sum().sqrt()

@@ -6,21 +6,20 @@ scale the gradients in the same loop.  Eagerly each line is its own pass over me
 ``torch.compile`` fuses a whole fold into one pass per tensor (Inductor's C++/OpenMP code on
 CPU, Triton on CUDA), which is what keeps VGS near the cost of one fused Adam step
 (``bench/vgs.py``).  ``Kernel`` compiles lazily, on first use, and falls back to eager
-(with one warning) where compiling fails, so the compile cost lands only on runs that ask
+(with one warning) where compiling fails (``telemetry.compiled``), so the compile cost lands only on runs that ask
 for it (``VarianceGradientScaler(compile=...)``); the eager and the compiled fold are the
 same function, and the tests check both against the same worked answers.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
-logger = logging.getLogger(__name__)
+# The lazy compile with an eager fallback serves the norm plan too: it lives in ``compiled``.
+from gradmon_ray.telemetry.compiled import AUTO_COMPILE_MIN_PARAMETERS, COMPILE_MODES, Kernel, wants_compile
 
 GRAD_LIMIT = 1e18
 """Gradients are clamped to +-1e18 (NaN -> 0) before entering the EMAs: then g^2 <= 1e36 stays
@@ -28,11 +27,6 @@ finite in float32 and every normalized variance is finite by construction."""
 
 MAX_NORMALIZED_VARIANCE = 1e6
 MIN_SCALE = 1e-4
-COMPILE_MODES = ("auto", "on", "off")
-AUTO_COMPILE_MIN_PARAMETERS = 1_000_000
-"""``compile="auto"`` compiles from this many parameters: below it a step costs well under a
-millisecond eagerly, less than a compile (10-50 s on a 2-core CPU) can ever win back in a
-short run."""
 
 
 def clean(grad: torch.Tensor) -> torch.Tensor:
@@ -213,35 +207,22 @@ def fixed_sample(
     return sample.to(device), parts
 
 
-class Kernel:
-    """``fn`` run eagerly, or compiled with ``torch.compile`` on its first call.
-
-    A compile that fails (no C++ compiler, an unsupported device) logs one warning and the
-    function runs eagerly from then on; ``compiled`` says which is in use.
-    """
-
-    def __init__(self, fn: Callable[..., Any], *, compile: bool) -> None:
-        self._eager = fn
-        self._fn: Callable[..., Any] = fn
-        self._pending = compile
-        self.compiled = False
-
-    def __call__(self, *args: Any) -> Any:
-        if self._pending:
-            self._pending = False
-            try:
-                compiled = torch.compile(self._eager, dynamic=False, fullgraph=True)
-                result = compiled(*args)
-            except Exception as exc:  # torch's compile errors have no common base class
-                logger.warning("VGS: torch.compile failed (%s); running the eager version", str(exc).splitlines()[0])
-                return self._eager(*args)
-            self._fn, self.compiled = compiled, True
-            return result
-        return self._fn(*args)
-
-
-def wants_compile(mode: str, num_parameters: int) -> bool:
-    """``compile="on"`` always, ``"off"`` never, ``"auto"`` from ``AUTO_COMPILE_MIN_PARAMETERS``."""
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
-    return mode == "on" or (mode == "auto" and num_parameters >= AUTO_COMPILE_MIN_PARAMETERS)
+__all__ = [
+    "AUTO_COMPILE_MIN_PARAMETERS",
+    "COMPILE_MODES",
+    "GRAD_LIMIT",
+    "MAX_NORMALIZED_VARIANCE",
+    "MIN_SCALE",
+    "Kernel",
+    "clean",
+    "element_step",
+    "fixed_sample",
+    "fold_elements",
+    "fold_tensors",
+    "normalized_entries",
+    "quantiles",
+    "record_spatial",
+    "scaling_factor",
+    "spatial_sums",
+    "wants_compile",
+]

@@ -266,3 +266,30 @@ def test_gradient_hooks_of_a_real_update_run_under_sync_debug_error(scaler):
     assert minibatches >= 12
     assert calls == {"postprocess_gradients_for_module": minibatches, "apply_gradients": minibatches}
     assert learner.last_telemetry.skipped == 0
+
+
+def test_fused_norms_and_counts_on_cuda_are_exact_and_do_not_sync():
+    """The compiled accelerator path (large models): exact counts, no concatenated copy, no sync."""
+    from gradmon_ray.telemetry import per_head_grad_norms
+
+    dev = torch.device("cuda")
+    heads = {f"h{i}": [torch.nn.Parameter(torch.randn(64, 32, device=dev))] for i in range(3)}
+    trunk = torch.nn.Parameter(torch.randn(4096, device=dev))
+    params = [p for ps in heads.values() for p in ps] + [trunk]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    plan = GradientNormPlan(heads, params, fused_counts="on")
+    plan.compute()  # compiles and caches the index tensors
+    trunk.grad[7] = float("nan")
+    trunk.grad[9] = float("inf")
+    heads["h2"][0].grad[1, 1] = float("-inf")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        norms = plan.compute()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert plan._fused.compiled
+    assert (norms.nan_count.item(), norms.inf_count.item()) == (1, 2)
+    torch.testing.assert_close(norms.head_norms[:2], per_head_grad_norms(heads)[:2])
+    assert torch.isinf(norms.head_norms[2]) and torch.isnan(norms.global_norm)

@@ -205,3 +205,46 @@ def test_worst_head_prefers_severity_then_distance_from_healthy_centre():
     # all healthy: 1.9 is further (log scale) from sqrt(0.2)=0.447 than 0.3 is
     assert worst_head({"a": 0.3, "b": 1.9}) == ("b", "healthy")
     assert worst_head({"a": 0.001, "b": 100.0})[1] in {"dead", "exploding"}
+
+
+def _numpy_squares_and_counts(grads: list[torch.Tensor]) -> tuple[np.ndarray, int, int]:
+    arrays = [g.detach().double().numpy().ravel() for g in grads]
+    with np.errstate(over="ignore", invalid="ignore"):
+        squares = np.array([np.sum(a * a) for a in arrays])
+    return squares, sum(int(np.isnan(a).sum()) for a in arrays), sum(int(np.isinf(a).sum()) for a in arrays)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_squares_and_counts_against_numpy(compiled: bool):
+    """The accelerator path's fused reduction (one read per gradient when compiled): per-tensor
+    sums of squares and exact NaN/Inf counts, checked against numpy in float64."""
+    from gradmon_ray.telemetry.compiled import Kernel
+    from gradmon_ray.telemetry.head_norms import squares_and_counts
+
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(shape, generator=gen) for shape in [(7, 5), (5,), (3, 4, 2), (1,)]]
+    grads[0][1, 2] = float("nan")
+    grads[0][4, 4] = float("nan")
+    grads[2][0, 1, 1] = float("inf")
+    grads[2][2, 3, 0] = float("-inf")
+    grads[2][1, 0, 0] = float("nan")
+    kernel = Kernel(squares_and_counts, compile=compiled, label="test")
+    for _ in range(2):  # the compiled function's second call runs the cached code
+        squares, nan_count, inf_count = kernel(grads)
+    assert kernel.compiled is compiled
+    want_squares, want_nan, want_inf = _numpy_squares_and_counts(grads)
+    assert (nan_count.item(), inf_count.item()) == (3, 2)
+    assert (nan_count.item(), inf_count.item()) == (want_nan, want_inf)
+    assert np.isnan(squares[0].item()) and np.isnan(squares[2].item())  # any NaN poisons the tensor's norm
+    np.testing.assert_allclose(squares[[1, 3]].numpy(), want_squares[[1, 3]], rtol=1e-6)
+
+
+def test_fused_counts_mode_is_validated_and_auto_follows_the_size():
+    p = torch.nn.Parameter(torch.zeros(10))
+    assert not GradientNormPlan({"h": [p]}, [p])._use_fused  # "auto", 10 elements
+    assert GradientNormPlan({"h": [p]}, [p], fused_counts="on")._use_fused
+    big = torch.nn.Parameter(torch.zeros(1_000_000))
+    assert GradientNormPlan({"h": [big]}, [big])._use_fused
+    assert not GradientNormPlan({"h": [big]}, [big], fused_counts="off")._use_fused
+    with pytest.raises(ValueError, match="one of"):
+        GradientNormPlan({"h": [p]}, [p], fused_counts="yes")
