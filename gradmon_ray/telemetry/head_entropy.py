@@ -101,11 +101,13 @@ def head_health_lanes(
     """
     with torch.no_grad():
         entropy = masked_head_mean(per_head_entropy(logits, sizes), mask)
+        # The counts by fill kernels: a Python list -> CUDA tensor would be a synchronising copy.
+        counts = entropy.new_ones(HEAD_HEALTH_COUNTS, dtype=torch.float64)
         if sampling_logits is None:
-            kl, kl_count = torch.zeros_like(entropy), 0.0
+            kl = torch.zeros_like(entropy)
+            counts[1:].zero_()
         else:
-            kl, kl_count = masked_head_mean(per_head_kl(sampling_logits, logits, sizes), mask), 1.0
-        counts = torch.tensor([1.0, kl_count], dtype=torch.float64, device=entropy.device)
+            kl = masked_head_mean(per_head_kl(sampling_logits, logits, sizes), mask)
         return torch.cat([entropy.double(), kl.double(), counts])
 
 
