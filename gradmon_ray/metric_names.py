@@ -60,6 +60,25 @@ HEAD_NAN_LATCH_FIRST_ITERATION = "latch/nan/{head}/first_iteration"
 HEAD_INF_LATCH_FIRST_ITERATION = "latch/inf/{head}/first_iteration"
 """Training iteration at which the head's Inf latch first fired (logged once latched)."""
 
+# --- policy head health: per-head entropy, KL and the collapse latch ---------------
+# Heads: the action distribution's components (the log-prob latches' heads).  Measured once per
+# telemetry step on the step's last minibatch: the same minibatch RLlib's own ``entropy`` and
+# ``mean_kl_loss`` (logged with window=1) report; with several learners, the mean over learners.
+HEAD_ENTROPY = "policy/head/{head}/entropy"
+"""The head's policy entropy in nats, mean over the step's last minibatch's (unmasked) rows; the sum
+over heads is RLlib's ``entropy`` for a factored distribution.  Left out of a step without a minibatch."""
+HEAD_ENTROPY_NORM = "policy/head/{head}/entropy_norm"
+"""``entropy / log(number of actions of the head)``: 1 uniform, 0 one action certain.  Left out for a
+head with a single action (log 1 = 0: nothing to collapse)."""
+HEAD_KL = "policy/head/{head}/kl"
+"""KL(sampling policy || current policy) of the head in nats, RLlib's ``mean_kl_loss`` direction
+(``prev_dist.kl(dist)``), same minibatch as ``HEAD_ENTROPY``; the sum over heads is ``mean_kl_loss``."""
+HEAD_COLLAPSE_LATCH = "latch/collapse/{head}"
+"""1 once the head's ``entropy_norm`` stayed below ``telemetry.bands.collapse.threshold`` for
+``iterations`` consecutive telemetry steps, else 0. Never resets (restored from checkpoints)."""
+HEAD_COLLAPSE_LATCH_FIRST_ITERATION = "latch/collapse/{head}/first_iteration"
+"""Training iteration at which the head's collapse latch fired (logged once latched)."""
+
 # --- update bookkeeping -----------------------------------------------------------
 MINIBATCH_UPDATES = "update/minibatches"
 """Minibatch updates attempted this iteration (epochs x minibatches)."""
@@ -92,6 +111,8 @@ VF_LOSS = "loss/value"
 ENTROPY = "loss/entropy"
 MEAN_KL = "loss/mean_kl"
 TOTAL_LOSS = "loss/total"
+VF_EXPLAINED_VAR = "loss/vf_explained_var"
+"""RLlib's ``vf_explained_var``: 1 - Var(value targets - predictions) / Var(value targets), clamped at -1."""
 ITERATION_TIME_S = "perf/iteration_time_s"
 ENV_RUNNERS_HEALTHY = "env/runners_healthy"
 """Remote EnvRunners healthy at the end of the iteration (RLlib's fault-tolerance count)."""
@@ -180,7 +201,8 @@ PROBE_FAILURES = "probe/failures"
 
 # --- gradient-health early stopping (health_stop config) --------------------------
 HEALTH_STOP_REASON = "health/stop_reason"
-"""Logged once, at the iteration a health rule stopped the run: 1 dead, 2 exploding, 3 NaN latch, 4 Inf latch."""
+"""Logged once, at the iteration a health rule stopped the run: 1 dead, 2 exploding, 3 NaN latch, 4 Inf latch,
+5 collapse latch."""
 
 # --- MLflow tags ------------------------------------------------------------------
 TAG_NAN_LATCHED_HEADS = "gradmon.nan_latched_heads"
@@ -229,6 +251,11 @@ PER_HEAD_TEMPLATES: tuple[str, ...] = (
     HEAD_INF_LATCH,
     HEAD_NAN_LATCH_FIRST_ITERATION,
     HEAD_INF_LATCH_FIRST_ITERATION,
+    HEAD_ENTROPY,
+    HEAD_ENTROPY_NORM,
+    HEAD_KL,
+    HEAD_COLLAPSE_LATCH,
+    HEAD_COLLAPSE_LATCH_FIRST_ITERATION,
 )
 SCALAR_NAMES: tuple[str, ...] = (
     GLOBAL_NOISE_SCALE,
@@ -252,6 +279,7 @@ SCALAR_NAMES: tuple[str, ...] = (
     ENTROPY,
     MEAN_KL,
     TOTAL_LOSS,
+    VF_EXPLAINED_VAR,
     ITERATION_TIME_S,
     ENV_RUNNERS_HEALTHY,
     ENV_RUNNER_RESTARTS,
@@ -306,7 +334,13 @@ TAG_NAMES: tuple[str, ...] = (
 )
 
 
-ABSENT_WHEN_UNDEFINED: tuple[str, ...] = (HEAD_NOISE_SCALE, GLOBAL_NOISE_SCALE)
+ABSENT_WHEN_UNDEFINED: tuple[str, ...] = (
+    HEAD_NOISE_SCALE,
+    GLOBAL_NOISE_SCALE,
+    HEAD_ENTROPY,
+    HEAD_ENTROPY_NORM,
+    HEAD_KL,
+)
 """Metrics the learner leaves out of an iteration while they are undefined. RLlib's metrics
 logger fills a key missing from one iteration with NaN; readers drop those NaNs again."""
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.cli import build_parser
-from gradmon_ray.viz.plots import HEATMAP_FILE, LINES_FILE, PROBE_FILE
+from gradmon_ray.viz.plots import ENTROPY_FILE, HEATMAP_FILE, LINES_FILE, PROBE_FILE
 from gradmon_ray.viz.report import PLOTS_ARTIFACT_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ def test_metrics_doc_has_no_stale_rows():
     )
 
 
-ARTIFACTS = [f"{PLOTS_ARTIFACT_DIR}/{name}" for name in (HEATMAP_FILE, LINES_FILE, PROBE_FILE)]
+ARTIFACTS = [f"{PLOTS_ARTIFACT_DIR}/{name}" for name in (HEATMAP_FILE, LINES_FILE, ENTROPY_FILE, PROBE_FILE)]
 
 
 def test_every_plot_artifact_is_documented_and_no_stale_one():

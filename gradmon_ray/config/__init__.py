@@ -23,6 +23,7 @@ from gradmon_ray.config.band_sections import (
     ActionBandsSection,
     BandEdges,
     BandsSection,
+    CollapseSection,
     ValueBandsSection,
 )
 from gradmon_ray.config.base import SECTION_PATHS, ConfigError, ConfigModel, config_error, describe, parse
@@ -50,6 +51,7 @@ __all__ = [
     "ActionBandsSection",
     "BandEdges",
     "BandsSection",
+    "CollapseSection",
     "ConfigError",
     "ConfigModel",
     "DistributedSection",

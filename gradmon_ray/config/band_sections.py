@@ -54,11 +54,32 @@ class ValueBandsSection(BandEdges):
     elevated_max: float = _edge(50.0, "elevated_max")
 
 
+class CollapseSection(ConfigModel):
+    """Entropy collapse of an action-distribution head (``latch/collapse/<head>``): the head's
+    normalised entropy (entropy / log(number of actions), 1 = uniform, 0 = one action) stayed
+    below ``threshold`` for ``iterations`` consecutive training iterations.  The latch never resets."""
+
+    model_config = ConfigDict(frozen=True)
+
+    threshold: float = Field(
+        0.05,
+        ge=0.0,
+        description="Normalised entropy below which a head counts as collapsed this iteration (0: the latch is off).",
+    )
+    iterations: int = Field(
+        5, ge=1, description="Consecutive iterations below the threshold before the collapse latch fires."
+    )
+
+
 class BandsSection(ConfigModel):
     """Health band edges: dead < dead_below <= weak < weak_below <= healthy <= healthy_max < elevated
-    <= elevated_max < exploding.  Each set must be positive, finite and strictly increasing."""
+    <= elevated_max < exploding.  Each set must be positive, finite and strictly increasing.  ``collapse``:
+    when a head's policy entropy counts as collapsed."""
 
     model_config = ConfigDict(frozen=True)
 
     action: ActionBandsSection = Field(default_factory=ActionBandsSection, description="The action heads' edges.")
     value: ValueBandsSection = Field(default_factory=ValueBandsSection, description="The value head's edges.")
+    collapse: CollapseSection = Field(
+        default_factory=CollapseSection, description="The per-head entropy collapse latch (latch/collapse/<head>)."
+    )

@@ -268,6 +268,10 @@ class HealthStopSection(ConfigModel):
     )
     nan_latch: bool = Field(False, description="Stop as soon as any head's NaN log-prob latch fires.")
     inf_latch: bool = Field(False, description="Stop as soon as any head's Inf log-prob latch fires.")
+    collapse: bool = Field(
+        False,
+        description="Stop as soon as any head's entropy collapse latch fires (telemetry.bands.collapse).",
+    )
     include_value_head: bool = Field(
         False,
         description="Also judge the value head, by its own telemetry.bands.value edges, in the dead/exploding rules "

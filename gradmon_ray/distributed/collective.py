@@ -122,6 +122,8 @@ class ReducedIteration(NamedTuple):
     """The SUM of the learners' noise-scale lanes (``gradmon_ray.telemetry.noise_scale``)."""
     local: np.ndarray
     """``local`` as it was on this learner (not reduced)."""
+    health: np.ndarray
+    """The SUM of the learners' policy head-health lanes (``telemetry.head_entropy``; empty when off)."""
 
 
 def reduce_iteration(
@@ -131,11 +133,13 @@ def reduce_iteration(
     checksum: torch.Tensor,
     noise: torch.Tensor,
     local: torch.Tensor,
+    health: torch.Tensor | None = None,
 ) -> ReducedIteration:
-    """Drain ``accumulator`` with ``[checksum, noise]`` riding in its ONE reduction and ``local``
-    in its one host copy; with a single learner nothing is reduced.  Zeroes nothing but the
-    accumulator's buffer."""
-    extra = Segments({"checksum": checksum, "noise": noise})
+    """Drain ``accumulator`` with ``[checksum, noise, health]`` riding in its ONE reduction and
+    ``local`` in its one host copy; with a single learner nothing is reduced.  Zeroes nothing but
+    the accumulator's buffer."""
+    health = checksum[:0] if health is None else health
+    extra = Segments({"checksum": checksum, "noise": noise, "health": health})
     lanes, reduced_extra, local_host = accumulator.drain(
         reduced_extra=extra.pack(),
         local_extra=local,
@@ -144,7 +148,7 @@ def reduce_iteration(
         world_size=collective.world_size,
     )
     parts = extra.unpack(reduced_extra)
-    return ReducedIteration(lanes, parts["checksum"], parts["noise"], local_host)
+    return ReducedIteration(lanes, parts["checksum"], parts["noise"], local_host, parts["health"])
 
 
 class Segments:

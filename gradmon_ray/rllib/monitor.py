@@ -42,6 +42,7 @@ from gradmon_ray.distributed import (
 )
 from gradmon_ray.optim.scaled_step import UpdateScaler
 from gradmon_ray.rllib import compat
+from gradmon_ray.rllib.head_health import HeadHealthRecorder, head_sizes
 from gradmon_ray.rllib.heads import action_heads, head_parameter_groups, latch_heads, per_head_logp
 from gradmon_ray.rllib.reporting import (
     GRADMON_STATE_KEYS,
@@ -98,9 +99,12 @@ class GradmonMonitor(GradmonReporting):
         # [minibatches the scaler skipped (overflow at its scale), scale of the last minibatch]
         self._scaler_acc = torch.zeros(2, dtype=torch.float64, device=self.device)
         self._norm_plan = GradientNormPlan(groups, [p for p in rl_module.parameters() if p.requires_grad])
+        latches = self.latch_heads_of(rl_module)
+        sizes = head_sizes(rl_module, latches)
         self._tracker = TelemetryTracker(
-            list(groups), action_heads(groups), bands=self.gradmon.bands, latch_heads=self.latch_heads_of(rl_module)
+            list(groups), action_heads(groups), bands=self.gradmon.bands, latch_heads=latches, head_sizes=sizes
         )
+        self._head_health = HeadHealthRecorder(sizes, self.device)
         self._accumulator = IterationAccumulator(self._tracker.layout, device=self.device)
         self._pending_norms: GradientNorms | None = None
         self._pending_logp_sums: torch.Tensor | None = None
@@ -164,7 +168,13 @@ class GradmonMonitor(GradmonReporting):
             logits = fwd_out[Columns.ACTION_DIST_INPUTS].detach()
             logp = per_head_logp(module, logits, batch[Columns.ACTIONS], len(self._tracker.latch_heads))
             self.record_logp(logp, batch.get(Columns.LOSS_MASK))
+            self.record_head_inputs(logits, batch)
         return loss
+
+    def record_head_inputs(self, logits: torch.Tensor, batch: dict) -> None:
+        """Keep references to this minibatch's detached ``logits``, the sampling policy's logits
+        and the loss mask for the step's head health (``rllib.head_health``); no kernel."""
+        self._head_health.record(logits, batch.get(Columns.ACTION_DIST_INPUTS), batch.get(Columns.LOSS_MASK))
 
     def record_logp(self, per_head_logp: torch.Tensor, mask: torch.Tensor | None) -> None:
         """The minibatch's ``[B, latch heads]`` log-probs -> per-head sums, non-finite where a

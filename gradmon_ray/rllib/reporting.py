@@ -62,7 +62,8 @@ class GradmonReporting:
             return
         lanes, checksum_ok = self._reduce_step()
         if self.gradmon.telemetry:
-            summary = self.last_telemetry = self._tracker.finish_iteration(lanes["telemetry"])
+            health = lanes["health"] if self._head_health.enabled else None
+            summary = self.last_telemetry = self._tracker.finish_iteration(lanes["telemetry"], health)
             metrics.update(summary.to_metrics())
             metrics.update(self._noise_scale_metrics(lanes["noise"], summary.minibatches))
         else:
@@ -98,8 +99,9 @@ class GradmonReporting:
     def _reduce_step(self) -> tuple[dict[str, np.ndarray], bool | None]:
         """Pack, reduce ONCE across learners, copy to the host ONCE; then unpack by segment name.
 
-        Reduced: the telemetry lanes, the checksum digits (zeros unless this is a check step)
-        and the noise-scale lanes.  Local (identical on every replica, or rank-local): the
+        Reduced: the telemetry lanes, the checksum digits (zeros unless this is a check step),
+        the noise-scale lanes and the policy head-health lanes (``rllib.head_health``; computed
+        here, once per step, from the step's last minibatch).  Local (identical on every replica, or rank-local): the
         scaler lanes, the VGS metrics and this rank's own checksum digits.
         """
         collective = self._collective
@@ -118,15 +120,21 @@ class GradmonReporting:
                 "checksum": digits,
             }
         )
+        health = self._head_health.lanes() if self.gradmon.telemetry else empty
         reduced = reduce_iteration(
-            self._accumulator, collective, checksum=digits, noise=self._noise_hook.lanes, local=local.pack()
+            self._accumulator,
+            collective,
+            checksum=digits,
+            noise=self._noise_hook.lanes,
+            local=local.pack(),
+            health=health,
         )
         self._scaler_acc[0].zero_()
         self._noise_hook.zero_()
         parts = local.unpack(reduced.local)
         k = collective.world_size
         checksum_ok = bool(np.array_equal(reduced.checksum, k * parts["checksum"])) if check else None
-        return {"telemetry": reduced.lanes, "noise": reduced.noise, **parts}, checksum_ok
+        return {"telemetry": reduced.lanes, "noise": reduced.noise, "health": reduced.health, **parts}, checksum_ok
 
     def telemetry_state(self) -> dict[str, Any]:
         """The persistent telemetry state (latches, prev values, counters)."""

@@ -75,20 +75,41 @@ VALUE_BANDS = HealthBands(dead_below=0.01, weak_below=0.1, healthy_max=10.0, ele
 """The value head's default edges."""
 
 
+COLLAPSE_THRESHOLD = 0.05
+COLLAPSE_ITERATIONS = 5
+
+
+@dataclass(frozen=True)
+class CollapseBand:
+    """A head has collapsed once its normalised entropy (entropy / log(number of actions)) stayed
+    below ``threshold`` for ``iterations`` consecutive telemetry steps; ``threshold`` 0 never fires."""
+
+    threshold: float = COLLAPSE_THRESHOLD
+    iterations: int = COLLAPSE_ITERATIONS
+
+    def __post_init__(self) -> None:
+        if isinstance(self.threshold, bool) or not (isinstance(self.threshold, (int, float)) and self.threshold >= 0):
+            raise ValueError(f"collapse threshold must be a number >= 0, got {self.threshold!r}")
+        if isinstance(self.iterations, bool) or not (isinstance(self.iterations, int) and self.iterations >= 1):
+            raise ValueError(f"collapse iterations must be an integer >= 1, got {self.iterations!r}")
+
+
 @dataclass(frozen=True)
 class BandSet:
-    """The edges for every reported head: ``action`` for the action heads, ``value`` for the value head."""
+    """The edges for every reported head: ``action`` for the action heads, ``value`` for the value
+    head; ``collapse``: the entropy collapse latch of each action-distribution head."""
 
     action: HealthBands = ACTION_BANDS
     value: HealthBands = VALUE_BANDS
+    collapse: CollapseBand = CollapseBand()
 
     def for_head(self, head: str) -> HealthBands:
         """The value head's edges for ``"value"``, the action heads' for any other name."""
         return self.value if head == VALUE_HEAD else self.action
 
     def to_dict(self) -> dict[str, dict[str, float]]:
-        """``{"action": {...}, "value": {...}}`` (the config's ``telemetry.bands`` shape)."""
-        return {"action": asdict(self.action), "value": asdict(self.value)}
+        """``{"action": {...}, "value": {...}, "collapse": {...}}`` (the config's ``telemetry.bands`` shape)."""
+        return {"action": asdict(self.action), "value": asdict(self.value), "collapse": asdict(self.collapse)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> BandSet:
@@ -96,7 +117,8 @@ class BandSet:
         data = data or {}
         action = HealthBands(**{**asdict(ACTION_BANDS), **dict(data.get("action") or {})})
         value = HealthBands(**{**asdict(VALUE_BANDS), **dict(data.get("value") or {})})
-        return cls(action=action, value=value)
+        collapse = CollapseBand(**{**asdict(CollapseBand()), **dict(data.get("collapse") or {})})
+        return cls(action=action, value=value, collapse=collapse)
 
 
 DEFAULT_BANDS = BandSet()

@@ -1,8 +1,8 @@
 """Gradient-health early stopping: end a run whose heads are broken (pure logic, no Ray).
 
 The seeds' "automated system" consumer: a head that has been ``dead`` (or ``exploding``)
-for N consecutive iterations, or whose NaN / Inf log-prob latch fired, will not recover by
-itself; a sweep should stop spending compute on it.  ``HealthStopMonitor.update`` reads one
+for N consecutive iterations, or whose NaN / Inf log-prob latch or entropy collapse latch
+fired, will not recover by itself; a sweep should stop spending compute on it.  ``HealthStopMonitor.update`` reads one
 iteration's flattened metrics (the names in ``metric_names``) and returns the first rule
 that fires, or None.  The dead / exploding rules read each head's ``grad/head/<head>/health``
 code, which the learner judged by that head's own band edges (``telemetry.bands``); they
@@ -19,7 +19,7 @@ from gradmon_ray import metric_names as mn
 from gradmon_ray import metric_parsing as mp
 from gradmon_ray.telemetry.bands import VALUE_HEAD
 
-STOP_REASON_CODES: dict[str, int] = {"dead": 1, "exploding": 2, "nan_latch": 3, "inf_latch": 4}
+STOP_REASON_CODES: dict[str, int] = {"dead": 1, "exploding": 2, "nan_latch": 3, "inf_latch": 4, "collapse": 5}
 """``health/stop_reason`` values (MLflow metrics are numbers); 0 = not stopped."""
 
 
@@ -35,12 +35,16 @@ class HealthStopRules:
     exploding_iterations: int = 0
     nan_latch: bool = False
     inf_latch: bool = False
+    collapse: bool = False
+    """Stop once a head's entropy collapse latch (``latch/collapse/<head>``) fired."""
     include_value_head: bool = False
 
     @property
     def any(self) -> bool:
         """Whether any rule is on."""
-        return bool(self.dead_iterations or self.exploding_iterations or self.nan_latch or self.inf_latch)
+        return bool(
+            self.dead_iterations or self.exploding_iterations or self.nan_latch or self.inf_latch or self.collapse
+        )
 
 
 @dataclass(frozen=True)
@@ -75,16 +79,16 @@ class HealthStopMonitor:
         An iteration without a head's health value (e.g. telemetry off) breaks no streak and
         extends none.
         """
-        for rule, template, enabled in (
-            ("nan_latch", mn.HEAD_NAN_LATCH, self.rules.nan_latch),
-            ("inf_latch", mn.HEAD_INF_LATCH, self.rules.inf_latch),
+        for rule, template, enabled, what in (
+            ("nan_latch", mn.HEAD_NAN_LATCH, self.rules.nan_latch, "NaN in its log-probs"),
+            ("inf_latch", mn.HEAD_INF_LATCH, self.rules.inf_latch, "Inf in its log-probs"),
+            ("collapse", mn.HEAD_COLLAPSE_LATCH, self.rules.collapse, "policy entropy collapsed"),
         ):
             if not enabled:
                 continue
             for head in mp.heads_of(metrics, template):
                 if metrics[mn.head_metric(template, head)] >= 1.0:
-                    kind = "NaN" if rule == "nan_latch" else "Inf"
-                    return StopDecision(rule, head, iteration, f"head {head!r}: {kind} in its log-probs (latched)")
+                    return StopDecision(rule, head, iteration, f"head {head!r}: {what} (latched)")
         decision = None
         for state, needed in (("dead", self.rules.dead_iterations), ("exploding", self.rules.exploding_iterations)):
             code = mn.HEALTH_CODES[state]

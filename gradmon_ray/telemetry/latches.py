@@ -1,4 +1,4 @@
-"""Per-head NaN/Inf OR-latches on the heads' log-probs (TELE-302/303).
+"""Per-head NaN/Inf OR-latches on the heads' log-probs (TELE-302/303), and entropy-collapse latches.
 
 Detection (``logp_sums`` in the learner, ``logp_nonfinite_flags`` where exact per-kind flags
 are wanted) runs on the device every minibatch and returns flags
@@ -9,7 +9,8 @@ including across checkpoint restores.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,3 +101,57 @@ class HeadLatches:
             nan_first_iteration={k: int(v) for k, v in state["nan_first_iteration"].items()},
             inf_first_iteration={k: int(v) for k, v in state["inf_first_iteration"].items()},
         )
+
+
+@dataclass
+class CollapseLatches:
+    """Per-head entropy-collapse latches: a head latches once its normalised entropy was below
+    ``threshold`` for ``iterations`` consecutive telemetry steps; never reset during a run.
+
+    A step without a value for a head (no minibatch, a one-action head, NaN) breaks no streak and
+    extends none; a step at or above the threshold resets the streak (a latched head stays latched).
+    """
+
+    head_names: tuple[str, ...]
+    threshold: float
+    iterations: int
+    streak: dict[str, int] = field(default_factory=dict)
+    latched: dict[str, bool] = field(default_factory=dict)
+    first_iteration: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.head_names = tuple(self.head_names)
+        for head in self.head_names:
+            self.streak.setdefault(head, 0)
+            self.latched.setdefault(head, False)
+
+    def update(self, entropy_norm: Mapping[str, float], iteration: int) -> None:
+        """Feed one step's ``{head: entropy_norm}`` (heads absent or NaN: no measurement)."""
+        for head in self.head_names:
+            value = entropy_norm.get(head, math.nan)
+            if math.isnan(value):
+                continue
+            self.streak[head] = self.streak[head] + 1 if value < self.threshold else 0
+            if self.streak[head] >= self.iterations and not self.latched[head]:
+                self.latched[head] = True
+                self.first_iteration[head] = iteration
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-Python state for checkpoints (the rule itself comes from the config)."""
+        return {
+            "head_names": list(self.head_names),
+            "streak": dict(self.streak),
+            "latched": dict(self.latched),
+            "first_iteration": dict(self.first_iteration),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``state_dict()``; a checkpoint for other heads is an error, not a silent reset."""
+        if tuple(state["head_names"]) != self.head_names:
+            raise ValueError(
+                f"checkpointed collapse latches are for heads {state['head_names']}, "
+                f"this learner has {list(self.head_names)}"
+            )
+        self.streak = {h: int(state["streak"][h]) for h in self.head_names}
+        self.latched = {h: bool(state["latched"][h]) for h in self.head_names}
+        self.first_iteration = {k: int(v) for k, v in state["first_iteration"].items()}

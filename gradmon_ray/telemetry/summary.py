@@ -2,7 +2,7 @@
 
 ``TelemetryTracker`` turns the drained lanes of one iteration into an
 ``IterationTelemetry`` and carries what must persist across iterations (previous norms,
-latches, the skipped-update total, the iteration clock) through ``state_dict``.
+latches, collapse streaks, the skipped-update total, the iteration clock) through ``state_dict``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import numpy as np
 from gradmon_ray import metric_names as mn
 from gradmon_ray.telemetry.accumulator import TelemetryLayout
 from gradmon_ray.telemetry.bands import BandSet, HealthBands, classify_grad_norm, worst_head
-from gradmon_ray.telemetry.latches import HeadLatches
+from gradmon_ray.telemetry.head_entropy import head_health_lane_count, normalised_entropy
+from gradmon_ray.telemetry.latches import CollapseLatches, HeadLatches
 from gradmon_ray.telemetry.trends import coefficient_of_variation, trend_arrow
 
 
@@ -43,6 +44,15 @@ class IterationTelemetry:
     inf_first_iteration: dict[str, int] = field(default_factory=dict)
     bands: BandSet = field(default_factory=BandSet)
     """The edges ``health`` was judged by (the value head by its own)."""
+    head_entropy: dict[str, float] = field(default_factory=dict)
+    """Per latch head, the policy entropy of the step's last minibatch (empty: not measured)."""
+    head_entropy_norm: dict[str, float] = field(default_factory=dict)
+    """``head_entropy / log(actions)``; heads with one action are left out."""
+    head_kl: dict[str, float] = field(default_factory=dict)
+    """Per latch head, KL(sampling policy || current policy) of the same minibatch (empty: not measured)."""
+    collapse_latched: dict[str, bool] = field(default_factory=dict)
+    """Per latch head, the collapse latch (empty when the heads' sizes are unknown)."""
+    collapse_first_iteration: dict[str, int] = field(default_factory=dict)
 
     def worst_head(self) -> tuple[str, str]:
         """See ``gradmon_ray.telemetry.worst_head`` (every head judged by its own edges)."""
@@ -64,6 +74,15 @@ class IterationTelemetry:
             out[mn.head_metric(mn.HEAD_NAN_LATCH_FIRST_ITERATION, head)] = float(it)
         for head, it in self.inf_first_iteration.items():
             out[mn.head_metric(mn.HEAD_INF_LATCH_FIRST_ITERATION, head)] = float(it)
+        for template, values in (
+            (mn.HEAD_ENTROPY, self.head_entropy),
+            (mn.HEAD_ENTROPY_NORM, self.head_entropy_norm),
+            (mn.HEAD_KL, self.head_kl),
+            (mn.HEAD_COLLAPSE_LATCH, {h: float(v) for h, v in self.collapse_latched.items()}),
+            (mn.HEAD_COLLAPSE_LATCH_FIRST_ITERATION, {h: float(v) for h, v in self.collapse_first_iteration.items()}),
+        ):
+            for head, value in values.items():
+                out[mn.head_metric(template, head)] = value
         out[mn.HEAD_GRAD_NORM_CV] = self.head_norm_cv
         out[mn.GLOBAL_GRAD_NORM] = self.global_norm
         out[mn.NAN_GRAD_COUNT] = self.nan_grad_count
@@ -85,7 +104,9 @@ class TelemetryTracker:
     without per-head log-probs latches one ``"policy"`` entry).  Before the first
     iteration every ``prev`` value is NaN, so the first trend is "→".  ``bands`` holds the
     health band edges: ``bands.action`` judge the action heads, ``bands.value`` every other
-    reported head (the value head); default ``BandSet()``.
+    reported head (the value head); default ``BandSet()``.  ``head_sizes`` (one per latch
+    head: its number of actions) turns on the policy head health (entropy, KL, collapse latch
+    by ``bands.collapse``); None when the action distribution is not categorical per head.
     """
 
     def __init__(
@@ -95,6 +116,7 @@ class TelemetryTracker:
         *,
         bands: BandSet | None = None,
         latch_heads: Sequence[str] | None = None,
+        head_sizes: Sequence[int] | None = None,
     ) -> None:
         self.reported_heads = tuple(reported_heads)
         self.action_heads = tuple(action_heads)
@@ -104,12 +126,23 @@ class TelemetryTracker:
             raise ValueError("action_heads must be a subset of reported_heads")
         self.layout = TelemetryLayout(len(self.reported_heads), len(self.latch_heads))
         self.latches = HeadLatches(self.latch_heads)
+        self.head_sizes = None if head_sizes is None else tuple(int(n) for n in head_sizes)
+        if self.head_sizes is not None and len(self.head_sizes) != len(self.latch_heads):
+            raise ValueError(f"head_sizes {self.head_sizes} needs one size per latch head {self.latch_heads}")
+        collapse = self.bands.collapse
+        self.collapse = CollapseLatches(self.latch_heads, collapse.threshold, collapse.iterations)
         self.prev_norms: dict[str, float] = {h: float("nan") for h in self.reported_heads}
         self.skipped_total = 0
         self.iteration = 0
 
-    def finish_iteration(self, lanes: np.ndarray) -> IterationTelemetry:
-        """Consume one iteration's drained (and, with several learners, reduced) lanes."""
+    @property
+    def head_health_size(self) -> int:
+        """Length of the head-health lanes ``finish_iteration`` takes (0: head health off)."""
+        return 0 if self.head_sizes is None else head_health_lane_count(len(self.latch_heads))
+
+    def finish_iteration(self, lanes: np.ndarray, head_health: np.ndarray | None = None) -> IterationTelemetry:
+        """Consume one iteration's drained (and, with several learners, reduced) lanes, and the
+        SUM over learners of their ``telemetry.head_entropy.head_health_lanes`` (None: not measured)."""
         lay = self.layout
         if lanes.shape != (lay.size,):
             raise ValueError(f"expected {lay.size} lanes, got shape {lanes.shape}")
@@ -131,6 +164,11 @@ class TelemetryTracker:
         for h in self.reported_heads:
             if not math.isnan(head_norms[h]):
                 self.prev_norms[h] = head_norms[h]
+        entropy, kl = self._head_health(head_health)
+        sizes = dict(zip(self.latch_heads, self.head_sizes or (), strict=False))
+        entropy_norm = {h: normalised_entropy(v, sizes[h]) for h, v in entropy.items() if sizes[h] > 1}
+        self.collapse.update(entropy_norm, self.iteration)
+        on = self.head_sizes is not None
         return IterationTelemetry(
             iteration=self.iteration,
             head_norms=head_norms,
@@ -149,7 +187,26 @@ class TelemetryTracker:
             nan_first_iteration=dict(self.latches.nan_first_iteration),
             inf_first_iteration=dict(self.latches.inf_first_iteration),
             bands=self.bands,
+            head_entropy=entropy,
+            head_entropy_norm=entropy_norm,
+            head_kl=kl,
+            collapse_latched=dict(self.collapse.latched) if on else {},
+            collapse_first_iteration=dict(self.collapse.first_iteration) if on else {},
         )
+
+    def _head_health(self, lanes: np.ndarray | None) -> tuple[dict[str, float], dict[str, float]]:
+        """Per-head entropy and KL from the summed lanes: each sum / the learners that measured it."""
+        if self.head_sizes is None or lanes is None:
+            return {}, {}
+        k = len(self.latch_heads)
+        if lanes.shape != (self.head_health_size,):
+            raise ValueError(f"expected {self.head_health_size} head-health lanes, got shape {lanes.shape}")
+        n_entropy, n_kl = lanes[2 * k], lanes[2 * k + 1]
+        entropy = (
+            {h: float(v / n_entropy) for h, v in zip(self.latch_heads, lanes[:k], strict=True)} if n_entropy else {}
+        )
+        kl = {h: float(v / n_kl) for h, v in zip(self.latch_heads, lanes[k : 2 * k], strict=True)} if n_kl else {}
+        return entropy, kl
 
     def skip_iteration(self) -> None:
         """Advance the iteration clock for an iteration without telemetry lanes (telemetry off)."""
@@ -167,6 +224,7 @@ class TelemetryTracker:
             "skipped_total": self.skipped_total,
             "iteration": self.iteration,
             "latches": self.latches.state_dict(),
+            "collapse": self.collapse.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -180,3 +238,5 @@ class TelemetryTracker:
         self.skipped_total = int(state["skipped_total"])
         self.iteration = int(state["iteration"])
         self.latches = HeadLatches.from_state_dict(state["latches"], self.latch_heads)
+        if "collapse" in state:  # absent from checkpoints written before the collapse latch existed
+            self.collapse.load_state_dict(state["collapse"])

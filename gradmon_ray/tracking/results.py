@@ -15,7 +15,7 @@ DEFAULT_MODULE_ID = "default_policy"
 VALUE_HEAD = mn.VALUE_HEAD
 """The value head's reported name: always the last head."""
 
-_GRADMON_PREFIXES = ("grad/", "latch/", "update/", "vgs/", "probe/")
+_GRADMON_PREFIXES = ("grad/", "policy/", "latch/", "update/", "vgs/", "probe/")
 # RLlib result paths -> gradmon names (the training-progress rows of docs/metrics.md).
 _RLLIB_PATHS: dict[str, tuple[str, ...]] = {
     mn.EPISODE_RETURN_MEAN: ("env_runners", "episode_return_mean"),
@@ -26,6 +26,7 @@ _RLLIB_PATHS: dict[str, tuple[str, ...]] = {
     mn.ENTROPY: ("learners", "{module}", "entropy"),
     mn.MEAN_KL: ("learners", "{module}", "mean_kl_loss"),
     mn.TOTAL_LOSS: ("learners", "{module}", "total_loss"),
+    mn.VF_EXPLAINED_VAR: ("learners", "{module}", "vf_explained_var"),
     mn.ITERATION_TIME_S: ("time_this_iter_s",),
     mn.ENV_RUNNERS_HEALTHY: ("fault_tolerance", "num_healthy_workers"),
     mn.ENV_RUNNER_RESTARTS: ("fault_tolerance", "num_remote_worker_restarts"),

@@ -1,9 +1,12 @@
 """``gradmon-ray watch``: a terminal panel, one column per head, following a run in MLflow.
 
 Rows (seeds' operator panel): gradient norm with trend arrow, a log-scale mini-bar, the
-health state in its band colour, the NaN and Inf log-prob latches (○ clear, ● latched) and
-the noise scale when the run has one.  Header: iteration, env steps, return, VGS scale,
-skipped updates.  Footer: the latest probe's bucket x component norms when a probe ran.
+health state in its band colour, the NaN and Inf log-prob latches (○ clear, ● latched), the
+noise scale when the run has one, and each head's normalised policy entropy and collapse latch.
+Below the table: every policy head's normalised entropy and which heads collapsed (the action
+distribution's heads need not be the gradient heads, e.g. ``pi``/``vf`` with ``head_0``, ``head_1``).
+Header: iteration, env steps, return, VGS scale, skipped updates.  Footer: the latest probe's
+bucket x component norms when a probe ran.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from rich.text import Text
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.viz.runs import RunSnapshot, head_band, resolve_run, snapshot
+
+ENTROPY_LOW = 0.2
+"""Normalised entropy shown in red below this (a head close to collapse)."""
 
 BAND_STYLES: dict[str, str] = {
     "dead": "bold white on red",
@@ -69,6 +75,9 @@ def head_cells(snap: RunSnapshot, head: str) -> dict[str, Text]:
     nan_latched = (snap.head_value(mn.HEAD_NAN_LATCH, head) or 0.0) > 0
     inf_latched = (snap.head_value(mn.HEAD_INF_LATCH, head) or 0.0) > 0
     noise = snap.head_value(mn.HEAD_NOISE_SCALE, head)
+    entropy_norm = snap.head_value(mn.HEAD_ENTROPY_NORM, head)
+    collapsed = (snap.head_value(mn.HEAD_COLLAPSE_LATCH, head) or 0.0) > 0
+    low = entropy_norm is not None and entropy_norm < ENTROPY_LOW
     return {
         "grad norm": Text(f"{_fmt(norm)} {arrow}"),
         "log bar": Text(mini_bar(norm), style=BAND_STYLES[band]),
@@ -76,7 +85,25 @@ def head_cells(snap: RunSnapshot, head: str) -> dict[str, Text]:
         "NaN latch": Text(LATCH_SET if nan_latched else LATCH_CLEAR, style="bold red" if nan_latched else "dim"),
         "Inf latch": Text(LATCH_SET if inf_latched else LATCH_CLEAR, style="bold red" if inf_latched else "dim"),
         "noise scale": Text(_fmt(noise, ".3g")),
+        "entropy norm": Text(_fmt(entropy_norm), style="bold red" if low else ""),
+        "collapse": Text(LATCH_SET if collapsed else LATCH_CLEAR, style="bold red" if collapsed else "dim"),
     }
+
+
+def policy_line(snap: RunSnapshot) -> Text | None:
+    """Every policy head's normalised entropy, then the collapsed heads (with the iteration each
+    fired); None for a run without policy head health."""
+    if not snap.policy_heads:
+        return None
+    values = [f"{h} {_fmt(snap.head_value(mn.HEAD_ENTROPY_NORM, h))}" for h in snap.policy_heads]
+    collapsed = [h for h in snap.policy_heads if (snap.head_value(mn.HEAD_COLLAPSE_LATCH, h) or 0.0) > 0]
+    text = Text("policy entropy (entropy / log actions): " + ", ".join(values) + "  ·  collapsed: ")
+    if not collapsed:
+        return text.append("none", style="green")
+    fired = [(h, snap.head_value(mn.HEAD_COLLAPSE_LATCH_FIRST_ITERATION, h)) for h in collapsed]
+    return text.append(
+        ", ".join(f"{h} (iteration {int(it)})" if it is not None else h for h, it in fired), style="bold red"
+    )
 
 
 def _status(snap: RunSnapshot) -> str:
@@ -121,7 +148,22 @@ def _probe_footer(snap: RunSnapshot) -> Group | Text:
     return Group(Text(f"latest probe (iteration {probe.step}): gradient norm (signed share)", style="bold"), table)
 
 
-ROWS: tuple[str, ...] = ("grad norm", "log bar", "state", "NaN latch", "Inf latch", "noise scale")
+ROWS: tuple[str, ...] = (
+    "grad norm",
+    "log bar",
+    "state",
+    "NaN latch",
+    "Inf latch",
+    "noise scale",
+    "entropy norm",
+    "collapse",
+)
+_OPTIONAL_ROWS = {
+    "noise scale": mn.HEAD_NOISE_SCALE,
+    "entropy norm": mn.HEAD_ENTROPY_NORM,
+    "collapse": mn.HEAD_COLLAPSE_LATCH,
+}
+"""Rows shown only when some column has the metric."""
 
 
 def render_panel(snap: RunSnapshot) -> Group:
@@ -131,14 +173,14 @@ def render_panel(snap: RunSnapshot) -> Group:
     for head in snap.heads:
         table.add_column(head, justify="center")
     cells = {head: head_cells(snap, head) for head in snap.heads}
-    has_noise = any(snap.head_value(mn.HEAD_NOISE_SCALE, h) is not None for h in snap.heads)
     for row in ROWS:
-        if row == "noise scale" and not has_noise:
+        template = _OPTIONAL_ROWS.get(row)
+        if template is not None and all(snap.head_value(template, h) is None for h in snap.heads):
             continue
         table.add_row(row, *(cells[h][row] for h in snap.heads))
-    if not snap.heads:
-        return Group(_header(snap), Text("no per-head telemetry in this run yet", style="dim"), _probe_footer(snap))
-    return Group(_header(snap), table, _probe_footer(snap))
+    policy = policy_line(snap)
+    body = [table] if snap.heads else [Text("no per-head telemetry in this run yet", style="dim")]
+    return Group(_header(snap), *body, *([policy] if policy is not None else []), _probe_footer(snap))
 
 
 def watch(

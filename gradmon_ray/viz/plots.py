@@ -22,6 +22,7 @@ from gradmon_ray.viz.runs import ProbeView, RunHistory
 HEATMAP_FILE = "head_grad_norm_heatmap.png"
 LINES_FILE = "head_grad_norm_lines.png"
 PROBE_FILE = "probe_components.png"
+ENTROPY_FILE = "head_entropy_norm.png"
 
 BAND_EDGES: tuple[float, ...] = (DEAD_BELOW, WEAK_BELOW, HEALTHY_MAX, ELEVATED_MAX)
 """dead | weak | healthy | elevated | exploding (``classify_grad_norm``)."""
@@ -117,6 +118,29 @@ def lines_figure(history: RunHistory) -> Figure:
     return figure
 
 
+def entropy_figure(history: RunHistory) -> Figure:
+    """Each policy head's normalised entropy (entropy / log actions) over iterations; a red x where
+    its collapse latch fired."""
+    figure = _new_figure(10.0, 4.0)
+    ax = figure.add_subplot()
+    for head in history.policy_heads:
+        series = history.series.get(mn.head_metric(mn.HEAD_ENTROPY_NORM, head), {})
+        steps = sorted(series)
+        (line,) = ax.plot(steps, [series[s] for s in steps], marker=".", label=head)
+        latch = history.series.get(mn.head_metric(mn.HEAD_COLLAPSE_LATCH, head), {})
+        fired = min((s for s, v in latch.items() if v > 0), default=None)
+        if fired is not None:
+            ax.plot([fired], [series.get(fired, 0.0)], marker="x", markersize=10, color="#d62728", linestyle="")
+            ax.annotate(f"{head} collapsed", (fired, series.get(fired, 0.0)), fontsize=7, color=line.get_color())
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_xlabel("training iteration")
+    ax.set_ylabel("entropy / log(actions)")
+    ax.set_title("policy entropy per head (1 uniform, 0 one action); x: collapse latch fired")
+    if history.policy_heads:
+        ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    return figure
+
+
 def probe_bars_figure(probe: ProbeView) -> Figure:
     """Bucket x component gradient norms of the latest probe, shares written on the bars."""
     figure = _new_figure(10.0, 5.0)
@@ -139,10 +163,13 @@ def probe_bars_figure(probe: ProbeView) -> Figure:
 
 
 def write_plots(history: RunHistory, probe: ProbeView, directory: str | Path) -> list[Path]:
-    """Write the heatmap and line plot (and the probe chart when a probe ran); returns the files."""
+    """Write the heatmap and line plot (the policy entropy plot when the run has policy head health,
+    the probe chart when a probe ran); returns the files."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     figures = {HEATMAP_FILE: heatmap_figure(history), LINES_FILE: lines_figure(history)}
+    if any(mn.head_metric(mn.HEAD_ENTROPY_NORM, h) in history.series for h in history.policy_heads):
+        figures[ENTROPY_FILE] = entropy_figure(history)
     if probe.norms:
         figures[PROBE_FILE] = probe_bars_figure(probe)
     written = []

@@ -108,6 +108,8 @@ def summary_markdown(history: RunHistory, probe: ProbeView, run_name: str = "") 
             lines.append(f"- {r.head}: " + ", ".join(kinds))
     else:
         lines.append("None: no head's log-probs were ever NaN or Inf.")
+    lines += ["", "## Policy heads: entropy and collapse", ""]
+    lines += _policy_lines(history)
     lines += ["", "## VGS and noise scale", ""]
     vgs = _range(history, mn.VGS_SCALING_FACTOR)
     lines.append(f"- VGS scaling factor: {vgs[0]:.4g} .. {vgs[1]:.4g}" if vgs else "- VGS: not enabled in this run")
@@ -133,6 +135,20 @@ def summary_markdown(history: RunHistory, probe: ProbeView, run_name: str = "") 
     else:
         lines.append("No probe ran (probe.gradient_analysis_every: 0).")
     return "\n".join(lines) + "\n"
+
+
+def _policy_lines(history: RunHistory) -> list[str]:
+    """Per policy head: last and lowest normalised entropy, and the iteration its collapse latch fired."""
+    if not history.policy_heads:
+        return ["Not measured in this run (telemetry off, or an action distribution that is not categorical per head)."]
+    lines = ["| head | last entropy / log actions | lowest | collapse latch |", "|---|---:|---:|---|"]
+    for head in history.policy_heads:
+        series = history.series.get(mn.head_metric(mn.HEAD_ENTROPY_NORM, head), {})
+        values = [series[s] for s in sorted(series) if math.isfinite(series[s])]
+        fired = _first_latched(history.series.get(mn.head_metric(mn.HEAD_COLLAPSE_LATCH, head), {}))
+        last, low = (f"{values[-1]:.3f}", f"{min(values):.3f}") if values else ("—", "—")
+        lines.append(f"| {head} | {last} | {low} | {f'iteration {fired}' if fired is not None else '—'} |")
+    return lines
 
 
 def write_report(client: Any, run_id: str, out_dir: str | Path) -> list[Path]:

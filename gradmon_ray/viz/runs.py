@@ -87,6 +87,14 @@ def head_band(code: float | None, norm: float | None, head: str) -> str:
     return classify_grad_norm(norm, bands=DEFAULT_BANDS.for_head(head))
 
 
+def policy_heads(metrics: Mapping[str, float], order: Iterable[str] = ()) -> list[str]:
+    """Heads with a policy entropy or a collapse latch (the action distribution's components, which
+    need not be the gradient heads), in ``order`` first, then sorted."""
+    found = set(mp.heads_of(metrics, mn.HEAD_ENTROPY_NORM)) | set(mp.heads_of(metrics, mn.HEAD_COLLAPSE_LATCH))
+    named = [h for h in order if h in found]
+    return named + sorted(found.difference(named))
+
+
 @dataclass
 class ProbeView:
     """The latest probe: per bucket, each component's gradient norm and signed share."""
@@ -147,6 +155,8 @@ class RunSnapshot:
     heads: list[str]
     iteration: int | None
     probe: ProbeView
+    policy_heads: list[str] = field(default_factory=list)
+    """Heads with a policy entropy or collapse latch (``policy_heads``)."""
 
     def head_value(self, template: str, head: str) -> float | None:
         return self.metrics.get(mn.head_metric(template, head))
@@ -174,6 +184,7 @@ def snapshot(client: Any, run: Any) -> RunSnapshot:
         heads=heads,
         iteration=iteration,
         probe=probe,
+        policy_heads=policy_heads(metrics, heads),
     )
 
 
@@ -186,6 +197,8 @@ class RunHistory:
     series: dict[str, dict[int, float]]
     latest: dict[str, float]
     tags: dict[str, str]
+    policy_heads: list[str] = field(default_factory=list)
+    """Heads with a policy entropy or collapse latch, whose series are loaded too."""
 
     def steps(self, name: str) -> list[int]:
         return sorted(self.series.get(name, {}))
@@ -220,6 +233,8 @@ def load_history(client: Any, run_id: str, extra: Iterable[str] = ()) -> RunHist
             for h in heads
             for t in (mn.HEAD_GRAD_NORM, mn.HEAD_GRAD_HEALTH, mn.HEAD_NAN_LATCH, mn.HEAD_INF_LATCH, mn.HEAD_NOISE_SCALE)
         ]
+        policy = policy_heads(latest, heads)
+        names += [mn.head_metric(t, h) for h in policy for t in (mn.HEAD_ENTROPY_NORM, mn.HEAD_COLLAPSE_LATCH)]
         names += [*HISTORY_SCALARS, *extra]
         series = {}
         for name in names:
@@ -227,4 +242,4 @@ def load_history(client: Any, run_id: str, extra: Iterable[str] = ()) -> RunHist
                 series[name] = {m.step: m.value for m in client.get_metric_history(run_id, name)}
     except Exception as exc:
         raise _unreachable(getattr(client, "tracking_uri", "MLflow"), exc) from None
-    return RunHistory(run_id=run_id, heads=heads, series=series, latest=latest, tags=tags)
+    return RunHistory(run_id=run_id, heads=heads, series=series, latest=latest, tags=tags, policy_heads=policy)

@@ -20,7 +20,7 @@ from gradmon_ray.envs import HEAD_NAMES, FactoredOpsEnv
 from gradmon_ray.rllib.module import resolve_heads
 from gradmon_ray.train import run_training
 from gradmon_ray.viz.panel import watch
-from gradmon_ray.viz.plots import HEATMAP_FILE, LINES_FILE, norm_matrix
+from gradmon_ray.viz.plots import ENTROPY_FILE, HEATMAP_FILE, LINES_FILE, norm_matrix
 from gradmon_ray.viz.report import PLOTS_ARTIFACT_DIR
 from gradmon_ray.viz.runs import load_history
 
@@ -181,7 +181,8 @@ def test_plots_are_artifacts_of_the_real_run_and_match_its_metrics(trained, tmp_
     cfg, outcome, _ = trained
     client = MlflowClient(cfg.mlflow.tracking_uri)
     arts = sorted(a.path for a in client.list_artifacts(outcome.run_id, PLOTS_ARTIFACT_DIR))
-    assert arts == sorted(f"{PLOTS_ARTIFACT_DIR}/{name}" for name in (HEATMAP_FILE, LINES_FILE))  # no probe ran
+    expected = (HEATMAP_FILE, LINES_FILE, ENTROPY_FILE)  # no probe ran
+    assert arts == sorted(f"{PLOTS_ARTIFACT_DIR}/{name}" for name in expected)
     local = Path(client.download_artifacts(outcome.run_id, f"{PLOTS_ARTIFACT_DIR}/{HEATMAP_FILE}", str(tmp_path)))
     assert local.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and local.stat().st_size > 10_000
     heads, steps, matrix = norm_matrix(load_history(client, outcome.run_id))

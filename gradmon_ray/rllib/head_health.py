@@ -1,0 +1,75 @@
+"""Policy head health in a gradmon learner: each head's entropy and KL, measured once per step.
+
+Per minibatch the learner only keeps *references* (``HeadHealthRecorder.record``: no copy, no
+kernel, no host sync) to the minibatch's detached action-distribution inputs, the sampling
+policy's inputs (``batch[Columns.ACTION_DIST_INPUTS]``) and the loss mask, overwriting the
+previous minibatch's.  Once per telemetry step, at the drain, ``lanes()`` computes the
+per-head masked-mean entropy and KL(sampling || current) of that LAST minibatch on the device
+(``gradmon_ray.telemetry.head_entropy``): measured on the step's last minibatch, the same
+minibatch RLlib's own ``entropy`` and ``mean_kl_loss`` (logged with window=1) report.  The lanes
+ride in the step's single packed reduction and host copy.
+
+The heads are the latch heads (``heads.latch_heads``); their sizes come from
+``head_sizes``.  A distribution that is not categorical per head (e.g. a Box action space)
+gets no head health (``head_sizes`` returns None).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+import torch
+
+from gradmon_ray.rllib.distribution import FactoredCategorical
+from gradmon_ray.telemetry.head_entropy import empty_head_health_lanes, head_health_lanes
+
+
+def head_sizes(module: Any, heads: tuple[str, ...]) -> tuple[int, ...] | None:
+    """Number of actions of each of ``heads`` (``heads.latch_heads(module)``), in order; None when
+    the action distribution is not one categorical per head."""
+    dist_cls = module.get_train_action_dist_cls()
+    if isinstance(dist_cls, type) and issubclass(dist_cls, FactoredCategorical):
+        sizes: tuple[int, ...] = tuple(dist_cls.head_sizes)
+    else:
+        space = module.action_space
+        if isinstance(space, gym.spaces.Discrete):
+            sizes = (int(space.n),)
+        elif isinstance(space, gym.spaces.MultiDiscrete) and space.nvec.ndim == 1:
+            sizes = tuple(int(n) for n in space.nvec)
+        elif isinstance(space, gym.spaces.Dict) and all(isinstance(s, gym.spaces.Discrete) for s in space.values()):
+            sizes = tuple(int(space[k].n) for k in sorted(space.spaces))  # dm-tree's sorted-key order
+        else:
+            return None
+    return sizes if len(sizes) == len(heads) else None
+
+
+class HeadHealthRecorder:
+    """The last minibatch's references, and the once-per-step head-health lanes computed from them."""
+
+    def __init__(self, sizes: tuple[int, ...] | None, device: torch.device | str) -> None:
+        self.sizes = sizes
+        self.device = device
+        self._last: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.sizes is not None
+
+    def record(self, logits: torch.Tensor, sampling_logits: Any, mask: torch.Tensor | None) -> None:
+        """Keep references to this minibatch's inputs (``logits`` detached by the caller); no kernel."""
+        if self.sizes is not None:
+            prev = sampling_logits if isinstance(sampling_logits, torch.Tensor) else None
+            self._last = (logits, prev, mask)
+
+    def lanes(self) -> torch.Tensor:
+        """This step's ``head_health_lanes`` (zeros, counts 0, without a minibatch); forgets the references.
+
+        Empty when head health is off."""
+        if self.sizes is None:
+            return torch.zeros(0, dtype=torch.float64, device=self.device)
+        last, self._last = self._last, None
+        if last is None:
+            return empty_head_health_lanes(len(self.sizes), self.device)
+        logits, prev, mask = last
+        return head_health_lanes(logits, prev, self.sizes, mask)
