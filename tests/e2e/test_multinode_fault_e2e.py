@@ -110,16 +110,24 @@ class FaultDriver:
             return None
 
     def _wait(self, what: str, condition: Any) -> Any:
+        """Poll ``condition`` until it returns something true (a state API call that fails is a "not yet")."""
         deadline = time.monotonic() + PHASE_TIMEOUT_S
+        last_error = None
         while not self.done.is_set():
-            value = condition()
+            try:
+                value = condition()
+            except Exception as exc:  # the dashboard busy on a loaded box: ask again
+                value, last_error = None, exc
             if value:
                 self.note(f"seen: {what}")
                 return value
             if time.monotonic() > deadline:
-                raise TimeoutError(f"not seen within {PHASE_TIMEOUT_S:g} s: {what}")
+                raise TimeoutError(f"not seen within {PHASE_TIMEOUT_S:g} s: {what} (last error: {last_error!r})")
             time.sleep(0.2)
         raise RuntimeError(f"the sweep ended before: {what}")
+
+    def _last_logged(self) -> int:
+        return max(self._wait("the run's history", self._run)["trained"])
 
     def _placement(self) -> dict[str, Any] | None:
         actors = _actors()
@@ -148,7 +156,7 @@ class FaultDriver:
         ((runner_id, runner_node, _),) = self.seen["before"][RUNNER_CLASS]
         (role,) = [r for r, n in node_ids.items() if n == runner_node]
         self.seen["runner_node_removed"] = role
-        self.seen["runner_removed_after"] = max(self._run()["trained"])
+        self.seen["runner_removed_after"] = self._last_logged()
         self.cluster.remove_node(self.nodes[role])
         self.note(f"removed {role} (EnvRunner {runner_id[:8]})")
         node = self.cluster.add_node(num_cpus=1, resources={RUNNER: 1})
@@ -173,7 +181,7 @@ class FaultDriver:
         learners = self.seen["after_runner_fault"][LEARNER_CLASS]
         (role,) = [r for r, n in node_ids.items() if n == learners[0][1]]
         self.seen["learner_node_removed"] = role
-        self.seen["learner_removed_after"] = max(self._run()["trained"])
+        self.seen["learner_removed_after"] = self._last_logged()
         self.cluster.remove_node(self.nodes[role])
         self.note(f"removed {role} (learner {learners[0][0][:8]})")
         node = self.cluster.add_node(num_cpus=1, resources={LEARNER: 1})
