@@ -64,7 +64,7 @@ def cluster(without_shared_ray):
 
 
 def _actors() -> dict[str, list[Any]]:
-    """Every actor of the sweep's job by class, alive or dead, as Ray's state API sees it."""
+    """Every actor in the cluster by class name, alive or dead, as Ray's state API sees it."""
     from ray.util.state import list_actors
 
     by_class: dict[str, list[Any]] = {}
