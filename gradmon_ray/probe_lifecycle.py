@@ -44,6 +44,7 @@ def start_probe(cfg: GradmonConfig, name: str, sink: MlflowSink) -> Any:
             num_cpus=cfg.probe.num_cpus,
             num_gpus=cfg.probe.num_gpus,
             max_restarts=cfg.probe.max_restarts,
+            resources=cfg.probe.custom_resources,
         )
     except Exception as exc:  # the probe is an observer: training goes on without it
         logger.warning("gradient probe actor could not start (%s: %s); training without it", type(exc).__name__, exc)

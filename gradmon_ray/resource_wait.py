@@ -27,12 +27,19 @@ class ResourceWaitTimeout(RuntimeError):
 
 def requested_resources(cfg: GradmonConfig) -> dict[str, float]:
     """What the run's actors ask Ray for: one CPU per EnvRunner and per remote learner (RLlib's
-    defaults), ``num_gpus_per_learner`` per learner (the driver's own learner with 0 remote ones)."""
+    defaults), ``num_gpus_per_learner`` per learner (the driver's own learner with 0 remote ones),
+    and their custom resources."""
     res = cfg.resources
     learners = max(1, res.num_learners)
     request = {"CPU": float(res.num_env_runners + res.num_learners)}
     if res.num_gpus_per_learner > 0:
         request["GPU"] = learners * res.num_gpus_per_learner
+    for count, custom in (
+        (res.num_learners, res.custom_resources_per_learner),
+        (res.num_env_runners, res.custom_resources_per_env_runner),
+    ):
+        for name, amount in custom.items():
+            request[name] = request.get(name, 0.0) + count * amount
     return request
 
 

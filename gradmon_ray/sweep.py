@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -102,6 +103,7 @@ def run_sweep(sweep: SweepConfig, base: dict[str, Any], *, progress: Any = print
                     "parent_run_id": parent_id,
                     "sweep": name,
                     "every": sweep.checkpoint_every,
+                    "metric": sweep.metric,
                 },
             },
             tune_config=tune.TuneConfig(
@@ -121,7 +123,7 @@ def run_sweep(sweep: SweepConfig, base: dict[str, Any], *, progress: Any = print
         grid = tuner.fit()
         trials = [_summary(r, sweep.metric) for r in grid]
         # A trial a health rule stopped is broken, whatever its metric said so far.
-        ranked = [t for t in trials if t.metric is not None and t.status == "finished"]
+        ranked = [t for t in trials if t.metric is not None and not math.isnan(t.metric) and t.status == "finished"]
         best = (max if sweep.mode == "max" else min)(ranked, key=lambda t: t.metric) if ranked else None
         if best is not None:
             client.log_metric(parent_id, f"best/{sweep.metric}", mlflow_value(best.metric))  # the one +-Inf rule
@@ -142,15 +144,44 @@ def run_sweep(sweep: SweepConfig, base: dict[str, Any], *, progress: Any = print
 
 
 def _trial_resources(cfg: GradmonConfig, build_ppo_config: Any) -> Any:
-    """RLlib's own resource request for the algorithm (+ a bundle for the probe actor)."""
+    """RLlib's own resource request for the algorithm (+ a bundle for the probe actor).
+
+    RLlib's bundles carry ``custom_resources_per_learner`` / ``_per_env_runner``; the probe's
+    carries ``probe.custom_resources``, so each actor fits only its own kind of bundle.
+    """
     from ray import tune
     from ray.rllib.algorithms.ppo import PPO
 
     request = PPO.default_resource_request(build_ppo_config(cfg))
     bundles = [dict(b) for b in request.bundles]
     if cfg.probe.gradient_analysis_every > 0:
-        bundles.append({"CPU": cfg.probe.num_cpus, **({"GPU": cfg.probe.num_gpus} if cfg.probe.num_gpus else {})})
+        bundles.append(
+            {
+                "CPU": cfg.probe.num_cpus,
+                **({"GPU": cfg.probe.num_gpus} if cfg.probe.num_gpus else {}),
+                **cfg.probe.custom_resources,
+            }
+        )
     return tune.PlacementGroupFactory(bundles, strategy=request.strategy)
+
+
+class MetricCarry:
+    """Every result a trial reports to Tune carries the sweep's metric, or Tune fails the whole sweep.
+
+    An iteration that trained nothing (its only EnvRunner lost with its node, and being restarted)
+    has no episode return and no telemetry; it repeats the metric's last value of this attempt
+    (NaN before there is one; a NaN never ranks a trial).  MLflow gets only what was measured.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.last = math.nan
+
+    def fill(self, metrics: dict[str, float]) -> dict[str, float]:
+        if self.name in metrics:
+            self.last = metrics[self.name]
+            return metrics
+        return {**metrics, self.name: self.last}
 
 
 def _summary(result: Any, metric: str) -> TrialSummary:
@@ -211,10 +242,15 @@ def _trial(params: dict[str, Any]) -> None:
         end_run=True,
     )
     every = int(meta["every"])
+    metric = MetricCarry(meta.get("metric", mn.EPISODE_RETURN_MEAN))
 
     def report(iteration: int, metrics: dict[str, float], algo: Any, monitor: Any, stop_reason: str | None) -> None:
         stopping = stop_reason is not None
-        payload: dict[str, Any] = {**metrics, "gradmon_iteration": iteration, "mlflow_run_id": sink.wait_for_run(30)}
+        payload: dict[str, Any] = {
+            **metric.fill(metrics),
+            "gradmon_iteration": iteration,
+            "mlflow_run_id": sink.wait_for_run(30),
+        }
         if stopping:
             payload["stop_reason_text"] = stop_reason
         if not (iteration % every == 0 or iteration == cfg.iterations or stopping):

@@ -12,16 +12,38 @@ os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 
-@pytest.fixture(scope="session")
-def ray_session():
-    """A local Ray instance shared by every integration test (starting Ray costs ~5 s)."""
+def _init_local_ray() -> None:
     import ray
 
     if not ray.is_initialized():
         # Ray overcommits logical CPUs: 4 on a 2-core CI box runs 1 EnvRunner + learners.
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A local Ray instance shared by every integration test (starting Ray costs ~5 s)."""
+    import ray
+
+    _init_local_ray()
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def without_shared_ray():
+    """For a test module that connects to Ray of its own (a multi-node ``ray.cluster_utils.Cluster``):
+    the shared local instance, if running, is shut down for the module and started again after it."""
+    import ray
+
+    was_running = ray.is_initialized()
+    if was_running:
+        ray.shutdown()
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+    if was_running:
+        _init_local_ray()
 
 
 @pytest.fixture

@@ -51,6 +51,23 @@ def test_tracking_uri_precedence_explicit_then_mlflow_env_then_embedded_store(mo
         ({"probe": {"gradient_analysis_every": -1}}, "probe.gradient_analysis_every", ">= 0"),
         ({"probe": {"num_buckets": 0}}, "probe.num_buckets", ">= 1"),
         ({"probe": {"max_restarts": -2}}, "probe.max_restarts", ">= -1"),
+        ({"probe": {"custom_resources": {"GPU": 1}}}, "probe.custom_resources", "custom resources only, got ['GPU']"),
+        ({"probe": {"custom_resources": {"probe_node": 0}}}, "probe.custom_resources.probe_node", "> 0.0, got 0"),
+        (
+            {"resources": {"num_learners": 2, "custom_resources_per_learner": {"CPU": 1}}},
+            "resources.custom_resources_per_learner",
+            "custom resources only, got ['CPU']; CPUs and GPUs have their own fields",
+        ),
+        (
+            {"resources": {"custom_resources_per_learner": {"learner_node": 1}}},
+            "resources.custom_resources_per_learner",
+            "needs num_learners >= 1 (there is no remote actor to place), got num_learners 0",
+        ),
+        (
+            {"resources": {"num_env_runners": 0, "custom_resources_per_env_runner": {"runner_node": 1}}},
+            "resources.custom_resources_per_env_runner",
+            "needs num_env_runners >= 1",
+        ),
         ({"probe": {"track_grad_norms": True}}, "probe.track_grad_norms", "no enabled entry in regularizers"),
         ({"regularizers": [{"fn": "logit_l2"}]}, "regularizers[0].name", "must be letters, digits"),
         ({"regularizers": [{"name": "task"}]}, "regularizers[0].name", "not task/entropy/kl/value/total"),

@@ -128,3 +128,47 @@ def test_cli_tune_takes_set_and_iterations_into_every_trial_base(monkeypatch, tm
     assert main([*argv, "--set", "ppo.lrr=1"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "ppo.lrr: unknown key" in err, err
+
+
+def test_custom_resources_reach_each_actor_kinds_own_bundles():
+    """Learner, EnvRunner and probe bundles each carry their kind's custom resources, so under Tune's
+    placement group each actor fits only its own bundle (the multi-node e2e test checks the nodes)."""
+    from gradmon_ray.resource_wait import requested_resources
+    from gradmon_ray.rllib.config import build_ppo_config
+    from gradmon_ray.sweep import _trial_resources
+
+    cfg = config_from_dict(
+        {
+            "resources": {
+                "num_learners": 2,
+                "num_env_runners": 3,
+                "custom_resources_per_learner": {"learner_node": 1},
+                "custom_resources_per_env_runner": {"runner_node": 0.5},
+            },
+            "probe": {"gradient_analysis_every": 2, "custom_resources": {"probe_node": 1}},
+        }
+    )
+    bundles = _trial_resources(cfg, build_ppo_config).bundles
+    assert bundles[0] == {"CPU": 1.0}  # the trial's own process: no custom resource, any node with a CPU
+    assert sorted(b.get("learner_node", 0) for b in bundles) == [0] * 5 + [1, 1]
+    assert sorted(b.get("runner_node", 0) for b in bundles) == [0] * 4 + [0.5] * 3
+    assert [b for b in bundles if "probe_node" in b] == [{"CPU": 1.0, "probe_node": 1.0}]
+    assert all(len({"learner_node", "runner_node", "probe_node"} & set(b)) <= 1 for b in bundles)
+    request = requested_resources(cfg)
+    assert request["learner_node"] == 2.0 and request["runner_node"] == 1.5 and request["CPU"] == 5.0
+
+
+def test_every_tune_report_carries_the_sweep_metric():
+    """Tune fails the whole sweep on a result without its metric: an iteration that trained nothing
+    (its EnvRunner's node lost) repeats the last value, NaN before the first, and never ranks."""
+    import math
+
+    from gradmon_ray.sweep import MetricCarry
+
+    carry = MetricCarry("env/episode_return_mean")
+    first = carry.fill({"update/trained": 0.0})
+    assert math.isnan(first["env/episode_return_mean"]) and first["update/trained"] == 0.0
+    assert carry.fill({"env/episode_return_mean": 2.5, "update/trained": 1.0})["env/episode_return_mean"] == 2.5
+    measured = {"update/trained": 0.0}
+    assert carry.fill(measured) == {"update/trained": 0.0, "env/episode_return_mean": 2.5}
+    assert measured == {"update/trained": 0.0}  # the caller's dict (MLflow's copy) is not changed

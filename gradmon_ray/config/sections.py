@@ -23,6 +23,18 @@ Text = Annotated[str, Field(min_length=1)]
 Width = Annotated[int, Field(ge=1)]
 """A layer width."""
 PositiveNumber = Annotated[float, Field(gt=0.0)]
+CustomResources = dict[Text, PositiveNumber]
+"""Custom Ray resources an actor asks for, e.g. ``{learner_node: 1}`` (a node advertises them with
+``ray start --resources``): Ray places the actor only on a node with that much left."""
+_RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def _check_custom_resources(resources: dict[str, float]) -> dict[str, float]:
+    # Ray refuses CPU/GPU in an actor's `resources` (they have their own fields), and so does RLlib.
+    builtin = sorted(set(resources) & set(_RAY_BUILTIN_RESOURCES))
+    if builtin:
+        raise ConfigError("", f"must name custom resources only, got {builtin}; CPUs and GPUs have their own fields")
+    return resources
 
 
 class EnvSection(ConfigModel):
@@ -117,6 +129,32 @@ class ResourcesSection(ConfigModel):
         description="Give up (exit 1) when Ray has not placed the learners and EnvRunners after this long "
         "(what is pending is logged after 30 s).",
     )
+    custom_resources_per_learner: CustomResources = Field(
+        default_factory=dict,
+        description="Custom Ray resources each remote learner asks for, e.g. {learner_node: 1}: learners only go "
+        "to nodes advertising them (RLlib's custom_resources_per_learner; needs num_learners >= 1).",
+    )
+    custom_resources_per_env_runner: CustomResources = Field(
+        default_factory=dict,
+        description="Custom Ray resources each EnvRunner asks for, e.g. {runner_node: 1} "
+        "(RLlib's custom_resources_per_env_runner; needs num_env_runners >= 1).",
+    )
+
+    @field_validator("custom_resources_per_learner", "custom_resources_per_env_runner")
+    @classmethod
+    def _custom_only(cls, resources: dict[str, float]) -> dict[str, float]:
+        return _check_custom_resources(resources)
+
+    @model_validator(mode="after")
+    def _custom_resources_have_actors(self) -> ResourcesSection:
+        # Without remote learners (EnvRunners) RLlib ignores these; refuse rather than ignore them.
+        for field, actors, count in (
+            ("custom_resources_per_learner", "num_learners", self.num_learners),
+            ("custom_resources_per_env_runner", "num_env_runners", self.num_env_runners),
+        ):
+            if getattr(self, field) and count == 0:
+                raise ConfigError(field, f"needs {actors} >= 1 (there is no remote actor to place), got {actors} 0")
+        return self
 
     @field_validator("num_gpus_per_learner")
     @classmethod
@@ -248,9 +286,19 @@ class ProbeSection(ConfigModel):
     num_cpus: float = Field(1.0, ge=0.0, description="CPUs reserved for the probe actor.")
     num_gpus: float = Field(0.0, ge=0.0, description="GPU (fraction) for the probe actor (0: CPU).")
     max_restarts: int = Field(3, ge=-1, description="Restarts of a crashed probe actor (-1: unlimited).")
+    custom_resources: CustomResources = Field(
+        default_factory=dict,
+        description="Custom Ray resources the probe actor asks for, e.g. {probe_node: 1}: it only goes to nodes "
+        "advertising them (a restart too).",
+    )
     track_grad_norms: bool = Field(
         False, description="ADR-009: also take each regularizer's own gradient (one backward pass each)."
     )
+
+    @field_validator("custom_resources")
+    @classmethod
+    def _custom_only(cls, resources: dict[str, float]) -> dict[str, float]:
+        return _check_custom_resources(resources)
 
 
 class HealthStopSection(ConfigModel):

@@ -144,8 +144,12 @@ def start_probe_actor(
     num_cpus: float = 1.0,
     num_gpus: float = 0.0,
     max_restarts: int = 3,
+    resources: Mapping[str, float] | None = None,
 ) -> Any:
     """Start the named probe actor (its own CPU, or a GPU fraction) and wait until it is up.
+
+    ``resources``: custom Ray resources it asks for besides (``probe.custom_resources``), which
+    pins it, and a restart of it, to nodes advertising them.
 
     A restarted actor is rebuilt from these same arguments, so it writes into the same run.
     ``max_task_retries=0``: a probe that died with the actor is counted as failed by the
@@ -159,6 +163,7 @@ def start_probe_actor(
         name=name,
         num_cpus=num_cpus,
         num_gpus=num_gpus,
+        resources=dict(resources or {}),
         max_restarts=max_restarts,
         max_task_retries=0,
         max_concurrency=1,

@@ -78,7 +78,11 @@ def build_ppo_config(cfg: GradmonConfig, *, probe_actor: str | None = None) -> P
         PPOConfig()
         .framework("torch", torch_skip_nan_gradients=True)  # skip a non-finite minibatch
         .environment(env=resolve_env(cfg.env.id), env_config=dict(cfg.env.config))
-        .env_runners(num_env_runners=res.num_env_runners, num_envs_per_env_runner=res.num_envs_per_env_runner)
+        .env_runners(
+            num_env_runners=res.num_env_runners,
+            num_envs_per_env_runner=res.num_envs_per_env_runner,
+            custom_resources_per_env_runner=dict(res.custom_resources_per_env_runner),
+        )
         .fault_tolerance(
             # A crashed EnvRunner is replaced and sampling goes on; the learners never notice.
             restart_failed_env_runners=True,
@@ -88,6 +92,7 @@ def build_ppo_config(cfg: GradmonConfig, *, probe_actor: str | None = None) -> P
         .learners(
             num_learners=res.num_learners,
             num_gpus_per_learner=res.num_gpus_per_learner,
+            custom_resources_per_learner=dict(res.custom_resources_per_learner),
             learner_class=GradmonPPOTorchLearner,
             # Per-row group ids and episode indices, for the gradient probe's buckets.
             learner_connector=lambda obs_space, act_space: AddGroupIdsToTrainBatch(
