@@ -27,7 +27,8 @@ the optimizer.  Usage:
 
     python bench/telemetry_overhead.py [--rounds 15] [--repeats 3] [--trunk 128 128] [--device cpu|cuda]
 
-``--trunk 512 512 512 512`` is about 1M parameters, ``--trunk 1600 1600 1600 1600`` about 10M.
+``--trunk 400 400 400 400`` is 0.99M parameters (policy and value trunks), ``--trunk 1290 1290 1290 1290``
+10.08M.
 """
 
 from __future__ import annotations
