@@ -18,14 +18,19 @@ The learners are built afresh for every repetition (``--keep-learners`` builds t
 where one learner's tensors land in memory can make it a few percent faster or slower than
 an identical twin for the life of the object, which no amount of rotation averages out.
 
-A repetition times ``--rounds`` updates per learner and takes each learner's median; every
-ratio is computed per repetition, and the printed median / min / max are over ``--repeats``
-repetitions.  ``gradmon/off`` is the telemetry's own cost; ``gradmon/stock-fused`` is the fair
-comparison with stock RLlib (the two differ in the telemetry, gradmon's loss code path and
-where the skip-on-NaN decision is made, not in the optimizer); ``gradmon/stock`` mixes in
-the optimizer.  Usage:
+A repetition times ``--rounds`` rounds of one update per learner.  A ratio is paired: per
+round, one arm's update time over the other's (the two ran within the same round, under a
+second apart), and the repetition's ratio is the median over its rounds: this machine has slow
+spells of a few seconds (updates 30-60% slower) that a per-arm median does not cancel.  The
+printed median / min / max are over ``--repeats`` repetitions; the per-arm update times are
+printed too (medians over rounds, then over repetitions).
 
-    python bench/telemetry_overhead.py [--rounds 15] [--repeats 3] [--trunk 128 128] [--device cpu|cuda]
+``gradmon/off`` is the telemetry's own cost; ``gradmon/stock-fused`` is the fair comparison
+with stock RLlib (the two differ in the telemetry, gradmon's loss code path and where the
+skip-on-NaN decision is made, not in the optimizer); ``gradmon/stock`` mixes in the
+optimizer.  Usage:
+
+    python bench/telemetry_overhead.py [--rounds 15] [--repeats 5] [--trunk 128 128] [--device cpu|cuda]
 
 ``--trunk 400 400 400 400`` is 0.99M parameters (policy and value trunks), ``--trunk 1290 1290 1290 1290``
 10.08M.
@@ -83,7 +88,7 @@ def build_arms(cfg: GradmonConfig, twin: bool) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15, help="updates per learner per repetition")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--trunk", type=int, nargs="+", default=None, help="trunk widths (default: the config's)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -117,7 +122,9 @@ def main() -> None:
         return time.perf_counter() - start
 
     names = list(learners)
+    ratios = RATIOS + ([("gradmon", "gradmon-twin")] if args.twin else [])
     per_repeat: list[dict[str, float]] = []
+    pair_ratios: list[dict[tuple[str, str], float]] = []
     for repeat in range(args.repeats):
         if args.fresh and repeat > 0:
             # New learner objects each repetition: where their tensors land in memory (cache
@@ -134,6 +141,12 @@ def main() -> None:
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 times[name].append(timed(name))
         per_repeat.append({n: statistics.median(v) for n, v in times.items()})
+        # Paired: each round's two updates ran within one round of each other (well under a
+        # second), so a slow spell of the machine hits both; the median over rounds drops the
+        # rounds a spell cut in half.
+        pair_ratios.append(
+            {(a, b): statistics.median(x / y for x, y in zip(times[a], times[b], strict=True)) for a, b in ratios}
+        )
 
     minibatches = learners["gradmon"].last_telemetry.minibatches
     params = sum(p.numel() for p in learners["gradmon"].module[DEFAULT_MODULE_ID].parameters())
@@ -150,9 +163,8 @@ def main() -> None:
         )
     extra = statistics.median([(r["gradmon"] - r["off"]) / minibatches * 1e3 for r in per_repeat])
     print(f"  telemetry's own time per minibatch: {extra:.3f} ms (median over repetitions)")
-    ratios = RATIOS + ([("gradmon", "gradmon-twin")] if args.twin else [])
     for a, b in ratios:
-        values = [r[a] / r[b] for r in per_repeat]
+        values = [r[(a, b)] for r in pair_ratios]
         print(
             f"ratio {a}/{b} median {statistics.median(values):.3f} min {min(values):.3f} max {max(values):.3f}",
             flush=True,

@@ -61,7 +61,6 @@ from gradmon_ray.telemetry import (
     NoiseScaleTracker,
     TelemetryTracker,
     VarianceGradientScaler,
-    logp_sums,
 )
 from gradmon_ray.telemetry.noise_scale import GLOBAL_ENTRY
 
@@ -107,8 +106,9 @@ class GradmonMonitor(GradmonReporting):
         self._head_health = HeadHealthRecorder(sizes, self.device)
         self._accumulator = IterationAccumulator(self._tracker.layout, device=self.device)
         self._pending_norms: GradientNorms | None = None
-        self._pending_logp_sums: torch.Tensor | None = None
-        self._zero_sums = torch.zeros(len(self._tracker.latch_heads), device=self.device)
+        # This minibatch's detached [rows, latch heads] log-probs and loss mask (references).
+        self._pending_logp: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._no_logp = torch.zeros(1, len(self._tracker.latch_heads), device=self.device)
         self._collective = self._make_collective()
         self._setup_noise_scale(groups)
         self._report_every = self.gradmon.report_every or int(getattr(self.config, "broadcast_interval", 1) or 1)
@@ -177,12 +177,11 @@ class GradmonMonitor(GradmonReporting):
         self._head_health.record(logits, batch.get(Columns.ACTION_DIST_INPUTS), batch.get(Columns.LOSS_MASK))
 
     def record_logp(self, per_head_logp: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """The minibatch's ``[B, latch heads]`` log-probs -> per-head sums, non-finite where a
-        log-prob was (``latches.logp_sums``; padding rows never latch)."""
+        """Keep the minibatch's ``[B, latch heads]`` log-probs and loss mask by reference: the
+        accumulator checks the whole iteration's log-probs for NaN/Inf once, at the drain
+        (padding rows never latch).  No kernel here."""
         self._last_rows = int(per_head_logp.shape[0])  # host-side shape: no sync
-        if mask is not None:
-            per_head_logp = torch.where(mask.bool().reshape(-1, 1), per_head_logp, 0.0)
-        self._pending_logp_sums = logp_sums(per_head_logp.detach())
+        self._pending_logp = (per_head_logp.detach(), mask)
 
     @override(Learner)
     def postprocess_gradients_for_module(
@@ -229,10 +228,10 @@ class GradmonMonitor(GradmonReporting):
         with self._scaled_update():
             skipped = self._step(optimizers, gradients_dict, found, skip_nonfinite)
         if self.gradmon.telemetry:
-            sums = self._pending_logp_sums if self._pending_logp_sums is not None else self._zero_sums
-            self._accumulator.add_minibatch_logp_sums(norms, sums, skipped)
+            logp, mask = self._pending_logp if self._pending_logp is not None else (self._no_logp, None)
+            self._accumulator.add_minibatch_logp(norms, logp, skipped, mask)
         self._pending_norms = None
-        self._pending_logp_sums = None
+        self._pending_logp = None
 
     def _scaled_update(self) -> AbstractContextManager[None]:
         """VGS in update mode: the optimizers' steps move by factor x their update."""

@@ -100,15 +100,23 @@ def head_health_lanes(
     learners, the two counts divide the sums back into means over learners.
     """
     with torch.no_grad():
-        entropy = masked_head_mean(per_head_entropy(logits, sizes), mask)
-        # The counts by fill kernels: a Python list -> CUDA tensor would be a synchronising copy.
-        counts = entropy.new_ones(HEAD_HEALTH_COUNTS, dtype=torch.float64)
+        # One log-softmax over both policies and one masked mean over [entropy | KL]: this
+        # runs once per step, but every kernel launch here is ~10 us on a CPU.
+        num_heads = len(sizes)
         if sampling_logits is None:
-            kl = torch.zeros_like(entropy)
-            counts[1:].zero_()
+            logp = head_log_probs(logits, sizes)
+            rows = -(logp.exp() * logp).sum(-1)
         else:
-            kl = masked_head_mean(per_head_kl(sampling_logits, logits, sizes), mask)
-        return torch.cat([entropy.double(), kl.double(), counts])
+            both = head_log_probs(torch.stack([logits, sampling_logits.to(logits.dtype)]), sizes)
+            current, sampling = both[0], both[1]
+            rows = torch.cat([-(current.exp() * current).sum(-1), (sampling.exp() * (sampling - current)).sum(-1)], -1)
+        means = masked_head_mean(rows, mask).double()
+        # The counts by fill kernels: a Python list -> CUDA tensor would be a synchronising copy.
+        counts = means.new_ones(HEAD_HEALTH_COUNTS)
+        if sampling_logits is None:
+            counts[1:].zero_()
+            means = torch.cat([means, means.new_zeros(num_heads)])
+        return torch.cat([means, counts])
 
 
 def empty_head_health_lanes(num_heads: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -1,10 +1,11 @@
 """Per-head NaN/Inf OR-latches on the heads' log-probs (TELE-302/303), and entropy-collapse latches.
 
-Detection (``logp_sums`` in the learner, ``logp_nonfinite_flags`` where exact per-kind flags
-are wanted) runs on the device every minibatch and returns flags
-without synchronising; the latch itself (``HeadLatches``) lives on the host and is fed once
-per training iteration.  Once a head's latch is set it stays set for the whole run,
-including across checkpoint restores.
+Detection runs on the device without synchronising: the learner hands each minibatch's
+log-probs to the ``IterationAccumulator`` by reference, which checks the whole iteration's at
+its drain (exact per kind: one NaN and one Inf test over all of them);
+``logp_nonfinite_flags`` and ``logp_sums`` are the per-minibatch forms.  The latch itself
+(``HeadLatches``) lives on the host and is fed once per training iteration.  Once a head's
+latch is set it stays set for the whole run, including across checkpoint restores.
 """
 
 from __future__ import annotations

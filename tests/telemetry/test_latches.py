@@ -96,3 +96,30 @@ def test_records_fold_to_the_sums_and_a_drain_starts_over():
     assert lanes[layout.skipped] == 2.0 and lanes[layout.minibatches] == 5.0
     again, _, _ = acc.drain()  # a drain starts the next iteration empty
     assert again[layout.minibatches] == 0.0 and again[layout.norm_sum].tolist() == [0.0, 0.0]
+
+
+def test_iteration_logp_flags_are_exact_per_kind_and_respect_the_mask():
+    """The learner's path (``add_minibatch_logp``: log-probs by reference, checked at the drain):
+    worked cases by hand over two minibatches of different sizes.  Unlike per-minibatch sums, a
+    NaN next to an Inf in the same head and minibatch sets BOTH latches; a padded row (mask
+    False) never latches, whatever it holds."""
+    from gradmon_ray.telemetry import GradientNorms, IterationAccumulator, TelemetryLayout
+
+    nan, inf = float("nan"), float("inf")
+    layout = TelemetryLayout(num_reported=1, num_action_heads=4)
+    norms = GradientNorms(torch.ones(1), torch.ones(()), torch.zeros(()), torch.zeros(()))
+    acc = IterationAccumulator(layout)
+    # minibatch 1: head 0 NaN and -Inf; head 3 NaN only in a padded row (mask False)
+    first = torch.tensor([[nan, -0.1, -0.2, -0.3], [-inf, -0.1, -0.2, nan], [-0.5, -0.1, -0.2, -0.3]])
+    acc.add_minibatch_logp(norms, first, torch.zeros(()), torch.tensor([True, False, True]))
+    # minibatch 2 (no mask, 2 rows): head 1 +Inf, head 2 NaN
+    acc.add_minibatch_logp(norms, torch.tensor([[-0.1, inf, -0.2, -0.3], [-0.1, -0.2, nan, -0.3]]), torch.zeros(()))
+    lanes, _, _ = acc.drain()
+    # head 0: NaN (row 0, kept) and -Inf only in the padded row 1 -> NaN latch, no Inf latch
+    assert lanes[layout.logp_nan].tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert lanes[layout.logp_inf].tolist() == [0.0, 1.0, 0.0, 0.0]
+    acc.add_minibatch_logp(norms, torch.tensor([[nan, -0.1, -0.2, -inf], [-inf, -0.1, -0.2, nan]]), torch.zeros(()))
+    lanes, _, _ = acc.drain()  # both kinds in heads 0 and 3 of one minibatch: both latches
+    assert lanes[layout.logp_nan].tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert lanes[layout.logp_inf].tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert lanes[layout.minibatches] == 1.0
