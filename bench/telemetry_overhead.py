@@ -31,7 +31,7 @@ with stock RLlib (the two differ in the telemetry, gradmon's loss code path and 
 skip-on-NaN decision is made, not in the optimizer); ``gradmon/stock`` mixes in the
 optimizer.  Usage:
 
-    python bench/telemetry_overhead.py [--rounds 15] [--repeats 5] [--trunk 128 128] [--device cpu|cuda]
+    python bench/telemetry_overhead.py [--rounds 25] [--repeats 5] [--trunk 128 128] [--device cpu|cuda]
 
 ``--trunk 400 400 400 400`` is 0.99M parameters (policy and value trunks), ``--trunk 1290 1290 1290 1290``
 10.08M.
@@ -89,7 +89,7 @@ def build_arms(cfg: GradmonConfig, twin: bool) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15, help="updates per learner per repetition")
+    parser.add_argument("--rounds", type=int, default=25, help="rounds (one update per learner) per repetition")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--trunk", type=int, nargs="+", default=None, help="trunk widths (default: the config's)")
