@@ -29,16 +29,9 @@ from gradmon_ray.rllib.head_health import head_sizes
 from gradmon_ray.rllib.heads import latch_heads
 from gradmon_ray.tracking import GradmonMLflowCallback
 from tests.fixtures.user_envs import MatchTwoEnv
+from tests.rllib.user_module import default_ppo_module
 
 SIZES = {"head_0": 3, "head_1": 4}  # MatchTwoEnv's MultiDiscrete([3, 4])
-
-
-def _default_ppo_module(action_space):
-    spec = PPOConfig().get_default_rl_module_spec()
-    spec.observation_space = gym.spaces.Box(-1.0, 1.0, (5,))
-    spec.action_space = action_space
-    spec.model_config = PPOConfig().model_config
-    return spec.build()
 
 
 @pytest.mark.parametrize(
@@ -51,7 +44,7 @@ def _default_ppo_module(action_space):
     ],
 )
 def test_head_sizes_follow_the_latch_heads_of_rllibs_default_module(space, sizes):
-    module = _default_ppo_module(space)
+    module = default_ppo_module(space)
     assert head_sizes(module, latch_heads(module)) == sizes
 
 

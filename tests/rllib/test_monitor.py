@@ -25,7 +25,7 @@ from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
 
 from gradmon_ray.rllib import compat, with_gradmon
-from tests.rllib.user_module import TinyActorCritic
+from tests.rllib.user_module import TinyActorCritic, default_ppo_module
 
 HEADS = {"pi": r"^pi\.", "vf": r"^vf\."}
 SPACES = {MID: (gym.make("CartPole-v1").observation_space, gym.make("CartPole-v1").action_space)}
@@ -220,14 +220,6 @@ def test_log_gradients_is_honoured_with_rllibs_key():
         learner.shutdown()
 
 
-def _default_ppo_module(action_space):
-    spec = PPOConfig().get_default_rl_module_spec()
-    spec.observation_space = gym.spaces.Box(-1.0, 1.0, (5,))
-    spec.action_space = action_space
-    spec.model_config = PPOConfig().model_config
-    return spec.build()
-
-
 @pytest.mark.parametrize(
     ("space", "names"),
     [
@@ -241,7 +233,7 @@ def test_default_module_latches_per_action_component(space, names):
     (sorted Dict keys, as dm-tree flattens); NaN logits of one head flag that head only."""
     from gradmon_ray.rllib.heads import latch_heads, per_head_logp
 
-    module = _default_ppo_module(space)
+    module = default_ppo_module(space)
     assert latch_heads(module) == names
     sizes = [3, 4] if len(names) == 2 else [3]
     logits = torch.randn(6, sum(sizes))

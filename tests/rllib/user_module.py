@@ -1,10 +1,13 @@
-"""A user's own RLModule (not gradmon's, not RLlib's default): heads are declared by regex."""
+"""A user's own RLModule (not gradmon's, not RLlib's default): heads are declared by regex; and
+RLlib's own default PPO module for a given action space (``default_ppo_module``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import gymnasium as gym
 import torch
+from ray.rllib.algorithms.ppo import PPOConfig
 from ray.rllib.core.columns import Columns
 from ray.rllib.core.distribution.torch.torch_distribution import TorchCategorical
 from ray.rllib.core.rl_module.apis.value_function_api import ValueFunctionAPI
@@ -30,3 +33,12 @@ class TinyActorCritic(TorchRLModule, ValueFunctionAPI):
         if embeddings is None:
             embeddings = self.body(batch[Columns.OBS].float())
         return self.value_out(embeddings).squeeze(-1)
+
+
+def default_ppo_module(action_space: gym.Space) -> Any:
+    """RLlib's default PPO RLModule (its own catalog and distribution) over a 5-d Box observation."""
+    spec = PPOConfig().get_default_rl_module_spec()
+    spec.observation_space = gym.spaces.Box(-1.0, 1.0, (5,))
+    spec.action_space = action_space
+    spec.model_config = PPOConfig().model_config
+    return spec.build()
