@@ -95,3 +95,36 @@ def test_checkpointed_state_restores_as_plain_mean_stats() -> None:
     stats = restored.stats[KEY]["a"]
     assert type(stats) is MeanStats
     assert restored.reduce(compile=True)[KEY]["a"] == 1.25
+
+
+@pytest.mark.parametrize("compile", [True, False])
+def test_step_by_step_like_a_learner_matches_stock_rllib(compile: bool) -> None:
+    """The learner's real pattern: log a step, reduce, log the next step into the SAME Stats
+    objects (``log_step_metrics``'s direct push), reduce again.  A stale value left in the
+    window, a push into the wrong key or a reduce that does not empty the window shows up as a
+    difference from stock RLlib at some step."""
+    steps = [*STEPS, {"a": 8.0, "b": 9.0, "c": 5, "d": np.float64(1.0), "e": torch.tensor(6.0), "f": -2.0}]
+    stock, ours = MetricsLogger(), MetricsLogger()
+    for step in steps:
+        for name, value in step.items():
+            stock.log_value((KEY, name), value, window=1)
+        log_step_metrics(ours, KEY, step)
+        got, want = ours.reduce(compile=compile)[KEY], stock.reduce(compile=compile)[KEY]
+        assert got.keys() == want.keys()
+        for name in want:
+            g, w = (got[name], want[name]) if compile else (got[name].peek(), want[name].peek())
+            assert _same(g, w), (name, g, w)
+            assert _same(g, float(step[name])), (name, g, step[name])
+    assert len(ours.stats[KEY]["a"]) == 0  # the window was emptied by the last reduce
+
+
+def test_logging_continues_into_a_restored_logger() -> None:
+    """After RLlib restores a logger from a checkpoint (plain ``MeanStats``), later steps still
+    land in it: through ``log_value``, not the fast push, and with the new values."""
+    restored = MetricsLogger()
+    restored.set_state(_gradmon_logger([{"a": 1.25, "b": 2.0}]).get_state())
+    restored.reduce()
+    log_step_metrics(restored, KEY, {"a": 3.5, "b": float("nan")})
+    out = restored.reduce(compile=True)[KEY]
+    assert out["a"] == 3.5 and math.isnan(out["b"])
+    assert type(restored.stats[KEY]["a"]) is MeanStats

@@ -123,3 +123,25 @@ def test_iteration_logp_flags_are_exact_per_kind_and_respect_the_mask():
     assert lanes[layout.logp_nan].tolist() == [1.0, 0.0, 0.0, 1.0]
     assert lanes[layout.logp_inf].tolist() == [1.0, 0.0, 0.0, 1.0]
     assert lanes[layout.minibatches] == 1.0
+
+
+def test_iteration_logp_flags_finite_values_whose_sum_overflows_never_latch():
+    """The drain's CPU shortcut (a finite sum of all log-probs: nothing to latch) must hand a sum
+    that overflows to -Inf to the exact test, which finds every element finite; and an all-finite
+    iteration next to a later NaN one latches only the head that held the NaN."""
+    from gradmon_ray.telemetry import GradientNorms, IterationAccumulator, TelemetryLayout
+
+    layout = TelemetryLayout(num_reported=1, num_action_heads=3)
+    norms = GradientNorms(torch.ones(1), torch.ones(()), torch.zeros(()), torch.zeros(()))
+    acc = IterationAccumulator(layout)
+    big = torch.finfo(torch.float32).min  # finite: the most negative float32
+    acc.add_minibatch_logp(norms, torch.tensor([[big, -0.1, -0.2], [big, -0.3, -0.4]]), torch.zeros(()))
+    acc.add_minibatch_logp(norms, torch.tensor([[big, -0.5, -0.6]]), torch.zeros(()), torch.tensor([True]))
+    lanes, _, _ = acc.drain()
+    assert lanes[layout.logp_nan].tolist() == [0.0, 0.0, 0.0]
+    assert lanes[layout.logp_inf].tolist() == [0.0, 0.0, 0.0]
+    acc.add_minibatch_logp(norms, torch.tensor([[-0.1, -0.2, -0.3]]), torch.zeros(()))
+    acc.add_minibatch_logp(norms, torch.tensor([[-0.1, float("nan"), -0.3]]), torch.zeros(()))
+    lanes, _, _ = acc.drain()
+    assert lanes[layout.logp_nan].tolist() == [0.0, 1.0, 0.0]
+    assert lanes[layout.logp_inf].tolist() == [0.0, 0.0, 0.0]
