@@ -106,7 +106,7 @@ class GradmonMonitor(GradmonReporting):
         self._head_health = HeadHealthRecorder(sizes, self.device)
         self._accumulator = IterationAccumulator(self._tracker.layout, device=self.device)
         self._pending_norms: GradientNorms | None = None
-        # This minibatch's detached [rows, latch heads] log-probs and loss mask (references).
+        # This minibatch's [rows, latch heads] log-probs and loss mask (references).
         self._pending_logp: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._no_logp = torch.zeros(1, len(self._tracker.latch_heads), device=self.device)
         self._collective = self._make_collective()
@@ -151,7 +151,6 @@ class GradmonMonitor(GradmonReporting):
         squared norms into device lanes, then hands the bucket to DDP's own all-reduce."""
         self._noise: NoiseScaleTracker | None = None
         self._noise_hook = NoiseScaleHook(groups, self.device, scale=self._loss_scale)  # lanes always reduced
-        self._last_rows = 0
         active = self.gradmon.noise_scale and self._collective.active
         if active and self._noise_hook.register(self.module[self._module_id]):
             self._noise = NoiseScaleTracker([*groups, GLOBAL_ENTRY], beta=self.gradmon.noise_ema_beta)
@@ -172,15 +171,16 @@ class GradmonMonitor(GradmonReporting):
         return loss
 
     def record_head_inputs(self, logits: torch.Tensor, batch: dict) -> None:
-        """Keep references to this minibatch's detached ``logits``, the sampling policy's logits
-        and the loss mask for the step's head health (``rllib.head_health``); no kernel."""
+        """Keep references to this minibatch's ``logits``, the sampling policy's logits and the
+        loss mask for the step's head health (``rllib.head_health``); no kernel.  ``logits`` may
+        still carry its graph: the drain reads it under ``no_grad``."""
         self._head_health.record(logits, batch.get(Columns.ACTION_DIST_INPUTS), batch.get(Columns.LOSS_MASK))
 
     def record_logp(self, per_head_logp: torch.Tensor, mask: torch.Tensor | None) -> None:
         """Keep the minibatch's ``[B, latch heads]`` log-probs and loss mask by reference: the
         accumulator checks the whole iteration's log-probs for NaN/Inf once, at the drain
-        (padding rows never latch).  No kernel here."""
-        self._last_rows = int(per_head_logp.shape[0])  # host-side shape: no sync
+        (padding rows never latch).  No kernel here; the ``detach`` lets the minibatch's graph
+        be freed with the minibatch, not all at once at the drain."""
         self._pending_logp = (per_head_logp.detach(), mask)
 
     @override(Learner)
@@ -194,7 +194,8 @@ class GradmonMonitor(GradmonReporting):
         # After backward (and DDP's all-reduce), before clipping.
         norms = self._pending_norms = self._norm_plan.compute()
         if self._noise is not None:
-            self._noise_hook.add_big(norms.head_norms, norms.global_norm, self._last_rows)
+            rows = self._pending_logp[0].shape[0] if self._pending_logp is not None else 0  # host-side shape
+            self._noise_hook.add_big(norms.head_norms, norms.global_norm, rows)
         global_norm = norms.global_norm
         if self._vgs is not None:
             # After the telemetry norms (they stay pre-scaling); a skipped (non-finite) step

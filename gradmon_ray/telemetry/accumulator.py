@@ -125,11 +125,11 @@ class IterationAccumulator:
         self, norms: GradientNorms, per_head_logp: torch.Tensor, skipped: torch.Tensor, mask: torch.Tensor | None = None
     ) -> None:
         """Record one minibatch: norms, the 0-d skip flag and its ``[rows, latch heads]``
-        log-probs (detached), by reference: the NaN/Inf flags of the whole iteration are
+        log-probs, by reference: the NaN/Inf flags of the whole iteration are
         computed at the drain, in one pass over all its log-probs (exact per kind; rows where
         ``mask`` is False never latch).  No kernel, no host synchronisation, no copy; the
         log-probs stay alive until the drain (``rows x heads`` floats per minibatch)."""
-        rows = per_head_logp.reshape(-1, per_head_logp.shape[-1])
+        rows = per_head_logp if per_head_logp.dim() == 2 else per_head_logp.reshape(-1, per_head_logp.shape[-1])
         self._records.append(
             (norms.head_norms, norms.global_norm, norms.nan_count, norms.inf_count, skipped, rows, rows, mask)
         )
