@@ -15,9 +15,10 @@ round, so that drift on the machine and the previous arm's memory traffic hit al
 * ``gradmon-twin``: a second ``gradmon``, identical: ``gradmon/gradmon-twin`` is an A/A
   comparison whose distance from 1 is the run's noise floor (``--no-twin`` leaves it out).
 
-The learners are built afresh for every repetition (``--keep-learners`` builds them once):
-where one learner's tensors land in memory can make it a few percent faster or slower than
-an identical twin for the life of the object, which no amount of rotation averages out.
+The learners are built afresh for every repetition, in a random order (``--keep-learners``
+builds them once): where one learner's tensors land in memory can make it a few percent faster
+or slower than an identical twin for the life of the object, which no amount of rotation
+averages out, and a fixed build order would land them alike in every repetition.
 
 A repetition times ``--rounds`` rounds of one update per learner.  A ratio is paired: per
 round, one arm's update time over the other's (the two ran within the same round, under a
@@ -69,18 +70,26 @@ class FusedAdamPPOTorchLearner(PPOTorchLearner):
         )
 
 
-def build_arms(cfg: GradmonConfig, twin: bool) -> dict[str, Any]:
-    """The arms, freshly built, all starting from the same weights."""
+def build_arms(cfg: GradmonConfig, twin: bool, order: random.Random) -> dict[str, Any]:
+    """The arms, freshly built in a random order, all starting from the same weights.
+
+    The build order is drawn anew each time: the allocator places each learner's parameters
+    and optimizer state by the allocations before it, and a fixed order would give every
+    repetition the same placement, a bias of a percent or more either way (seen as the same
+    model code running that much faster in one learner than in its identical twin).
+    """
     off = cfg.model_copy(deep=True)
     off.telemetry.enabled = False
-    learners = {
-        "stock": build_local_learner(cfg, learner_class=PPOTorchLearner),
-        "stock-fused": build_local_learner(cfg, learner_class=FusedAdamPPOTorchLearner),
-        "gradmon": build_local_learner(cfg),
-        "off": build_local_learner(off),
+    builders = {
+        "stock": lambda: build_local_learner(cfg, learner_class=PPOTorchLearner),
+        "stock-fused": lambda: build_local_learner(cfg, learner_class=FusedAdamPPOTorchLearner),
+        "gradmon": lambda: build_local_learner(cfg),
+        "off": lambda: build_local_learner(off),
     }
     if twin:
-        learners["gradmon-twin"] = build_local_learner(cfg)
+        builders["gradmon-twin"] = lambda: build_local_learner(cfg)
+    built = {name: builders[name]() for name in order.sample(list(builders), len(builders))}
+    learners = {name: built[name] for name in builders}  # report in the usual order
     weights = learners["gradmon"].module[DEFAULT_MODULE_ID].get_state()
     for learner in learners.values():
         learner.module[DEFAULT_MODULE_ID].set_state(weights)
@@ -111,7 +120,8 @@ def main() -> None:
         cfg.model.trunk_hiddens = list(args.trunk)
     if args.device == "cuda":
         cfg.resources.num_gpus_per_learner = 1.0
-    learners = build_arms(cfg, args.twin)
+    order = random.Random(0)
+    learners = build_arms(cfg, args.twin, order)
     batch = train_batch(learners["gradmon"], sample_episodes(cfg, learners["gradmon"], cfg.ppo.train_batch_size))
 
     def timed(name: str) -> float:
@@ -125,7 +135,6 @@ def main() -> None:
 
     names = list(learners)
     ratios = RATIOS + ([("gradmon", "gradmon-twin")] if args.twin else [])
-    order = random.Random(0)
     per_repeat: list[dict[str, float]] = []
     pair_ratios: list[dict[tuple[str, str], float]] = []
     for repeat in range(args.repeats):
@@ -135,7 +144,7 @@ def main() -> None:
             # buffers cannot bias every repetition of a run the same way.
             for learner in learners.values():
                 learner.shutdown()
-            learners = build_arms(cfg, args.twin)
+            learners = build_arms(cfg, args.twin, order)
         for _ in range(args.warmup):
             for name in names:
                 timed(name)

@@ -244,7 +244,11 @@ def _nonfinite_flags(
     same = all(a is b for a, b in zip(nan_rows, inf_rows, strict=True))
     inf_src = nan_src if same else torch.cat(inf_rows)
     if nan_src.device.type == "cpu":
-        total = float(nan_src.sum() if same else nan_src.sum() + inf_src.sum())
+        # numpy's sum, not torch's: an iteration's log-probs (tens of thousands of floats) are
+        # past torch's parallel grain size, and waking the intra-op thread pool for one small
+        # reduction costs more than the sum.
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is the answer, not a warning
+            total = float(nan_src.numpy().sum()) + (0.0 if same else float(inf_src.numpy().sum()))
         if math.isfinite(total):
             none = torch.zeros(nan_src.shape[-1], dtype=torch.bool)
             return none, none
