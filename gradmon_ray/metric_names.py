@@ -9,6 +9,7 @@ that reads the names back (it imports this module, never the other way round).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 VALUE_HEAD = "value"
@@ -354,6 +355,7 @@ def probe_metric(template: str, bucket: str, **parts: str) -> str:
     return template.format(bucket=bucket, **parts)
 
 
+@functools.lru_cache(maxsize=4096)  # ~90 names per telemetry step, the same every step
 def head_metric(template: str, head: str) -> str:
     """Fill a per-head template, e.g. ``head_metric(HEAD_GRAD_NORM, "op")``."""
     return template.format(head=head)

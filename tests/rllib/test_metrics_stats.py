@@ -128,3 +128,23 @@ def test_logging_continues_into_a_restored_logger() -> None:
     out = restored.reduce(compile=True)[KEY]
     assert out["a"] == 3.5 and math.isnan(out["b"])
     assert type(restored.stats[KEY]["a"]) is MeanStats
+
+
+def test_reduced_copy_is_what_rllibs_clone_builds() -> None:
+    """The reduce fast path copies a leaf's attributes instead of calling ``clone()``: it must
+    hold exactly the attributes RLlib's clone sets, with the same settings, fresh timers and the
+    value.  A new attribute in a later RLlib (a mutable one would be shared by the copy) fails here."""
+    stats = GradmonMeanStats(window=1)
+    stats.push(2.5)
+    stats._start_times["t"] = 1.0  # must not leak into the reduced copy
+    reference = stats.clone()
+    reduced = stats.reduce(compile=False)
+    assert type(reduced) is GradmonMeanStats and reduced is not stats
+    assert set(vars(reduced)) == set(vars(reference))
+    for name, value in vars(reference).items():
+        if name == "values":
+            assert list(reduced.values) == [2.5] and list(value) == []
+        else:
+            assert getattr(reduced, name) == value, name
+    assert reduced._start_times is not stats._start_times
+    assert len(stats.values) == 0
