@@ -44,8 +44,9 @@ def _action_major(logits: torch.Tensor, sizes: Sequence[int]) -> tuple[torch.Ten
 
     Actions first, because a CPU softmax over the LAST dimension of a few actions runs row by
     row (about 80 ns a row: ~90 us for one minibatch's two policies), while over the first
-    dimension it is vectorised across the rows (~8 us).  ``p`` comes from ``softmax``, not
-    ``exp(log p)``: exp of an underflowing argument (the clamped padding) takes a slow path.
+    dimension it is vectorised across the rows (~8 us).  ``p`` is ``exp`` of the log-softmax
+    before the clamp: exp of an underflowing argument (the clamped padding) takes a slow path,
+    and a second softmax over the first dimension goes parallel and wakes the thread pool.
     """
     sizes = tuple(int(s) for s in sizes)
     if not sizes or min(sizes) < 1:
@@ -55,8 +56,9 @@ def _action_major(logits: torch.Tensor, sizes: Sequence[int]) -> tuple[torch.Ten
     flat = torch.nn.functional.pad(logits.reshape(-1, sum(sizes)), (0, 1), value=float("-inf"))
     padded = flat.t().index_select(0, _action_major_index(sizes, logits.device))
     padded = padded.reshape(max(sizes), len(sizes), flat.shape[0])
-    logp = torch.log_softmax(padded, 0).clamp(min=torch.finfo(padded.dtype).min)
-    return logp, torch.softmax(padded, 0), tuple(logits.shape[:-1])
+    logp = torch.log_softmax(padded, 0)
+    probs = logp.exp()  # before the clamp: exp(-inf) is 0 on a fast path, exp(dtype min) is not
+    return logp.clamp(min=torch.finfo(padded.dtype).min), probs, tuple(logits.shape[:-1])
 
 
 def _rows_last(per_head: torch.Tensor, leading: tuple[int, ...]) -> torch.Tensor:
