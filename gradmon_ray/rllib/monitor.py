@@ -7,7 +7,7 @@ Per minibatch, everything stays on the learner's device (nothing syncs with the 
 2. after backward (and DDP's all-reduce), before clipping: per-head norms, the global norm,
    exact NaN/Inf element counts (``GradientNormPlan``); VGS scales the gradients; global-norm
    clipping reuses that norm;
-3. the step: with ``torch_skip_nan_gradients=True`` a non-finite minibatch is skipped (fused
+3. the step (``rllib.optimizer_step``): with ``torch_skip_nan_gradients=True`` a non-finite minibatch is skipped (fused
    optimizers read ``found_inf`` on the device, as from ``torch.amp.GradScaler``; others cost
    one host sync); with RLlib's default ``False`` the gradients go through ``nan_to_num``
    and the step is taken, exactly as stock RLlib does; a ``GradScaler`` skips on overflow;
@@ -44,6 +44,7 @@ from gradmon_ray.optim.scaled_step import UpdateScaler
 from gradmon_ray.rllib import compat
 from gradmon_ray.rllib.head_health import HeadHealthRecorder, head_sizes
 from gradmon_ray.rllib.heads import action_heads, head_parameter_groups, latch_heads, per_head_logp
+from gradmon_ray.rllib.optimizer_step import MinibatchStep
 from gradmon_ray.rllib.reporting import (
     GRADMON_STATE_KEYS,
     NOISE_STATE_KEY,
@@ -95,8 +96,7 @@ class GradmonMonitor(GradmonReporting):
         groups = head_parameter_groups(rl_module, self.gradmon.heads)
         # Mixed precision: RLlib scales the loss; gradients are unscaled right after backward.
         self._grad_scaler = compat.grad_scaler(self, self._module_id)
-        # [minibatches the scaler skipped (overflow at its scale), scale of the last minibatch]
-        self._scaler_acc = torch.zeros(2, dtype=torch.float64, device=self.device)
+        self._minibatch_step = MinibatchStep(self._grad_scaler, self.device)
         self._norm_plan = GradientNormPlan(groups, [p for p in rl_module.parameters() if p.requires_grad])
         latches = self.latch_heads_of(rl_module)
         sizes = head_sizes(rl_module, latches)
@@ -227,7 +227,7 @@ class GradmonMonitor(GradmonReporting):
         skip_nonfinite = bool(self.config.torch_skip_nan_gradients)
         optimizers = [opt for _, opt in self.get_optimizers_for_module(self._module_id)]
         with self._scaled_update():
-            skipped = self._step(optimizers, gradients_dict, found, skip_nonfinite)
+            skipped = self._minibatch_step.take(optimizers, gradients_dict, found, skip_nonfinite)
         if self.gradmon.telemetry:
             logp, mask = self._pending_logp if self._pending_logp is not None else (self._no_logp, None)
             self._accumulator.add_minibatch_logp(norms, logp, skipped, mask)
@@ -240,42 +240,6 @@ class GradmonMonitor(GradmonReporting):
             return nullcontext()
         factor, self._vgs_factor = self._vgs_factor, None
         return self._update_scaler.scaled(factor)
-
-    def _step(
-        self, optimizers: list[torch.optim.Optimizer], gradients_dict: ParamDict, found: torch.Tensor, skip: bool
-    ) -> torch.Tensor:
-        """Step every optimizer; returns the skipped-step flag (0-d device tensor)."""
-        if self._grad_scaler is not None:
-            self._step_with_scaler(optimizers, found)
-            return torch.zeros_like(found)  # the scaler's skip, counted apart
-        if skip:
-            for optimizer in optimizers:
-                if compat.supports_found_inf(optimizer):
-                    compat.step_unless_found_inf(optimizer, found)
-                elif not bool(found):  # the one tolerated host sync per minibatch
-                    optimizer.step()
-            return found
-        # RLlib's default (torch_skip_nan_gradients=False): non-finite entries become
-        # finite (torch.nan_to_num, in place, on the device) and the step is taken.
-        for grad in gradients_dict.values():
-            if grad is not None:
-                grad.nan_to_num_()
-        for optimizer in optimizers:
-            optimizer.step()
-        return torch.zeros_like(found)
-
-    def _step_with_scaler(self, optimizers: list[torch.optim.Optimizer], found: torch.Tensor) -> None:
-        """``GradScaler.step`` (skips on the found_inf its ``unscale_`` recorded) and ``update``.
-
-        With a scaler, non-finite gradients are what an overflow at the current scale looks
-        like: they count as ``update/scaler_skipped``, not ``update/skipped``; the NaN/Inf
-        element counts still report what the unscaled gradients held.
-        """
-        for optimizer in optimizers:
-            self._grad_scaler.step(optimizer)  # fused Adam reads found_inf on the device
-        self._scaler_acc[0].add_(found)
-        self._scaler_acc[1].copy_(compat.scale_tensor(self._grad_scaler).reshape(()))
-        self._grad_scaler.update()
 
     # --- state and lifecycle -----------------------------------------------------------
     @property

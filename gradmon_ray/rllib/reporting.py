@@ -112,10 +112,11 @@ class GradmonReporting:
             if check
             else torch.zeros(2, dtype=torch.float64, device=self.device)
         )
-        empty = self._scaler_acc[:0]
+        scaler_lanes = self._minibatch_step.scaler_lanes
+        empty = scaler_lanes[:0]
         local = Segments(
             {
-                "scaler": self._scaler_acc if self._grad_scaler is not None else empty,
+                "scaler": scaler_lanes if self._grad_scaler is not None else empty,
                 "vgs": self._vgs.metrics_tensor() if self._vgs is not None else empty,
                 "checksum": digits,
             }
@@ -129,7 +130,7 @@ class GradmonReporting:
             local=local.pack(),
             health=health,
         )
-        self._scaler_acc[0].zero_()
+        scaler_lanes[0].zero_()
         self._noise_hook.zero_()
         parts = local.unpack(reduced.local)
         k = collective.world_size

@@ -107,3 +107,36 @@ def test_lanes_hold_entropy_and_kl_of_the_sampling_policy_to_the_current_one():
     entropy = -(0.9 * math.log(0.9) + 0.1 * math.log(0.1))
     assert lanes == pytest.approx([entropy, kl_sampling_current, 1.0, 1.0], rel=1e-6)
     assert empty_head_health_lanes(3).tolist() == [0.0] * 8
+
+
+def test_lanes_equal_torch_distributions_for_uneven_heads_and_a_mask():
+    """An independent path: ``torch.distributions.Categorical`` per head, on the head's own slice,
+    for a [B, T, A] batch with heads of 1, 3, 5 and 2 actions, very negative logits (the slow-exp
+    region) and a mask.  A wrong gather index (head slices crossed), padding entering a head's
+    softmax, or the mask applied along the wrong axis fails here."""
+    g = torch.Generator().manual_seed(7)
+    sizes = [1, 3, 5, 2]
+    current = torch.randn(4, 5, sum(sizes), generator=g) * 3
+    sampling = torch.randn(4, 5, sum(sizes), generator=g) * 3
+    current[0, 0, 1] = -150.0  # an action the current policy all but rules out
+    mask = torch.rand(4, 5, generator=g) > 0.3
+    lanes = head_health_lanes(current, sampling, sizes, mask)
+    entropy, kl, start = [], [], 0
+    for size in sizes:
+        cur = torch.distributions.Categorical(logits=current[mask][:, start : start + size].double())
+        samp = torch.distributions.Categorical(logits=sampling[mask][:, start : start + size].double())
+        entropy.append(cur.entropy().mean())
+        kl.append(torch.distributions.kl_divergence(samp, cur).mean())
+        start += size
+    expected = torch.stack(
+        [*entropy, *kl, torch.tensor(1.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)]
+    )
+    torch.testing.assert_close(lanes, expected, rtol=1e-5, atol=1e-6)
+    per_row = per_head_entropy(current, sizes)  # [B, T, heads], the layout callers see
+    assert per_row.shape == (4, 5, 4)
+    torch.testing.assert_close(
+        per_row[..., 2].double(),
+        torch.distributions.Categorical(logits=current[..., 4:9].double()).entropy(),
+        rtol=1e-5,
+        atol=1e-6,
+    )
