@@ -7,10 +7,11 @@ Per minibatch, everything stays on the learner's device (nothing syncs with the 
 2. after backward (and DDP's all-reduce), before clipping: per-head norms, the global norm,
    exact NaN/Inf element counts (``GradientNormPlan``); VGS scales the gradients; global-norm
    clipping reuses that norm;
-3. the step (``rllib.optimizer_step``): with ``torch_skip_nan_gradients=True`` a non-finite minibatch is skipped (fused
-   optimizers read ``found_inf`` on the device, as from ``torch.amp.GradScaler``; others cost
-   one host sync); with RLlib's default ``False`` the gradients go through ``nan_to_num``
-   and the step is taken, exactly as stock RLlib does; a ``GradScaler`` skips on overflow;
+3. the step (``rllib.optimizer_step``): with ``torch_skip_nan_gradients=True`` a non-finite
+   minibatch is skipped (fused optimizers read ``found_inf`` on the device, as from
+   ``torch.amp.GradScaler``; others cost one host sync); with RLlib's default ``False`` the
+   gradients go through ``nan_to_num`` and the step is taken, exactly as stock RLlib does; a
+   ``GradScaler`` skips on overflow;
 4. everything is added into one packed buffer (``IterationAccumulator``).
 
 One telemetry step = ``report_every`` calls of ``Learner.update`` (default: 1, and for the
