@@ -131,7 +131,7 @@ class GradmonPPOTorchLearner(compat.TrainBatchHook, with_gradmon(PPOTorchLearner
             total = total + spec.weight * spec.fn(module, batch, fwd_out)
         if self.gradmon.telemetry:
             self.record_logp(terms.per_head_logp, batch.get(Columns.LOSS_MASK))
-            self.record_head_inputs(logits, batch)
+            self.record_head_inputs(logits.detach(), batch)
         # Same keys and window as RLlib's PPO learner (its KL-coefficient update reads them).
         explained = (
             explained_variance(batch[Postprocessing.VALUE_TARGETS], terms.values)

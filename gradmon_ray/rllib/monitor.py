@@ -173,8 +173,8 @@ class GradmonMonitor(GradmonReporting):
 
     def record_head_inputs(self, logits: torch.Tensor, batch: dict) -> None:
         """Keep references to this minibatch's ``logits``, the sampling policy's logits and the
-        loss mask for the step's head health (``rllib.head_health``); no kernel.  ``logits`` may
-        still carry its graph: the drain reads it under ``no_grad``."""
+        loss mask for the step's head health (``rllib.head_health``); no kernel.  Pass ``logits``
+        detached: the reference lives until the next minibatch or the drain."""
         self._head_health.record(logits, batch.get(Columns.ACTION_DIST_INPUTS), batch.get(Columns.LOSS_MASK))
 
     def record_logp(self, per_head_logp: torch.Tensor, mask: torch.Tensor | None) -> None:

@@ -131,7 +131,7 @@ class IterationAccumulator:
         log-probs stay alive until the drain (``rows x heads`` floats per minibatch)."""
         rows = per_head_logp if per_head_logp.dim() == 2 else per_head_logp.reshape(-1, per_head_logp.shape[-1])
         self._records.append(
-            (norms.head_norms, norms.global_norm, norms.nan_count, norms.inf_count, skipped, rows, rows, mask)
+            (norms.head_norms, norms.global_norm, norms.nan_count, norms.inf_count, _scalar(skipped), rows, rows, mask)
         )
 
     def add_minibatch_logp_sums(self, norms: GradientNorms, logp_sums: torch.Tensor, skipped: torch.Tensor) -> None:
@@ -139,7 +139,16 @@ class IterationAccumulator:
         NaN when the head had a NaN log-prob, +-Inf when it had an infinite one)."""
         marks = logp_sums.reshape(1, -1)
         self._records.append(
-            (norms.head_norms, norms.global_norm, norms.nan_count, norms.inf_count, skipped, marks, marks, None)
+            (
+                norms.head_norms,
+                norms.global_norm,
+                norms.nan_count,
+                norms.inf_count,
+                _scalar(skipped),
+                marks,
+                marks,
+                None,
+            )
         )
 
     @torch.no_grad()
@@ -155,7 +164,16 @@ class IterationAccumulator:
         nan_marks = torch.where(logp_nan > 0, float("nan"), 0.0).reshape(1, -1)
         inf_marks = torch.where(logp_inf > 0, float("inf"), 0.0).reshape(1, -1)
         self._records.append(
-            (norms.head_norms, norms.global_norm, norms.nan_count, norms.inf_count, skipped, nan_marks, inf_marks, None)
+            (
+                norms.head_norms,
+                norms.global_norm,
+                norms.nan_count,
+                norms.inf_count,
+                _scalar(skipped),
+                nan_marks,
+                inf_marks,
+                None,
+            )
         )
 
     @torch.no_grad()
@@ -224,6 +242,14 @@ class IterationAccumulator:
         return lanes, values[size:n].copy(), values[n:].copy()
 
 
+_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)  # bfloat16 has no numpy dtype
+
+
+def _scalar(flag: torch.Tensor) -> torch.Tensor:
+    """A one-element flag as a 0-d tensor (the fold stacks the 0-d fields of all records at once)."""
+    return flag if flag.dim() == 0 else flag.reshape(())
+
+
 def _nonfinite_flags(
     nan_rows: tuple[torch.Tensor, ...], inf_rows: tuple[torch.Tensor, ...], masks: tuple[torch.Tensor | None, ...]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,7 +269,7 @@ def _nonfinite_flags(
     nan_src = torch.cat(nan_rows)
     same = all(a is b for a, b in zip(nan_rows, inf_rows, strict=True))
     inf_src = nan_src if same else torch.cat(inf_rows)
-    if nan_src.device.type == "cpu":
+    if nan_src.device.type == "cpu" and nan_src.dtype in _NUMPY_FLOATS and inf_src.dtype in _NUMPY_FLOATS:
         # numpy's sum, not torch's: an iteration's log-probs (tens of thousands of floats) are
         # past torch's parallel grain size, and waking the intra-op thread pool for one small
         # reduction costs more than the sum.

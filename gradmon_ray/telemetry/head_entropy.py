@@ -77,8 +77,10 @@ def per_head_kl(p_logits: torch.Tensor, q_logits: torch.Tensor, sizes: Sequence[
 
     For PPO's ``mean_kl_loss`` direction, ``p`` is the sampling policy and ``q`` the current one.
     """
-    log_p, p, leading = _action_major(p_logits, sizes)
-    log_q, _, _ = _action_major(q_logits.to(p_logits.dtype), sizes)
+    p_logits, q_logits = torch.broadcast_tensors(p_logits, q_logits)
+    dtype = torch.promote_types(p_logits.dtype, q_logits.dtype)
+    log_p, p, leading = _action_major(p_logits.to(dtype), sizes)
+    log_q, _, _ = _action_major(q_logits.to(dtype), sizes)
     return _rows_last((p * (log_p - log_q)).sum(0), leading)
 
 
@@ -120,7 +122,7 @@ def head_health_lanes(
         rows = logits.reshape(-1, logits.shape[-1])
         n = rows.shape[0]
         if sampling_logits is not None:
-            rows = torch.cat([rows, sampling_logits.reshape(n, -1).to(rows.dtype)])
+            rows = torch.cat([rows, sampling_logits.reshape(n, rows.shape[-1]).to(rows.dtype)])
         logp, p, _ = _action_major(rows, sizes)
         current = logp[..., :n]
         per_head = -(p[..., :n] * current).sum(0)  # [heads, n] entropy of the current policy

@@ -140,3 +140,23 @@ def test_lanes_equal_torch_distributions_for_uneven_heads_and_a_mask():
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+def test_lanes_of_a_minibatch_without_rows_are_nan_not_an_error():
+    """A 0-row minibatch (or a [B, 0, A] recurrent one) reaches the drain as NaN means with
+    counts 1: the update goes on, and NaN never ranks as a measured value."""
+    for shape in [(0, 10), (4, 0, 10)]:
+        empty = torch.zeros(*shape)
+        mask = None if len(shape) == 2 else torch.zeros(shape[:2], dtype=torch.bool)
+        lanes = head_health_lanes(empty, empty, (3, 7), mask)
+        assert all(math.isnan(v) for v in lanes[:4].tolist())
+        assert lanes[4:].tolist() == [1.0, 1.0]
+
+
+def test_kl_promotes_dtypes_and_broadcasts_like_elementwise_arithmetic():
+    p = torch.log(torch.tensor([[0.5, 0.5]]))
+    q = torch.log(torch.tensor([[0.9, 0.1], [0.5, 0.5]], dtype=torch.float64))
+    kl = per_head_kl(p, q, [2])  # p's one row against each of q's two rows
+    assert kl.dtype == torch.float64 and kl.shape == (2, 1)
+    expected = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
+    assert kl[:, 0].tolist() == pytest.approx([expected, 0.0], abs=1e-12)

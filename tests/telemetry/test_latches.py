@@ -145,3 +145,28 @@ def test_iteration_logp_flags_finite_values_whose_sum_overflows_never_latch():
     lanes, _, _ = acc.drain()
     assert lanes[layout.logp_nan].tolist() == [0.0, 1.0, 0.0]
     assert lanes[layout.logp_inf].tolist() == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_iteration_logp_flags_an_inf_alone_latches_inf_in_every_dtype(dtype):
+    """The drain's CPU shortcut only clears an iteration whose sum is finite; one -Inf and no NaN
+    must still latch Inf (not NaN, not nothing), and so must a NaN alone, in float32, float16 and
+    bfloat16 (which numpy cannot hold: it takes the exact test).  A one-element skip flag counts."""
+    from gradmon_ray.telemetry import GradientNorms, IterationAccumulator, TelemetryLayout
+
+    layout = TelemetryLayout(num_reported=1, num_action_heads=3)
+    norms = GradientNorms(torch.ones(1), torch.ones(()), torch.zeros(()), torch.zeros(()))
+    acc = IterationAccumulator(layout)
+    rows = torch.tensor([[-0.1, float("-inf"), -0.3], [-0.2, -0.4, -0.6]], dtype=dtype)
+    acc.add_minibatch_logp(norms, rows, torch.ones(1))
+    lanes, _, _ = acc.drain()
+    assert lanes[layout.logp_inf].tolist() == [0.0, 1.0, 0.0]
+    assert lanes[layout.logp_nan].tolist() == [0.0, 0.0, 0.0]
+    assert lanes[layout.skipped] == 1.0
+    acc.add_minibatch_logp(norms, torch.tensor([[float("nan"), -0.1, -0.2]], dtype=dtype), torch.zeros(()))
+    lanes, _, _ = acc.drain()
+    assert lanes[layout.logp_nan].tolist() == [1.0, 0.0, 0.0]
+    assert lanes[layout.logp_inf].tolist() == [0.0, 0.0, 0.0]
+    acc.add_minibatch_logp(norms, torch.tensor([[-0.5, -0.1, -0.2]], dtype=dtype), torch.zeros(()))
+    lanes, _, _ = acc.drain()
+    assert lanes[layout.logp_nan].tolist() == [0.0, 0.0, 0.0] and lanes[layout.logp_inf].tolist() == [0.0, 0.0, 0.0]
