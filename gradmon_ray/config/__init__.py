@@ -27,6 +27,7 @@ from gradmon_ray.config.band_sections import (
     ValueBandsSection,
 )
 from gradmon_ray.config.base import SECTION_PATHS, ConfigError, ConfigModel, config_error, describe, parse
+from gradmon_ray.config.probe_sections import ProbeSection, RegularizerEntry
 from gradmon_ray.config.sections import (
     EMBEDDED_TRACKING_URI,
     DistributedSection,
@@ -35,8 +36,6 @@ from gradmon_ray.config.sections import (
     MlflowSection,
     ModelSection,
     PPOSection,
-    ProbeSection,
-    RegularizerEntry,
     ResourcesSection,
     TelemetrySection,
     Text,
