@@ -130,26 +130,13 @@ class IterationAccumulator:
         ``mask`` is False never latch).  No kernel, no host synchronisation, no copy; the
         log-probs stay alive until the drain (``rows x heads`` floats per minibatch)."""
         rows = per_head_logp if per_head_logp.dim() == 2 else per_head_logp.reshape(-1, per_head_logp.shape[-1])
-        self._records.append(
-            (norms.head_norms, norms.global_norm, norms.nan_count, norms.inf_count, _scalar(skipped), rows, rows, mask)
-        )
+        self._record(norms, skipped, rows, rows, mask)
 
     def add_minibatch_logp_sums(self, norms: GradientNorms, logp_sums: torch.Tensor, skipped: torch.Tensor) -> None:
         """Record one minibatch with per-latch-head sums of its log-probs (``latches.logp_sums``:
         NaN when the head had a NaN log-prob, +-Inf when it had an infinite one)."""
         marks = logp_sums.reshape(1, -1)
-        self._records.append(
-            (
-                norms.head_norms,
-                norms.global_norm,
-                norms.nan_count,
-                norms.inf_count,
-                _scalar(skipped),
-                marks,
-                marks,
-                None,
-            )
-        )
+        self._record(norms, skipped, marks, marks, None)
 
     @torch.no_grad()
     def add_minibatch(
@@ -163,17 +150,21 @@ class IterationAccumulator:
         (``latches.logp_nonfinite_flags``); the learner uses ``add_minibatch_logp_sums``."""
         nan_marks = torch.where(logp_nan > 0, float("nan"), 0.0).reshape(1, -1)
         inf_marks = torch.where(logp_inf > 0, float("inf"), 0.0).reshape(1, -1)
+        self._record(norms, skipped, nan_marks, inf_marks, None)
+
+    def _record(
+        self,
+        norms: GradientNorms,
+        skipped: torch.Tensor,
+        nan_rows: torch.Tensor,
+        inf_rows: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> None:
+        """Append one minibatch's record (the layout ``_fold_records`` reads); a one-element skip
+        flag is kept 0-d, because the fold stacks the 0-d fields of all records at once."""
+        flag = skipped if skipped.dim() == 0 else skipped.reshape(())
         self._records.append(
-            (
-                norms.head_norms,
-                norms.global_norm,
-                norms.nan_count,
-                norms.inf_count,
-                _scalar(skipped),
-                nan_marks,
-                inf_marks,
-                None,
-            )
+            (norms.head_norms, norms.global_norm, norms.nan_count, norms.inf_count, flag, nan_rows, inf_rows, mask)
         )
 
     @torch.no_grad()
@@ -243,11 +234,6 @@ class IterationAccumulator:
 
 
 _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)  # bfloat16 has no numpy dtype
-
-
-def _scalar(flag: torch.Tensor) -> torch.Tensor:
-    """A one-element flag as a 0-d tensor (the fold stacks the 0-d fields of all records at once)."""
-    return flag if flag.dim() == 0 else flag.reshape(())
 
 
 def _nonfinite_flags(
