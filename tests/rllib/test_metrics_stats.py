@@ -14,7 +14,13 @@ import torch
 from ray.rllib.utils.metrics.metrics_logger import DEFAULT_STATS_CLS_LOOKUP, MetricsLogger
 from ray.rllib.utils.metrics.stats.mean import MeanStats
 
-from gradmon_ray.rllib.metrics_stats import GRADMON_REDUCE, GradmonMeanStats, log_step_metrics
+from gradmon_ray.rllib.metrics_stats import (
+    GRADMON_REDUCE,
+    GradmonMeanStats,
+    GradmonMetricsLogger,
+    log_step_metrics,
+    use_gradmon_metrics_logger,
+)
 
 KEY = "default_policy"
 
@@ -148,3 +154,80 @@ def test_reduced_copy_is_what_rllibs_clone_builds() -> None:
             assert getattr(reduced, name) == value, name
     assert reduced._start_times is not stats._start_times
     assert len(stats.values) == 0
+
+
+def _log_everything(logger: MetricsLogger, step: int) -> None:
+    """What a learner's logger holds: RLlib's own reduce kinds at two nesting depths, gradmon's values."""
+    logger.log_value(("default_policy", "policy_loss"), torch.tensor(0.5 + step), window=1)
+    logger.log_value(("default_policy", "curr_kl_coeff"), 0.2 * step, reduce="item")
+    logger.log_value(("__all_modules__", "num_env_steps_trained"), 100 + step, reduce="sum")
+    logger.log_value(("__all_modules__", "lifetime"), 7, reduce="lifetime_sum")
+    logger.log_value(("__all_modules__", "timers", "update"), 0.01 * (step + 1), reduce="ema")
+    logger.log_value(("__all_modules__", "timers", "peak"), float(step), reduce="max")
+    logger.log_value(("__all_modules__", "timers", "low"), float(-step), reduce="min")
+    logger.log_value("top_level", 3.0 + step, window=3)
+    log_step_metrics(logger, "default_policy", {"grad/global_norm": 1.5 * step, "latch/nan/op": float("nan")})
+
+
+def _reduced_values(result: object, compile: bool) -> object:
+    """A reduce result with Stats leaves replaced by what they hold, key order kept."""
+    if isinstance(result, dict):
+        return [(k, _reduced_values(v, compile)) for k, v in result.items()]
+    value = result if compile else result.peek()
+    return repr(float(value)) if isinstance(value, (float, int, np.floating, torch.Tensor)) else repr(value)
+
+
+@pytest.mark.parametrize("compile", [True, False])
+def test_gradmon_logger_reduces_exactly_like_rllibs(compile: bool) -> None:
+    """The dict walk against RLlib's dm-tree walk (the oracle) over three steps: same keys in the
+    same order, same values, and the same state left behind (windows emptied, lifetimes kept).
+    A leaf skipped, reduced twice or keyed wrong, or a nested level flattened, differs here."""
+    stock, ours = MetricsLogger(), use_gradmon_metrics_logger(MetricsLogger())
+    assert type(ours) is GradmonMetricsLogger
+    for step in range(3):
+        _log_everything(stock, step)
+        _log_everything(ours, step)
+        want, got = stock.reduce(compile=compile), ours.reduce(compile=compile)
+        assert _reduced_values(got, compile) == _reduced_values(want, compile)
+        if not compile:
+            assert {type(v) for v in got["default_policy"].values()} >= {GradmonMeanStats}
+        assert repr(ours.get_state()) == repr(stock.get_state())
+
+
+def test_gradmon_logger_hands_other_containers_to_dm_tree() -> None:
+    """A subtree that is not a plain dict goes through dm-tree, as in RLlib."""
+    stock, ours = MetricsLogger(), use_gradmon_metrics_logger(MetricsLogger())
+    for logger in (stock, ours):
+        pair = [MeanStats(window=1), MeanStats(window=1)]
+        pair[0].push(1.0)
+        pair[1].push(2.0)
+        logger.stats["odd"] = {"pair": pair}
+    assert ours.reduce(compile=True) == stock.reduce(compile=True) == {"odd": {"pair": [1.0, 2.0]}}
+
+
+def test_gradmon_logger_names_the_failing_leaf_like_rllib() -> None:
+    class Broken(MeanStats):
+        def reduce(self, compile: bool = True) -> object:
+            raise RuntimeError("boom")
+
+    messages = []
+    for logger in (MetricsLogger(), use_gradmon_metrics_logger(MetricsLogger())):
+        logger.stats["a"] = {"b": Broken(window=1)}
+        with pytest.raises(ValueError, match=r"at path \('a', 'b'\)") as info:
+            logger.reduce()
+        assert isinstance(info.value.__cause__, RuntimeError)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
+
+
+def test_only_a_stock_logger_is_switched_and_in_place() -> None:
+    logger = MetricsLogger()
+    logger.log_value("kept", 1.0)
+    assert use_gradmon_metrics_logger(logger) is logger and type(logger) is GradmonMetricsLogger
+    assert logger.peek("kept") == 1.0
+
+    class Custom(MetricsLogger):
+        pass
+
+    custom = Custom()
+    assert type(use_gradmon_metrics_logger(custom)) is Custom

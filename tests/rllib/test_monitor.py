@@ -25,6 +25,7 @@ from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
 
 from gradmon_ray.rllib import compat, with_gradmon
+from gradmon_ray.rllib.metrics_stats import GradmonMetricsLogger
 from tests.rllib.user_module import TinyActorCritic, default_ppo_module
 
 HEADS = {"pi": r"^pi\.", "vf": r"^vf\."}
@@ -107,6 +108,9 @@ def test_default_module_head_norms_equal_autograd_of_the_stock_loss(algo, reques
         assert logged["grad/nan_count"] == 0.0 and logged["update/skipped"] == 0.0
         assert logged["latch/nan/policy"] == 0.0  # Discrete actions: one policy latch
         assert learner.head_names == ("pi", "vf")
+        # The cheaper reduce walk (reduce() results: tests/rllib/test_metrics_stats.py) is on,
+        # also where RLlib's threads log into the same logger (APPO, IMPALA).
+        assert type(learner.metrics) is GradmonMetricsLogger
     finally:
         learner.shutdown()
 
