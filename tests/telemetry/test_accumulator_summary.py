@@ -72,6 +72,21 @@ def test_head_without_any_grad_is_missing_and_keeps_prev():
     assert third.trends == {"op": "↘", "slot": "↗", "value": "→"}
 
 
+def test_an_iteration_whose_every_norm_is_nan_reports_nan_not_zero():
+    """No finite norm at all (every minibatch NaN): the global norm and the heads are missing
+    (NaN), never 0 (a 0 would read as a dead network); the values are plain Python floats."""
+    tracker = TelemetryTracker(REPORTED, ACTION)
+    acc = IterationAccumulator(tracker.layout)
+    nan = float("nan")
+    summary = _run_iteration(tracker, acc, [(_norms([nan, nan, nan], nan, nan=4), [0.0, 0.0], [0.0, 0.0], 1.0)] * 2)
+    assert math.isnan(summary.global_norm)
+    assert all(math.isnan(v) for v in summary.head_norms.values())
+    assert summary.health == {"op": "missing", "slot": "missing", "value": "missing"}
+    assert summary.nan_grad_count == 8.0 and summary.skipped == 2
+    metrics = summary.to_metrics()
+    assert all(type(v) is float for v in metrics.values())  # what RLlib's fast-path Stats expects
+
+
 def test_latches_and_counters_survive_state_round_trip():
     tracker = TelemetryTracker(REPORTED, ACTION)
     acc = IterationAccumulator(tracker.layout)
