@@ -1,7 +1,8 @@
 """How telemetry's cost grows with model size and with the number of heads, against memory bandwidth.
 
 For each case, three learners train the same model on the same postprocessed batch of real
-episodes, one full update each, in rotating order (side by side in one process):
+episodes, one full update each, in a new random order every round (side by side in one
+process; see ``telemetry_overhead.py`` for why not a fixed rotation):
 
 * ``stock``: RLlib's ``PPOTorchLearner``;
 * ``gradmon``: ``GradmonPPOTorchLearner``, full telemetry;
@@ -16,10 +17,12 @@ it needs (3 learners x (parameters + gradients + 2 Adam moments), plus about 3 t
 model copies for sampling and weight copying, float32) exceeds ``MemAvailable`` (CPU, from
 ``/proc/meminfo``) or the free GPU memory (CUDA).
 
-Rounds: every case runs ``--repeats`` repetitions of ``--rounds`` rotating rounds (after
-warm-up); each repetition gives each learner's median update time and the ratios
-gradmon/stock and gradmon/gradmon-off.  The table shows the median over repetitions, and
-one line per ratio gives ``ratio <name> case=<case> median <x> min <y> max <z>``.
+Rounds: every case runs ``--repeats`` repetitions of ``--rounds`` rounds (after warm-up); each
+repetition gives each learner's median update time and the PAIRED ratios gradmon/stock and
+gradmon/gradmon-off: per round, one arm's update time over the other's (the two ran within the
+same round), and the repetition's ratio is the median over its rounds, so that a slow spell of
+the machine hits both sides of a ratio.  The table shows the medians over repetitions, and one
+line per ratio gives ``ratio <name> case=<case> median <x> min <y> max <z>``.
 
 Memory bandwidth is measured on the same machine (a sum over a 256 MiB float32 tensor, best of
 several; far larger than the last-level cache, so a DRAM figure), and the telemetry's
@@ -48,6 +51,7 @@ import argparse
 import copy
 import glob
 import os
+import random
 import statistics
 import time
 import warnings
@@ -241,16 +245,21 @@ def run_case(label: str, cfg, rounds: int, repeats: int, warmup: int, device: st
         return time.perf_counter() - start
 
     names = list(learners)
-    for r in range(warmup):
-        for name in names[r % 3 :] + names[: r % 3]:
+    order = random.Random(0)
+    for _ in range(warmup):
+        for name in order.sample(names, len(names)):
             timed(name)
     per_repeat: list[dict[str, float]] = []
+    paired: dict[str, list[float]] = {"gradmon/stock": [], "gradmon/gradmon-off": []}
     for _ in range(repeats):
         times: dict[str, list[float]] = {n: [] for n in names}
-        for r in range(rounds):
-            for name in names[r % 3 :] + names[: r % 3]:
+        for _ in range(rounds):
+            for name in order.sample(names, len(names)):  # a fresh random order every round
                 times[name].append(timed(name))
         per_repeat.append({n: statistics.median(v) for n, v in times.items()})
+        for key in paired:
+            a, b = key.split("/")
+            paired[key].append(statistics.median(x / y for x, y in zip(times[a], times[b], strict=True)))
     med = {n: statistics.median([p[n] for p in per_repeat]) for n in names}
 
     # The telemetry's read of the gradients, alone, on the gradients the last update left.
@@ -296,22 +305,19 @@ def run_case(label: str, cfg, rounds: int, repeats: int, warmup: int, device: st
         "grad_bytes": num_params * 4,
         "bandwidth_at_size": bandwidth_here,
         "passes_at_size": plan_s / one_pass_here_s,
-        "ratios": {
-            "gradmon/stock": [p["gradmon"] / p["stock"] for p in per_repeat],
-            "gradmon/gradmon-off": [p["gradmon"] / p["gradmon-off"] for p in per_repeat],
-        },
+        "ratios": paired,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3, help="rotating rounds per repetition")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per repetition")
     parser.add_argument("--repeats", type=int, default=3, help="repetitions (>= 3: min and max mean something)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument(
         "--large-params", type=int, default=None, help="parameters of the large case (default 100M; 0: none)"
     )
-    parser.add_argument("--large-rounds", type=int, default=1, help="rounds per repetition of the large case")
+    parser.add_argument("--large-rounds", type=int, default=3, help="rounds per repetition of the large case")
     parser.add_argument("--only-large", action="store_true", help="run the large case alone")
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: 1 round x 3 repetitions, 1 warm-up, no 10M/large case"
@@ -358,8 +364,8 @@ def main() -> None:
         trunk = trunk_for(target, env, heads, args.device)
         cfg = _case_config(trunk, env, heads, args.device)
         r = run_case(label, cfg, case_rounds, args.repeats, case_warmup, args.device, bandwidth)
-        per_mb = (r["gradmon_ms"] - r["off_ms"]) / r["minibatches"]
         ratios = {k: statistics.median(v) for k, v in r["ratios"].items()}
+        per_mb = (ratios["gradmon/gradmon-off"] - 1.0) * r["off_ms"] / r["minibatches"]  # as telemetry_overhead.py
         fits = "?" if llc == 0 else "yes" if r["grad_bytes"] <= llc else "no"
         # A cache-resident read slower than DRAM is not physical: the machine was busy.
         suspect = "*" if fits == "yes" and r["bandwidth_at_size"] < bandwidth else " "

@@ -19,6 +19,8 @@ Private uses kept here (Ray 2.60 / torch 2.x):
 - ``torch._foreach_mul_`` (``scale_in_place``)
 - ``TorchMultiCategorical._cats``, ``TorchMultiDistribution._flat_child_distributions``
   (``child_distributions``)
+- ``MetricsLogger._threading_lock`` (``metrics_lock``), ``StatsBase._start_times``
+  (``reset_timers``)
 """
 
 from __future__ import annotations
@@ -123,3 +125,14 @@ def child_distributions(dist: Any) -> list[Any]:
         if hasattr(dist, attr):
             return list(getattr(dist, attr))
     raise TypeError(f"{type(dist).__name__} has no per-component distributions")
+
+
+def metrics_lock(metrics_logger: Any) -> Any:
+    """The lock RLlib's ``MetricsLogger`` holds around its own ``reduce()`` (a real ``RLock`` where
+    a learner thread logs concurrently: IMPALA, APPO)."""
+    return metrics_logger._threading_lock
+
+
+def reset_timers(stats: Any) -> None:
+    """Give a copied ``Stats`` its own, empty timer table (what ``StatsBase.__init__`` starts with)."""
+    stats._start_times = {}

@@ -30,6 +30,8 @@ from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 from ray.rllib.utils.metrics.stats.base import StatsBase
 from ray.rllib.utils.metrics.stats.mean import MeanStats
 
+from gradmon_ray.rllib import compat
+
 GRADMON_REDUCE = "gradmon_mean"
 """The ``reduce=`` name gradmon's metrics are logged with (``GradmonMeanStats``)."""
 
@@ -60,7 +62,7 @@ class GradmonMeanStats(MeanStats):
         # (tests/rllib/test_metrics_stats.py compares the two attribute by attribute).
         reduced = object.__new__(type(self))
         reduced.__dict__.update(self.__dict__)
-        reduced._start_times = {}
+        compat.reset_timers(reduced)
         reduced.values = [value]
         return reduced
 
@@ -100,7 +102,7 @@ class GradmonMetricsLogger(MetricsLogger):
 
     @override(MetricsLogger)
     def reduce(self, compile: bool = False) -> dict:
-        with self._threading_lock:
+        with compat.metrics_lock(self):
             return _reduce_dict(self.stats, (), compile)
 
 
