@@ -95,13 +95,18 @@ class GradmonMetricsLogger(MetricsLogger):
     """RLlib's ``MetricsLogger`` whose ``reduce()`` walks nested dicts without dm-tree; same result.
 
     Deliberately not dm-tree here: its path-tracking map is ~30x slower than a dict walk, and a
-    learner's stats are nested plain dicts with ``StatsBase`` leaves.  Anything else in the tree
-    (another container type) is handed to dm-tree, so the result is RLlib's in every case;
-    ``tests/rllib/test_metrics_stats.py`` compares the two on the same logs.
+    learner's stats are nested plain dicts with string keys and ``StatsBase`` leaves.  Any other
+    container in the tree (a list, a dict subclass) is handed to dm-tree, so for the trees RLlib
+    builds the result is RLlib's; ``tests/rllib/test_metrics_stats.py`` compares the two on the
+    same logs.  Differences only outside those trees, or when a reduce fails: leaves are visited
+    in insertion order (dm-tree: sorted keys), so with two failing leaves another one may be
+    named; unsortable (mixed-type) keys, which dm-tree refuses, are walked.
     """
 
     @override(MetricsLogger)
     def reduce(self, compile: bool = False) -> dict:
+        if type(self.stats) is not dict:  # RLlib always starts from {}; anything else is its walk
+            return super().reduce(compile)
         with compat.metrics_lock(self):
             return _reduce_dict(self.stats, (), compile)
 
@@ -124,6 +129,7 @@ def _reduce_dict(node: dict, path: tuple[Any, ...], compile: bool) -> dict:
 
 
 def _reduce_leaf(path: tuple[Any, ...], stats: StatsBase, compile: bool) -> Any:
+    """``stats.reduce(compile=compile)``; a failure is raised as RLlib raises it, naming ``path``."""
     try:
         return stats.reduce(compile=compile)
     except Exception as e:  # RLlib's message for a failing leaf

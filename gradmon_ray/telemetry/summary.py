@@ -179,8 +179,8 @@ class TelemetryTracker:
             health=health,
             head_norm_cv=cv,
             global_norm=global_norm,
-            nan_grad_count=values[lay.nan_grad_count],
-            inf_grad_count=values[lay.inf_grad_count],
+            nan_grad_count=float(values[lay.nan_grad_count]),  # float also for integer lanes
+            inf_grad_count=float(values[lay.inf_grad_count]),
             minibatches=round(values[lay.minibatches]),
             skipped=skipped,
             skipped_total=self.skipped_total,

@@ -7,6 +7,8 @@ checkpoint restore) shows up as a difference from what stock RLlib reports for t
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -231,3 +233,67 @@ def test_only_a_stock_logger_is_switched_and_in_place() -> None:
 
     custom = Custom()
     assert type(use_gradmon_metrics_logger(custom)) is Custom
+
+
+def test_gradmon_logger_reduces_under_the_loggers_own_lock() -> None:
+    """IMPALA/APPO swap a real RLock into the logger at build; reduce() must hold that very lock
+    while the leaves reduce (a learner thread logs concurrently), as RLlib's own reduce does."""
+
+    held = []
+
+    class Probe(MeanStats):
+        lock: threading.RLock
+
+        def reduce(self, compile: bool = True) -> object:
+            free = []
+
+            def try_lock() -> None:  # from another thread: fails while reduce() holds the lock
+                free.append(self.lock.acquire(blocking=False))
+                if free[0]:
+                    self.lock.release()
+
+            thread = threading.Thread(target=try_lock)
+            thread.start()
+            thread.join()
+            held.append(not free[0])
+            return 0.0
+
+    for logger in (MetricsLogger(), use_gradmon_metrics_logger(MetricsLogger())):
+        probe = Probe(window=1)
+        probe.lock = logger._threading_lock = threading.RLock()  # what IMPALALearner.build() installs
+        logger.stats["a"] = {"b": probe}
+        logger.reduce(compile=True)
+    assert held == [True, True]
+
+
+def test_gradmon_logger_keeps_a_dict_subclass_and_names_a_leaf_inside_another_container() -> None:
+    """A subtree that is a dict subclass or a list is dm-tree's: its type kept, the full path in an error."""
+
+    class Broken(MeanStats):
+        def reduce(self, compile: bool = True) -> object:
+            raise RuntimeError("boom")
+
+    results, messages = [], []
+    for logger in (MetricsLogger(), use_gradmon_metrics_logger(MetricsLogger())):
+        ordered = OrderedDict([("b", MeanStats(window=1)), ("a", MeanStats(window=1))])
+        ordered["b"].push(1.0)
+        ordered["a"].push(2.0)
+        logger.stats["odd"] = {"ordered": ordered}
+        reduced = logger.reduce(compile=True)["odd"]["ordered"]
+        results.append((type(reduced), list(reduced.items())))
+        logger.stats["odd"] = {"pair": [MeanStats(window=1), Broken(window=1)]}
+        with pytest.raises(ValueError, match=r"at path \('odd', 'pair', 1\)") as info:
+            logger.reduce()
+        messages.append(str(info.value))
+    assert results[0] == results[1] == (OrderedDict, [("b", 1.0), ("a", 2.0)])
+    assert messages[0] == messages[1]
+
+
+def test_gradmon_logger_leaves_a_non_dict_top_level_to_rllib() -> None:
+    results = []
+    for logger in (MetricsLogger(), use_gradmon_metrics_logger(MetricsLogger())):
+        stats = MeanStats(window=1)
+        stats.push(3.0)
+        logger.stats = OrderedDict([("a", {"b": stats})])
+        results.append(logger.reduce(compile=True))
+    assert type(results[1]) is type(results[0]) is OrderedDict and results[0] == results[1] == {"a": {"b": 3.0}}

@@ -87,6 +87,19 @@ def test_an_iteration_whose_every_norm_is_nan_reports_nan_not_zero():
     assert all(type(v) is float for v in metrics.values())  # what RLlib's fast-path Stats expects
 
 
+def test_norms_are_the_float64_ratio_of_the_drained_lanes_exactly():
+    """Each mean is sum / count in float64, bit for bit (no float32 detour, no clamped count)."""
+    tracker = TelemetryTracker(REPORTED, ACTION)
+    lay = tracker.layout
+    lanes = np.zeros(lay.size)
+    lanes[lay.norm_sum] = [1.0, 2.0, 0.1]
+    lanes[lay.norm_count] = [3.0, 3.0, 7.0]
+    lanes[lay.global_norm_sum], lanes[lay.global_norm_count] = 0.7, 3.0
+    summary = tracker.finish_iteration(lanes)
+    assert summary.head_norms == {"op": 1.0 / 3.0, "slot": 2.0 / 3.0, "value": 0.1 / 7.0}
+    assert summary.global_norm == 0.7 / 3.0
+
+
 def test_latches_and_counters_survive_state_round_trip():
     tracker = TelemetryTracker(REPORTED, ACTION)
     acc = IterationAccumulator(tracker.layout)

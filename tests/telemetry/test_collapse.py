@@ -101,6 +101,15 @@ def test_entropy_and_kl_are_the_mean_over_the_learners_that_measured():
     assert metrics[mn.head_metric(mn.HEAD_KL, "slot")] == pytest.approx(0.04)
 
 
+def test_head_health_metrics_are_plain_floats():
+    """Entropy, entropy_norm and KL reach RLlib as Python floats (what gradmon's fast-path Stats
+    takes; a numpy scalar falls back to RLlib's slow reduce), also with the counts summed."""
+    summary = _step(_tracker(), _lanes({"op": 0.5, "slot": 1.0}, kl={"op": 0.02, "slot": 0.04}) * 2)
+    values = [*summary.head_entropy.values(), *summary.head_entropy_norm.values(), *summary.head_kl.values()]
+    assert len(values) == 6 and all(type(v) is float for v in values)
+    assert all(type(v) is float for v in summary.to_metrics().values())
+
+
 def test_a_one_action_head_has_no_entropy_norm_and_never_collapses():
     bands = BandSet(collapse=CollapseBand(threshold=1.01, iterations=1))
     tracker = TelemetryTracker(("a", "b"), ("a", "b"), bands=bands, head_sizes=(1, 3))
