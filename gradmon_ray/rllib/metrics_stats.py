@@ -17,7 +17,7 @@ state restores as a plain ``MeanStats`` anywhere, with or without gradmon's look
 The learner's logger itself becomes a ``GradmonMetricsLogger``: RLlib's ``reduce()`` walks the
 stats with dm-tree's ``map_structure_with_path``, whose path-tracking walk is Python and costs
 ~1.7 us a leaf (gradmon adds ~90 leaves); ``GradmonMetricsLogger.reduce`` walks the nested
-dicts itself (~0.06 us a leaf) and returns the same result.
+dicts itself (~0.06 us a leaf) and returns the same result for the trees RLlib builds.
 """
 
 from __future__ import annotations

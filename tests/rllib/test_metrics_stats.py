@@ -207,11 +207,14 @@ def test_gradmon_logger_hands_other_containers_to_dm_tree() -> None:
     assert ours.reduce(compile=True) == stock.reduce(compile=True) == {"odd": {"pair": [1.0, 2.0]}}
 
 
-def test_gradmon_logger_names_the_failing_leaf_like_rllib() -> None:
-    class Broken(MeanStats):
-        def reduce(self, compile: bool = True) -> object:
-            raise RuntimeError("boom")
+class Broken(MeanStats):
+    """A leaf whose reduce fails (the error path of both walks)."""
 
+    def reduce(self, compile: bool = True) -> object:
+        raise RuntimeError("boom")
+
+
+def test_gradmon_logger_names_the_failing_leaf_like_rllib() -> None:
     messages = []
     for logger in (MetricsLogger(), use_gradmon_metrics_logger(MetricsLogger())):
         logger.stats["a"] = {"b": Broken(window=1)}
@@ -268,10 +271,6 @@ def test_gradmon_logger_reduces_under_the_loggers_own_lock() -> None:
 
 def test_gradmon_logger_keeps_a_dict_subclass_and_names_a_leaf_inside_another_container() -> None:
     """A subtree that is a dict subclass or a list is dm-tree's: its type kept, the full path in an error."""
-
-    class Broken(MeanStats):
-        def reduce(self, compile: bool = True) -> object:
-            raise RuntimeError("boom")
 
     results, messages = [], []
     for logger in (MetricsLogger(), use_gradmon_metrics_logger(MetricsLogger())):
