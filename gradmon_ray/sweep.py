@@ -204,7 +204,7 @@ def _trial(params: dict[str, Any]) -> None:
     """One Tune trial: ``run_training`` with the sampled overrides, reporting to Tune."""
     from ray import tune
 
-    from gradmon_ray.checkpointing import resume_state
+    from gradmon_ray.checkpointing import RUN_ID_WAIT_S, resume_state
     from gradmon_ray.tracking import MlflowSink
     from gradmon_ray.tracking.spill import default_spill_path
     from gradmon_ray.train import ResumePoint, last_logged_iteration, plotter, run_training
@@ -249,7 +249,7 @@ def _trial(params: dict[str, Any]) -> None:
         payload: dict[str, Any] = {
             **metric.fill(metrics),
             "gradmon_iteration": iteration,
-            "mlflow_run_id": sink.wait_for_run(30),
+            "mlflow_run_id": sink.run_id_waiting_once(RUN_ID_WAIT_S),
         }
         if stopping:
             payload["stop_reason_text"] = stop_reason

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.checkpointing import checkpoint_reporter, checkpoint_root, learner_state_digest
+from gradmon_ray.checkpointing import CheckpointReporter, checkpoint_root, learner_state_digest
 from gradmon_ray.config import GradmonConfig
 from gradmon_ray.probe_lifecycle import flush_probe, start_probe, stop_probe
 from gradmon_ray.resource_wait import ResourceWait
@@ -142,9 +142,9 @@ def run_training(
             spill_path=default_spill_path(cfg.mlflow.spill_dir, cfg.mlflow.run_name),
         )
     outcome = TrainingOutcome(run_id=None, iterations_done=resume.iterations_done if resume else 0)
+    checkpoints = None
     if reporter is None and cfg.checkpoint_every > 0:  # the CLI's own runs: resumable with --resume
-        own_sink = sink
-        reporter = checkpoint_reporter(cfg, lambda: own_sink.run_id)
+        reporter = checkpoints = CheckpointReporter(cfg, sink.run_id_waiting_once)
     rules = HealthStopRules(**cfg.health_stop.model_dump())
     monitor = HealthStopMonitor(rules) if rules.any else None
     bands = BandSet.from_dict(cfg.telemetry.bands.model_dump())  # the progress line judges heads by these
@@ -236,6 +236,8 @@ def run_training(
         sink.log_iteration(outcome.iterations_done, probe_counters, {mn.TAG_STATUS: final})
         outcome.mlflow_complete = sink.close(status=status)
         outcome.run_id = sink.run_id
+        if checkpoints is not None:
+            checkpoints.stamp_run_id(outcome.run_id)
         outcome.spill_path = str(sink.spill_path) if sink.spill_path is not None else None
         if not outcome.mlflow_complete:
             logger.warning(

@@ -125,6 +125,7 @@ class MlflowSink:
         self._owns_run = run_id is None if end_run is None else end_run
         self._creates_run = run_id is None
         self._run_ready = threading.Event()
+        self._waited_for_run = False  # run_id_waiting_once has waited already
         self._thread = threading.Thread(target=self._worker, name="gradmon-mlflow-sink", daemon=True)
         self._thread.start()
 
@@ -145,6 +146,17 @@ class MlflowSink:
         """The run id once the run exists (None if it could not be created in time)."""
         self._run_ready.wait(timeout_s)
         return self.run_id
+
+    def run_id_waiting_once(self, timeout_s: float) -> str | None:
+        """``wait_for_run(timeout_s)`` the first time it is called, then the run id as it stands.
+
+        For callers that ask every iteration (checkpoints, Tune reports): while MLflow cannot
+        create the run, only the first ask waits, not every iteration of the outage.
+        """
+        if self._waited_for_run:
+            return self.run_id
+        self._waited_for_run = True
+        return self.wait_for_run(timeout_s)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait (at most ``timeout_s``) until everything queued so far is written; keeps the sink open."""

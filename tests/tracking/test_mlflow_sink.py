@@ -108,3 +108,23 @@ def test_attached_sink_writes_into_an_existing_run_and_leaves_its_status(tmp_pat
     assert run.info.status == "RUNNING" and run.data.params == {}
     assert client.get_experiment_by_name("ignored") is None
     assert len(client.get_metric_history(run_id, "grad_norm/bucket_1/task")) == 2
+
+
+def test_run_id_waiting_once_waits_only_the_first_time(dead_uri, tmp_path):
+    """While MLflow cannot create the run, the first ask waits its timeout and later asks do not
+    (a checkpoint or Tune report every iteration must not wait again through an outage); once
+    the run exists it is returned without waiting."""
+    sink = MlflowSink(dead_uri, "exp", retry_backoff_s=0.05)
+    start = time.monotonic()
+    assert sink.run_id_waiting_once(0.5) is None
+    assert time.monotonic() - start >= 0.5
+    start = time.monotonic()
+    assert sink.run_id_waiting_once(30) is None
+    assert time.monotonic() - start < 0.1
+    sink.close(timeout_s=0.5)
+
+    live = MlflowSink(f"sqlite:///{tmp_path / 'm.db'}", "exp")
+    run_id = live.run_id_waiting_once(60)  # the sqlite store is created first: this one waits
+    assert run_id is not None and live.run_id_waiting_once(0) == run_id
+    assert live.close() is True
+    assert MlflowClient(f"sqlite:///{tmp_path / 'm.db'}").get_run(run_id).info.status == "FINISHED"

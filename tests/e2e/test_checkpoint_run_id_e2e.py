@@ -1,0 +1,103 @@
+"""``train --resume RUN_ID`` needs the run id in the checkpoint, and the MLflow sink creates the
+run on its own thread: a checkpoint may be due before the run exists (a slow store, a loaded
+box; CI once saw ``belongs to run None``).  Real RLlib training, a real sqlite store; only the
+moment the sink creates its run is held back."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from typing import Any
+
+import pytest
+
+from gradmon_ray import checkpointing
+from gradmon_ray.checkpointing import LATEST, RESUME_FILE
+from gradmon_ray.config import config_from_dict
+from gradmon_ray.resume import resume_point
+from gradmon_ray.tracking import MlflowSink
+from gradmon_ray.train import run_training
+
+pytestmark = pytest.mark.e2e
+
+ITERATIONS = 2
+
+
+def _config(tmp_path: Any) -> Any:
+    return config_from_dict(
+        {
+            "iterations": ITERATIONS,
+            "seed": 0,
+            "checkpoint_every": 1,
+            "checkpoint_dir": str(tmp_path / "ckpt"),
+            "ppo": {"train_batch_size": 256, "minibatch_size": 128, "num_epochs": 1},
+            "model": {"trunk_hiddens": [32]},
+            "resources": {"num_env_runners": 0},
+            "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "ckpt", "plots_every": 0},
+        }
+    )
+
+
+def _hold_run_creation(monkeypatch: pytest.MonkeyPatch, release: threading.Event) -> None:
+    """The sink creates its run only once ``release`` is set (at most 120 s later)."""
+    create_run = MlflowSink._create_run
+
+    def held(self: MlflowSink) -> Any:
+        release.wait(120)
+        return create_run(self)
+
+    monkeypatch.setattr(MlflowSink, "_create_run", held)
+
+
+def _checkpoint_run_id(cfg: Any) -> str | None:
+    return json.loads((checkpointing.checkpoint_root(cfg) / LATEST / RESUME_FILE).read_text())["run_id"]
+
+
+def test_the_first_checkpoint_waits_for_the_run_it_belongs_to(ray_session, tmp_path, monkeypatch):
+    """The run is created only once the first checkpoint asks for its id: the checkpoint waits
+    for it and names it (reading the sink's id without waiting wrote None), and resumes."""
+    cfg = _config(tmp_path)
+    release = threading.Event()
+    _hold_run_creation(monkeypatch, release)
+    ask = MlflowSink.run_id_waiting_once
+
+    def asked(self: MlflowSink, timeout_s: float) -> str | None:
+        release.set()
+        return ask(self, timeout_s)
+
+    monkeypatch.setattr(MlflowSink, "run_id_waiting_once", asked)
+    ids: list[str | None] = []
+    outcome = run_training(cfg, progress=lambda line: ids.append(_checkpoint_run_id(cfg)))
+    assert outcome.iterations_done == ITERATIONS and outcome.run_id is not None
+    assert ids == [outcome.run_id] * ITERATIONS  # every checkpoint, from the first, names the run
+    _, point = resume_point(cfg.mlflow.tracking_uri, outcome.run_id)
+    assert point.iterations_done == ITERATIONS and point.logged_through == ITERATIONS
+
+
+def test_a_checkpoint_saved_before_the_run_exists_gets_its_id_when_the_run_ends(
+    ray_session, tmp_path, monkeypatch, caplog
+):
+    """MLflow creates the run only after the last iteration (longer than the checkpoint's wait):
+    the checkpoints are written without the id, with one warning, and the run's end writes the
+    id into the latest one, which ``--resume`` then accepts."""
+    cfg = _config(tmp_path)
+    release = threading.Event()
+    _hold_run_creation(monkeypatch, release)
+    monkeypatch.setattr(checkpointing, "RUN_ID_WAIT_S", 0.2)
+    ids: list[str | None] = []
+
+    def progress(line: str) -> None:
+        ids.append(_checkpoint_run_id(cfg))
+        if line.startswith(f"iter {ITERATIONS}/"):
+            release.set()
+
+    with caplog.at_level(logging.WARNING, logger=checkpointing.__name__):
+        outcome = run_training(cfg, progress=progress)
+    assert ids == [None] * ITERATIONS
+    warnings = [r.getMessage() for r in caplog.records if r.name == checkpointing.__name__]
+    assert len(warnings) == 1 and "written before MLflow created the run" in warnings[0]
+    assert outcome.run_id is not None and outcome.mlflow_complete
+    assert _checkpoint_run_id(cfg) == outcome.run_id
+    _, point = resume_point(cfg.mlflow.tracking_uri, outcome.run_id)
+    assert point.iterations_done == ITERATIONS
