@@ -1,7 +1,8 @@
 """``train --resume RUN_ID`` needs the run id in the checkpoint, and the MLflow sink creates the
 run on its own thread: a checkpoint may be due before the run exists (a slow store, a loaded
-box; CI once saw ``belongs to run None``).  Real RLlib training, a real sqlite store; only the
-moment the sink creates its run is held back."""
+box; CI once saw ``belongs to run None``).  And a checkpoint names only the run that wrote it:
+runs sharing a ``checkpoint_dir`` never resume from each other's.  Real RLlib training, a real
+sqlite store; only the moment the sink creates its run is held back."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import threading
 from typing import Any
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from gradmon_ray import checkpointing
 from gradmon_ray.checkpointing import LATEST, RESUME_FILE
-from gradmon_ray.config import config_from_dict
+from gradmon_ray.config import ConfigError, config_from_dict
 from gradmon_ray.resume import resume_point
 from gradmon_ray.tracking import MlflowSink
 from gradmon_ray.train import run_training
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.e2e
 ITERATIONS = 2
 
 
-def _config(tmp_path: Any) -> Any:
+def _config(tmp_path: Any, **top: Any) -> Any:
     return config_from_dict(
         {
             "iterations": ITERATIONS,
@@ -35,6 +37,7 @@ def _config(tmp_path: Any) -> Any:
             "model": {"trunk_hiddens": [32]},
             "resources": {"num_env_runners": 0},
             "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "ckpt", "plots_every": 0},
+            **top,
         }
     )
 
@@ -100,4 +103,45 @@ def test_a_checkpoint_saved_before_the_run_exists_gets_its_id_when_the_run_ends(
     assert outcome.run_id is not None and outcome.mlflow_complete
     assert _checkpoint_run_id(cfg) == outcome.run_id
     _, point = resume_point(cfg.mlflow.tracking_uri, outcome.run_id)
+    assert point.iterations_done == ITERATIONS
+
+
+def test_resume_refuses_a_checkpoint_a_later_run_wrote_over_its_own(ray_session, tmp_path):
+    """Two runs with one ``checkpoint_dir`` (the default one, run twice in the same directory): the
+    later run's checkpoint replaces the earlier's, so ``--resume`` of the earlier run is refused,
+    naming the run the checkpoint belongs to, instead of continuing it from the other run's state."""
+    cfg = _config(tmp_path)
+    earlier = run_training(cfg, progress=None)
+    later = run_training(cfg, progress=None)
+    assert earlier.run_id != later.run_id
+    assert _checkpoint_run_id(cfg) == later.run_id
+    with pytest.raises(ConfigError, match=f"belongs to run {later.run_id}, not {earlier.run_id}"):
+        resume_point(cfg.mlflow.tracking_uri, earlier.run_id)
+    _, point = resume_point(cfg.mlflow.tracking_uri, later.run_id)
+    assert point.iterations_done == ITERATIONS
+
+
+def test_a_run_stopped_before_its_first_checkpoint_leaves_the_previous_runs_checkpoint_alone(ray_session, tmp_path):
+    """A run with ``checkpoint_every: 5`` is stopped (Ctrl-C) after iteration 1, before it saved
+    anything, in a ``checkpoint_dir`` holding another run's checkpoint: the end of the run must
+    not write its id into that checkpoint (``--resume`` would then continue it from the other
+    run's weights); the other run still resumes from it, this one is refused."""
+    earlier = run_training(_config(tmp_path), progress=None)
+    state_file = checkpointing.checkpoint_root(_config(tmp_path)) / LATEST / RESUME_FILE
+    before = state_file.read_bytes()
+
+    def ctrl_c(line: str) -> None:
+        raise KeyboardInterrupt
+
+    later_cfg = _config(tmp_path, iterations=10, checkpoint_every=5)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(later_cfg, progress=ctrl_c)
+    assert state_file.read_bytes() == before and json.loads(before)["run_id"] == earlier.run_id
+    client = MlflowClient(later_cfg.mlflow.tracking_uri)
+    runs = client.search_runs([client.get_experiment_by_name("ckpt").experiment_id])
+    (later,) = [run for run in runs if run.info.run_id != earlier.run_id]
+    assert later.info.status == "KILLED"
+    with pytest.raises(ConfigError, match=f"belongs to run {earlier.run_id}, not {later.info.run_id}"):
+        resume_point(later_cfg.mlflow.tracking_uri, later.info.run_id)
+    _, point = resume_point(later_cfg.mlflow.tracking_uri, earlier.run_id)
     assert point.iterations_done == ITERATIONS

@@ -1,0 +1,184 @@
+"""``train --resume`` from the resumable checkpoints (``checkpoint_every``): what survives a failed
+save, what a resumed run carries over (health-stop streaks, the learner state it checks) and
+what it writes.  Real RLlib training on the local Ray, a real sqlite MLflow store, the resume
+through the CLI's own entry point; expected values come from MLflow's history and the files on disk."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from gradmon_ray import cli
+from gradmon_ray import metric_names as mn
+from gradmon_ray.checkpointing import LATEST, RESUME_FILE
+from gradmon_ray.config import config_from_dict
+from gradmon_ray.resume import resume_point
+from gradmon_ray.train import CheckpointStateMismatchError, run_training
+
+pytestmark = pytest.mark.e2e
+
+
+def _config(tmp_path: Path, **top: Any) -> Any:
+    return config_from_dict(
+        {
+            "seed": 0,
+            "checkpoint_dir": str(tmp_path / "ckpt"),
+            "ppo": {"train_batch_size": 256, "minibatch_size": 128, "num_epochs": 1},
+            "model": {"trunk_hiddens": [32]},
+            "resources": {"num_env_runners": 0},
+            "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "resume", "plots_every": 0},
+            **top,
+        }
+    )
+
+
+def _on_disk(tmp_path: Path) -> dict[str, Any]:
+    return json.loads((tmp_path / "ckpt" / LATEST / RESUME_FILE).read_text())
+
+
+def _only_run(client: MlflowClient) -> Any:
+    (run,) = client.search_runs([client.get_experiment_by_name("resume").experiment_id])
+    return run
+
+
+def _steps(client: MlflowClient, run_id: str, name: str) -> list[int]:
+    return sorted(point.step for point in client.get_metric_history(run_id, name))
+
+
+def _interrupt_after(iteration: int, total: int):
+    """A ``progress`` callback that presses Ctrl-C once ``iteration`` is done (after its checkpoint)."""
+
+    def progress(line: str) -> None:
+        if line.startswith(f"iter {iteration}/{total} "):
+            raise KeyboardInterrupt
+
+    return progress
+
+
+@pytest.fixture
+def cli_resume(monkeypatch, tmp_path):
+    """``gradmon-ray train --resume RUN_ID`` in this process (the CLI sets two MLflow env vars: undone after)."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+
+    def resume(run_id: str, uri: str, *extra: str) -> int:
+        return cli.main(["train", "--resume", run_id, "--mlflow-uri", uri, *extra])
+
+    return resume
+
+
+def test_a_checkpoint_save_that_fails_leaves_the_previous_one_to_resume_from(
+    ray_session, tmp_path, monkeypatch, cli_resume
+):
+    """The iteration-2 save fails halfway (disk full): ``latest`` must still be the complete
+    iteration-1 checkpoint, and ``--resume`` continues from it, training iteration 2 again
+    without logging it twice, and tags that range as recomputed."""
+    from ray.rllib.algorithms.algorithm import Algorithm
+
+    cfg = _config(tmp_path, iterations=3, checkpoint_every=1)
+    save = Algorithm.save_to_path
+    saves: list[str] = []
+
+    def save_failing_the_second_time(self: Any, path: Any = None, **kwargs: Any) -> Any:
+        saves.append(str(path))
+        if len(saves) == 2:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            (Path(path) / "half_written").write_bytes(b"\0" * 64)
+            raise OSError(28, "No space left on device")
+        return save(self, path, **kwargs)
+
+    monkeypatch.setattr(Algorithm, "save_to_path", save_failing_the_second_time)
+    with pytest.raises(OSError, match="No space left"):
+        run_training(cfg, progress=None)
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    run = _only_run(client)
+    assert run.info.status == "FAILED"
+    assert _steps(client, run.info.run_id, mn.LEARNERS_UPDATED) == [1, 2]  # iteration 2 was logged before its save
+    state = _on_disk(tmp_path)
+    assert state["iterations_done"] == 1 and state["run_id"] == run.info.run_id
+    assert not (tmp_path / "ckpt" / LATEST / "algo" / "half_written").exists()
+
+    assert cli_resume(run.info.run_id, cfg.mlflow.tracking_uri) == 0
+    again = client.get_run(run.info.run_id)
+    assert again.info.status == "FINISHED"
+    assert again.data.tags[mn.TAG_RESUMED_FROM] == "1"
+    assert again.data.tags[mn.TAG_RECOMPUTED_ITERATIONS] == "2-2"
+    for name in (mn.LEARNERS_UPDATED, mn.GLOBAL_GRAD_NORM):
+        assert _steps(client, run.info.run_id, name) == [1, 2, 3], name  # each once, none missing
+    assert _on_disk(tmp_path)["iterations_done"] == 3
+
+
+EXPLODING, STREAK = mn.HEALTH_CODES["exploding"], 5
+
+
+def test_a_resumed_run_keeps_the_health_stop_streak_and_checkpoints_where_it_stops(ray_session, tmp_path, cli_resume):
+    """Head ``op`` explodes from iteration 1 (logits x100); ``exploding_iterations: 5`` stops the
+    run at the 5th exploding iteration in a row.  Ctrl-C after iteration 3 (checkpoint at 2), then
+    ``--resume``: the streak of 2 comes back with the checkpoint, so the run stops at iteration 5,
+    not 2 + 5; the stop writes a checkpoint (5 is not a multiple of ``checkpoint_every``)."""
+    iterations = 8
+    cfg = _config(
+        tmp_path,
+        iterations=iterations,
+        checkpoint_every=2,
+        health_stop={"exploding_iterations": STREAK},
+        model={"trunk_hiddens": [32], "head_logit_scale": {"op": 100.0}},
+    )
+    with pytest.raises(KeyboardInterrupt):
+        run_training(cfg, progress=_interrupt_after(3, iterations))
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    run_id = _only_run(client).info.run_id
+    assert _on_disk(tmp_path)["iterations_done"] == 2
+
+    assert cli_resume(run_id, cfg.mlflow.tracking_uri) == 0
+    run = client.get_run(run_id)
+    health = sorted(
+        (p.step, p.value) for p in client.get_metric_history(run_id, mn.head_metric(mn.HEAD_GRAD_HEALTH, "op"))
+    )
+    steps = [step for step, _ in health]
+    assert steps == sorted(set(steps)), f"iterations logged twice: {steps}"
+    # Where the rule must fire, from the codes MLflow holds: the first step ending STREAK exploding in a row.
+    codes = [int(value) for _, value in health]
+    expected = next(i + 1 for i in range(len(codes)) if codes[max(0, i + 1 - STREAK) : i + 1] == [EXPLODING] * STREAK)
+    assert expected == STREAK  # op explodes from iteration 1 on: the premise of this test
+    assert run.info.status == "FINISHED"
+    stop_reason = run.data.tags[mn.TAG_STOP_REASON]
+    assert stop_reason.startswith(f"iteration {expected}: head 'op' exploding"), stop_reason
+    assert steps == list(range(1, expected + 1))
+    assert run.data.tags[mn.TAG_RESUMED_FROM] == "2" and run.data.tags[mn.TAG_RECOMPUTED_ITERATIONS] == "3-3"
+    state = _on_disk(tmp_path)
+    assert state["iterations_done"] == expected and state["run_id"] == run_id
+    assert state["health"]["exploding/op"] == STREAK
+
+
+def test_resume_refuses_a_checkpoint_whose_learner_state_is_not_the_one_it_was_written_with(
+    ray_session, tmp_path, cli_resume
+):
+    """``latest/algo`` replaced by the iteration-1 save while ``gradmon_resume.json`` says 2 (two
+    saves mixed, e.g. copied back by hand): ``--resume`` restores it, finds a learner state other
+    than the recorded digest and stops before training or logging anything."""
+    cfg = _config(tmp_path, iterations=2, checkpoint_every=1)
+    first_save = tmp_path / "algo_after_1"
+
+    def keep_the_first_save(line: str) -> None:
+        if line.startswith("iter 1/"):
+            shutil.copytree(tmp_path / "ckpt" / LATEST / "algo", first_save)
+
+    outcome = run_training(cfg, progress=keep_the_first_save)
+    algo_dir = tmp_path / "ckpt" / LATEST / "algo"
+    shutil.rmtree(algo_dir)
+    shutil.copytree(first_save, algo_dir)
+    _, point = resume_point(cfg.mlflow.tracking_uri, outcome.run_id)
+    assert point.iterations_done == 2
+
+    with pytest.raises(CheckpointStateMismatchError, match="not the one written with it"):
+        cli_resume(outcome.run_id, cfg.mlflow.tracking_uri, "--debug")
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    assert _steps(client, outcome.run_id, mn.LEARNERS_UPDATED) == [1, 2]  # nothing trained on top of it
+    assert mn.TAG_RESUMED_FROM not in client.get_run(outcome.run_id).data.tags
