@@ -59,10 +59,13 @@ class CheckpointReporter:
     the run ends (Ctrl-C and failures included).
     """
 
-    def __init__(self, cfg: GradmonConfig, run_id: Callable[[float], str | None]) -> None:
-        """``run_id(timeout_s)``: the MLflow run's id (``MlflowSink.run_id_waiting_once``)."""
+    def __init__(
+        self, cfg: GradmonConfig, run_id: Callable[[float], str | None], root: str | Path | None = None
+    ) -> None:
+        """``run_id(timeout_s)``: the MLflow run's id (``MlflowSink.run_id_waiting_once``);
+        ``root``: where ``latest`` goes (default ``checkpoint_root(cfg)``)."""
         self._cfg = cfg
-        self._root = checkpoint_root(cfg)
+        self._root = Path(root) if root is not None else checkpoint_root(cfg)
         self._run_id = run_id
         self._unstamped = False  # the latest checkpoint was written without a run id
 

@@ -39,11 +39,14 @@ def resume_point(tracking_uri: str, run_id: str) -> tuple[GradmonConfig, ResumeP
     if state.get("run_id") != run_id:
         raise ConfigError("--resume", f"the checkpoint in {latest} belongs to run {state.get('run_id')}, not {run_id}")
     cfg = config_from_dict(state["config"])
+    if cfg.checkpoint_dir:  # may be relative to the interrupted run's working directory: the tag is absolute
+        cfg.checkpoint_dir = directory
     point = ResumePoint(
         str(latest / "algo"),
         int(state["iterations_done"]),
         state.get("health", {}),
         state_digest=state.get("state_digest"),
         logged_through=last_logged_iteration(tracking_uri, run_id),
+        checkpoint_root=directory,
     )
     return cfg, point

@@ -52,6 +52,9 @@ class ResumePoint:
     """``learner_state_digest`` when the checkpoint was written: the restore is checked against it."""
     logged_through: int = 0
     """Last iteration the failed attempt logged to MLflow: iterations up to it are not logged again."""
+    checkpoint_root: str | None = None
+    """Where the interrupted run kept its resumable checkpoint (``train --resume``): the resumed run
+    renews it there, wherever it is started from. None: ``checkpoint_root(cfg)``."""
 
 
 class CheckpointStateMismatchError(RuntimeError):
@@ -144,7 +147,8 @@ def run_training(
     outcome = TrainingOutcome(run_id=None, iterations_done=resume.iterations_done if resume else 0)
     checkpoints = None
     if reporter is None and cfg.checkpoint_every > 0:  # the CLI's own runs: resumable with --resume
-        reporter = checkpoints = CheckpointReporter(cfg, sink.run_id_waiting_once)
+        root = resume.checkpoint_root if resume is not None else None
+        reporter = checkpoints = CheckpointReporter(cfg, sink.run_id_waiting_once, root=root)
     rules = HealthStopRules(**cfg.health_stop.model_dump())
     monitor = HealthStopMonitor(rules) if rules.any else None
     bands = BandSet.from_dict(cfg.telemetry.bands.model_dump())  # the progress line judges heads by these
@@ -153,6 +157,8 @@ def run_training(
     status = "FAILED"
     algo = None
     probe = None
+    # Resume/restore tags go with the first iteration MLflow has not seen, or at the end if there is none.
+    resumed_tags: dict[str, str] = {}
     try:
         ppo_config = build_ppo_config(cfg)
         outcome.probe_actor = probe_actor_name_of(ppo_config)
@@ -161,17 +167,16 @@ def run_training(
         with ResourceWait(cfg):  # a request the cluster cannot place is reported, then given up on
             algo = ppo_config.build_algo()
         head_order = _head_order(algo, cfg)
-        resumed_tags: dict[str, str] = {}
         named_heads = resume is not None  # the head-names tag is set once, by the first trained iteration
         if resume is not None:
             algo.restore_from_path(resume.checkpoint_path)  # learner state: weights, optimizer, telemetry
-            resumed_tags[mn.TAG_RESUMED_FROM] = str(resume.iterations_done)
             restored = learner_state_digest(algo)
             if resume.state_digest is not None and restored != resume.state_digest:
                 raise CheckpointStateMismatchError(
                     f"the learner's gradmon state after restoring {resume.checkpoint_path} (sha256 {restored[:12]}) is "
                     f"not the one written with it (sha256 {resume.state_digest[:12]}); not continuing the run from it"
                 )
+            resumed_tags[mn.TAG_RESUMED_FROM] = str(resume.iterations_done)
             resumed_tags[mn.TAG_RESUMED_STATE_DIGEST] = restored
             if resume.logged_through > resume.iterations_done:
                 resumed_tags[mn.TAG_RECOMPUTED_ITERATIONS] = f"{resume.iterations_done + 1}-{resume.logged_through}"
@@ -233,7 +238,7 @@ def run_training(
         if probe is not None:
             stop_probe(probe)
         final = "stopped" if status == "FINISHED" and outcome.stop_reason else status.lower()
-        sink.log_iteration(outcome.iterations_done, probe_counters, {mn.TAG_STATUS: final})
+        sink.log_iteration(outcome.iterations_done, probe_counters, {**resumed_tags, mn.TAG_STATUS: final})
         outcome.mlflow_complete = sink.close(status=status)
         outcome.run_id = sink.run_id
         if checkpoints is not None:

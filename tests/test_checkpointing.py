@@ -182,3 +182,52 @@ def test_resume_refuses_a_checkpoint_whose_learner_state_is_not_the_one_it_was_w
     client = MlflowClient(cfg.mlflow.tracking_uri)
     assert _steps(client, outcome.run_id, mn.LEARNERS_UPDATED) == [1, 2]  # nothing trained on top of it
     assert mn.TAG_RESUMED_FROM not in client.get_run(outcome.run_id).data.tags
+
+
+@pytest.mark.parametrize("checkpoint_dir", [None, "ck"], ids=["default-dir", "relative-dir"])
+def test_a_run_resumed_from_another_directory_renews_the_checkpoint_it_came_from(
+    ray_session, tmp_path, monkeypatch, cli_resume, checkpoint_dir
+):
+    """``checkpoint_dir`` unset or relative, Ctrl-C after iteration 1, then ``--resume`` from
+    another working directory: the resumed run renews the checkpoint where the run's
+    ``gradmon.checkpoint_dir`` tag points (so a second ``--resume`` continues from iteration 3,
+    not 1 again), and leaves no checkpoint in the new directory."""
+    first, elsewhere = tmp_path / "first", tmp_path / "elsewhere"
+    first.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(first)
+    cfg = _config(tmp_path, iterations=3, checkpoint_every=1, checkpoint_dir=checkpoint_dir)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(cfg, progress=_interrupt_after(1, 3))
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    run = _only_run(client)
+    root = first / (checkpoint_dir or "gradmon-checkpoints")  # what the user's relative path meant there
+    assert run.data.tags[mn.TAG_CHECKPOINT_DIR] == str(root)
+
+    monkeypatch.chdir(elsewhere)
+    assert cli_resume(run.info.run_id, cfg.mlflow.tracking_uri) == 0
+    state = json.loads((root / LATEST / RESUME_FILE).read_text())
+    assert state["iterations_done"] == 3 and state["run_id"] == run.info.run_id
+    assert sorted(p.name for p in elsewhere.iterdir() if "mlflow" not in p.name) == []
+    _, point = resume_point(cfg.mlflow.tracking_uri, run.info.run_id)
+    assert point.iterations_done == 3
+
+
+def test_a_resume_that_logs_no_new_iteration_still_tags_the_run_as_resumed(ray_session, tmp_path, cli_resume):
+    """Ctrl-C right after the last iteration was logged (checkpoint at 2 of 3): ``--resume``
+    trains iteration 3 again and logs nothing new for it, and the run still gets its resume
+    tags (from 2, 3-3 recomputed, the restored state's digest), as a resume that trains on does."""
+    cfg = _config(tmp_path, iterations=3, checkpoint_every=2)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(cfg, progress=_interrupt_after(3, 3))
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    run_id = _only_run(client).info.run_id
+    digest = _on_disk(tmp_path)["state_digest"]
+
+    assert cli_resume(run_id, cfg.mlflow.tracking_uri) == 0
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags[mn.TAG_RESUMED_FROM] == "2"
+    assert run.data.tags[mn.TAG_RECOMPUTED_ITERATIONS] == "3-3"
+    assert run.data.tags[mn.TAG_RESUMED_STATE_DIGEST] == digest
+    assert _steps(client, run_id, mn.LEARNERS_UPDATED) == [1, 2, 3]
