@@ -16,25 +16,11 @@ from mlflow.tracking import MlflowClient
 from gradmon_ray import cli
 from gradmon_ray import metric_names as mn
 from gradmon_ray.checkpointing import LATEST, RESUME_FILE
-from gradmon_ray.config import config_from_dict
 from gradmon_ray.resume import resume_point
 from gradmon_ray.train import CheckpointStateMismatchError, run_training
+from tests.resumable_runs import resumable_config
 
 pytestmark = pytest.mark.e2e
-
-
-def _config(tmp_path: Path, **top: Any) -> Any:
-    return config_from_dict(
-        {
-            "seed": 0,
-            "checkpoint_dir": str(tmp_path / "ckpt"),
-            "ppo": {"train_batch_size": 256, "minibatch_size": 128, "num_epochs": 1},
-            "model": {"trunk_hiddens": [32]},
-            "resources": {"num_env_runners": 0},
-            "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "resume", "plots_every": 0},
-            **top,
-        }
-    )
 
 
 def _on_disk(tmp_path: Path) -> dict[str, Any]:
@@ -81,7 +67,7 @@ def test_a_checkpoint_save_that_fails_leaves_the_previous_one_to_resume_from(
     without logging it twice, and tags that range as recomputed."""
     from ray.rllib.algorithms.algorithm import Algorithm
 
-    cfg = _config(tmp_path, iterations=3, checkpoint_every=1)
+    cfg = resumable_config(tmp_path, iterations=3, checkpoint_every=1)
     save = Algorithm.save_to_path
     saves: list[str] = []
 
@@ -123,7 +109,7 @@ def test_a_resumed_run_keeps_the_health_stop_streak_and_checkpoints_where_it_sto
     ``--resume``: the streak of 2 comes back with the checkpoint, so the run stops at iteration 5,
     not 2 + 5; the stop writes a checkpoint (5 is not a multiple of ``checkpoint_every``)."""
     iterations = 8
-    cfg = _config(
+    cfg = resumable_config(
         tmp_path,
         iterations=iterations,
         checkpoint_every=2,
@@ -163,7 +149,7 @@ def test_resume_refuses_a_checkpoint_whose_learner_state_is_not_the_one_it_was_w
     """``latest/algo`` replaced by the iteration-1 save while ``gradmon_resume.json`` says 2 (two
     saves mixed, e.g. copied back by hand): ``--resume`` restores it, finds a learner state other
     than the recorded digest and stops before training or logging anything."""
-    cfg = _config(tmp_path, iterations=2, checkpoint_every=1)
+    cfg = resumable_config(tmp_path, iterations=2, checkpoint_every=1)
     first_save = tmp_path / "algo_after_1"
 
     def keep_the_first_save(line: str) -> None:
@@ -196,7 +182,7 @@ def test_a_run_resumed_from_another_directory_renews_the_checkpoint_it_came_from
     first.mkdir()
     elsewhere.mkdir()
     monkeypatch.chdir(first)
-    cfg = _config(tmp_path, iterations=3, checkpoint_every=1, checkpoint_dir=checkpoint_dir)
+    cfg = resumable_config(tmp_path, iterations=3, checkpoint_every=1, checkpoint_dir=checkpoint_dir)
     with pytest.raises(KeyboardInterrupt):
         run_training(cfg, progress=_interrupt_after(1, 3))
     client = MlflowClient(cfg.mlflow.tracking_uri)
@@ -217,7 +203,7 @@ def test_a_resume_that_logs_no_new_iteration_still_tags_the_run_as_resumed(ray_s
     """Ctrl-C right after the last iteration was logged (checkpoint at 2 of 3): ``--resume``
     trains iteration 3 again and logs nothing new for it, and the run still gets its resume
     tags (from 2, 3-3 recomputed, the restored state's digest), as a resume that trains on does."""
-    cfg = _config(tmp_path, iterations=3, checkpoint_every=2)
+    cfg = resumable_config(tmp_path, iterations=3, checkpoint_every=2)
     with pytest.raises(KeyboardInterrupt):
         run_training(cfg, progress=_interrupt_after(3, 3))
     client = MlflowClient(cfg.mlflow.tracking_uri)

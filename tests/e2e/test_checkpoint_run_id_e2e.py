@@ -16,10 +16,11 @@ from mlflow.tracking import MlflowClient
 
 from gradmon_ray import checkpointing
 from gradmon_ray.checkpointing import LATEST, RESUME_FILE
-from gradmon_ray.config import ConfigError, config_from_dict
+from gradmon_ray.config import ConfigError
 from gradmon_ray.resume import resume_point
 from gradmon_ray.tracking import MlflowSink
 from gradmon_ray.train import run_training
+from tests.resumable_runs import resumable_config
 
 pytestmark = pytest.mark.e2e
 
@@ -27,19 +28,7 @@ ITERATIONS = 2
 
 
 def _config(tmp_path: Any, **top: Any) -> Any:
-    return config_from_dict(
-        {
-            "iterations": ITERATIONS,
-            "seed": 0,
-            "checkpoint_every": 1,
-            "checkpoint_dir": str(tmp_path / "ckpt"),
-            "ppo": {"train_batch_size": 256, "minibatch_size": 128, "num_epochs": 1},
-            "model": {"trunk_hiddens": [32]},
-            "resources": {"num_env_runners": 0},
-            "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "ckpt", "plots_every": 0},
-            **top,
-        }
-    )
+    return resumable_config(tmp_path, **{"iterations": ITERATIONS, "checkpoint_every": 1, **top})
 
 
 def _hold_run_creation(monkeypatch: pytest.MonkeyPatch, release: threading.Event) -> None:
@@ -138,7 +127,7 @@ def test_a_run_stopped_before_its_first_checkpoint_leaves_the_previous_runs_chec
         run_training(later_cfg, progress=ctrl_c)
     assert state_file.read_bytes() == before and json.loads(before)["run_id"] == earlier.run_id
     client = MlflowClient(later_cfg.mlflow.tracking_uri)
-    runs = client.search_runs([client.get_experiment_by_name("ckpt").experiment_id])
+    runs = client.search_runs([client.get_experiment_by_name("resume").experiment_id])
     (later,) = [run for run in runs if run.info.run_id != earlier.run_id]
     assert later.info.status == "KILLED"
     with pytest.raises(ConfigError, match=f"belongs to run {earlier.run_id}, not {later.info.run_id}"):
