@@ -51,15 +51,16 @@ PIECES = [
 ]
 
 
-def _timed(fn: Callable[..., Any], sink: list[float], active: Callable[[], bool]) -> Callable[..., Any]:
+def _timed(fn: Callable[..., Any], record: Callable[[float], None]) -> Callable[..., Any]:
+    """``fn`` with each call's wall time handed to ``record`` (seconds)."""
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            if active():
-                sink.append(time.perf_counter() - start)
+            record(time.perf_counter() - start)
 
     return wrapper
 
@@ -85,20 +86,18 @@ def main() -> None:
     samples: dict[str, list[float]] = defaultdict(list)
     reduce_samples: dict[str, list[float]] = defaultdict(list)
     for owner, name, label, _ in PIECES:
-        # gradmon's calls only (the off learner still logs its few non-telemetry values)
-        active = lambda: recording["on"] and current["arm"] == "gradmon"  # noqa: E731
-        setattr(owner, name, _timed(getattr(owner, name), samples[label], active))
-    original_reduce = GradmonMetricsLogger.reduce
 
-    def timed_reduce(self: GradmonMetricsLogger, compile: bool = False) -> dict:
-        start = time.perf_counter()
-        try:
-            return original_reduce(self, compile)
-        finally:
-            if recording["on"]:
-                reduce_samples[current["arm"]].append(time.perf_counter() - start)
+        def record_piece(seconds: float, label: str = label) -> None:
+            if recording["on"] and current["arm"] == "gradmon":  # the off learner still logs a few values
+                samples[label].append(seconds)
 
-    GradmonMetricsLogger.reduce = timed_reduce  # type: ignore[method-assign]
+        setattr(owner, name, _timed(getattr(owner, name), record_piece))
+
+    def record_reduce(seconds: float) -> None:
+        if recording["on"]:
+            reduce_samples[current["arm"]].append(seconds)
+
+    GradmonMetricsLogger.reduce = _timed(GradmonMetricsLogger.reduce, record_reduce)  # type: ignore[method-assign]
 
     def one_update(arm: str) -> float:
         current["arm"] = arm

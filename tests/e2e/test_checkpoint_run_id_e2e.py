@@ -20,7 +20,7 @@ from gradmon_ray.config import ConfigError
 from gradmon_ray.resume import resume_point
 from gradmon_ray.tracking import MlflowSink
 from gradmon_ray.train import run_training
-from tests.resumable_runs import resumable_config
+from tests.e2e.resumable_runs import resumable_config
 
 pytestmark = pytest.mark.e2e
 

@@ -18,7 +18,7 @@ from gradmon_ray import metric_names as mn
 from gradmon_ray.checkpointing import LATEST, RESUME_FILE
 from gradmon_ray.resume import resume_point
 from gradmon_ray.train import CheckpointStateMismatchError, run_training
-from tests.resumable_runs import resumable_config
+from tests.e2e.resumable_runs import resumable_config
 
 pytestmark = pytest.mark.e2e
 
