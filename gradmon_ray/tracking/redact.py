@@ -1,0 +1,141 @@
+"""Keep credentials out of everything gradmon-ray writes or prints.
+
+A tracking URI can carry a secret (``http://user:pw@host``, ``postgresql://u:pw@db/x``,
+``https://host?token=...``), and MLflow reads others from the environment.  The run still
+connects with the real URI; only what is *shown or stored* (MLflow params and tags, banners,
+warnings, error messages, spill headers, resume files, checkpoints) goes through
+:func:`redact_uri` or :func:`redact_text`.  No MLflow import: this module is pure string work.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping
+from urllib.parse import quote, unquote
+
+MASK = "***"
+
+#: Environment variables whose values are credentials (MLflow 3.17's
+#: ``mlflow/environment_variables.py`` and the Databricks/cloud-storage variables its clients read).
+#: ``MLFLOW_TRACKING_USERNAME`` is left out on purpose: a user name is not a secret, and masking a
+#: common word such as "admin" everywhere would garble messages.
+CREDENTIAL_ENV_VARS: tuple[str, ...] = (
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+    "MLFLOW_AUTH_ADMIN_PASSWORD",
+    "MLFLOW_UC_OSS_TOKEN",
+    "MLFLOW_FLASK_SERVER_SECRET_KEY",
+    "MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY",
+    "DATABRICKS_TOKEN",
+    "DATABRICKS_PASSWORD",
+    "DATABRICKS_CLIENT_SECRET",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AZURE_STORAGE_ACCESS_KEY",
+    "AZURE_STORAGE_CONNECTION_STRING",
+)
+
+# Query-string keys whose value is a credential (matched case-insensitively, anywhere in the key:
+# "access_token", "X-Amz-Signature", "sas_key", "db_password", ...).
+_SECRET_QUERY_KEY = re.compile(r"token|passw|pwd|secret|key|auth|credential|signature|sig$", re.IGNORECASE)
+# A URI inside free text: scheme "://" then everything up to whitespace or a quote/bracket.
+_URI_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>()\[\]{}`,]+")
+
+
+def _split(uri: str) -> tuple[str, str, str, str, str] | None:
+    """``(scheme_and_slashes, userinfo, hostpart, query, rest)`` of ``scheme://...``, else None.
+
+    Hand-split rather than ``urllib.parse.urlsplit`` + ``urlunsplit`` so that everything outside
+    the secret is returned byte for byte (urlunsplit normalises, e.g. drops an empty ``?``).
+    """
+    head, sep, tail = uri.partition("://")
+    if not sep or not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.\-]*", head):
+        return None
+    end = len(tail)
+    for ch in "/?#":
+        i = tail.find(ch)
+        if i != -1:
+            end = min(end, i)
+    authority, after = tail[:end], tail[end:]
+    userinfo, at, hostpart = authority.rpartition("@")
+    if not at:
+        userinfo, hostpart = "", authority
+    path, qmark, query_and_frag = after.partition("?")
+    query, hash_, frag = query_and_frag.partition("#")
+    return head + "://", (userinfo + "@") if at else "", hostpart + path, qmark + query, hash_ + frag
+
+
+def _redact_userinfo(userinfo_at: str) -> str:
+    """``user:pw@`` -> ``user:***@``; ``token@`` (a lone token) -> ``***@``."""
+    if not userinfo_at:
+        return ""
+    user, colon, _password = userinfo_at[:-1].partition(":")
+    return f"{user}:{MASK}@" if colon else f"{MASK}@"
+
+
+def _redact_query(query: str) -> str:
+    """``?a=1&token=x`` -> ``?a=1&token=***`` (order, separators and other values untouched)."""
+    if not query:
+        return ""
+    parts = re.split(r"([&;])", query[1:])
+    for i in range(0, len(parts), 2):
+        key, eq, value = parts[i].partition("=")
+        if eq and value and _SECRET_QUERY_KEY.search(unquote(key)):
+            parts[i] = f"{key}={MASK}"
+    return "?" + "".join(parts)
+
+
+def redact_uri(uri: str) -> str:
+    """``uri`` with its credentials shown as ``***``; a URI without secrets comes back unchanged.
+
+    >>> redact_uri("http://alice:s3cret@mlflow:5000")
+    'http://alice:***@mlflow:5000'
+    >>> redact_uri("https://host/api?token=abc&x=1")
+    'https://host/api?token=***&x=1'
+    >>> redact_uri("sqlite:///mlflow.db")
+    'sqlite:///mlflow.db'
+    """
+    parts = _split(uri)
+    if parts is None:
+        return uri
+    scheme, userinfo_at, hostpath, query, frag = parts
+    return scheme + _redact_userinfo(userinfo_at) + hostpath + _redact_query(query) + frag
+
+
+def uri_secrets(uri: str) -> list[str]:
+    """The secret values inside ``uri`` (password or lone user token, secret query values), raw and
+    percent-decoded, so that text quoting them without the URI around them can be masked too."""
+    parts = _split(uri)
+    if parts is None:
+        return []
+    _, userinfo_at, _, query, _ = parts
+    found: list[str] = []
+    if userinfo_at:
+        user, colon, password = userinfo_at[:-1].partition(":")
+        found.append(password if colon else user)
+    if query:
+        for item in re.split(r"[&;]", query[1:]):
+            key, eq, value = item.partition("=")
+            if eq and value and _SECRET_QUERY_KEY.search(unquote(key)):
+                found.append(value)
+    return sorted({v for s in found if s for v in (s, unquote(s))})
+
+
+def env_secrets(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The non-empty values of :data:`CREDENTIAL_ENV_VARS` in ``environ`` (default: ``os.environ``)."""
+    env = os.environ if environ is None else environ
+    return [env[name] for name in CREDENTIAL_ENV_VARS if env.get(name, "").strip()]
+
+
+def redact_text(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` with every URI in it passed through :func:`redact_uri`, and every value in
+    ``secrets`` and in the credential environment variables (:data:`CREDENTIAL_ENV_VARS`) replaced
+    by ``***``, both as written and percent-encoded (a password with ``@`` is ``%40`` in a URI)."""
+    text = _URI_IN_TEXT.sub(lambda m: redact_uri(m.group(0)), text)
+    values = {s for s in (*secrets, *env_secrets()) if s and s.strip()}
+    values |= {quote(s, safe="") for s in values}
+    # Longest first, so that a secret containing another one is masked whole.
+    for value in sorted(values, key=len, reverse=True):
+        text = text.replace(value, MASK)
+    return text
