@@ -21,16 +21,17 @@ import copy
 from pathlib import Path
 from typing import Any, Literal, Union
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import (
     ConfigError,
     ConfigModel,
+    GradmonConfig,
     Text,
     apply_overrides,
+    config_errors,
     config_from_dict,
-    parse,
     read_yaml_mapping,
 )
 
@@ -61,24 +62,82 @@ class SweepConfig(ConfigModel):
 
 
 def load_sweep(path: str | Path) -> tuple[SweepConfig, dict[str, Any]]:
-    """Parse and validate a sweep file; returns it and the resolved base run config (as data)."""
+    """Parse and validate a sweep file; returns it and the resolved base run config (as data).
+
+    Every problem is reported at once (one ``ConfigError`` listing them all): the sweep's own
+    keys, the base config, and each search space entry, so that a file with three mistakes
+    needs one edit, not three runs.  Invalid YAML stops at its first error (nothing after it
+    can be read).
+    """
     p = Path(path)
     data = read_yaml_mapping(p, "sweep")
-    sweep = parse(SweepConfig, data)
-    base = read_yaml_mapping((p.parent / sweep.base_config).resolve(), "base_config") if sweep.base_config else {}
-    base = _merge(base, sweep.base)
-    config_from_dict(copy.deepcopy(base))  # the base itself must be a valid run config
-    if not sweep.search_space:
-        raise ConfigError("search_space", "is empty; give at least one field, e.g. {ppo.lr: {choice: [1e-4, 3e-4]}}")
-    for key, spec in sweep.search_space.items():
-        for value in _candidate_values(key, spec):
-            try:
-                config_from_dict(apply_overrides(copy.deepcopy(base), {key: value}))
-            except ConfigError as exc:
-                raise ConfigError(f"search_space.{key}", str(exc)) from None
+    problems: list[ConfigError] = []
+    try:
+        sweep: SweepConfig | None = SweepConfig.model_validate(data)
+    except ValidationError as exc:
+        problems += config_errors(SweepConfig, exc, "", data)
+        sweep = None
+    # What of the file can still be checked when its own keys are wrong: the parts of the right type.
+    base_config = sweep.base_config if sweep else _typed(data, "base_config", str)
+    inline = sweep.base if sweep else _typed(data, "base", dict) or {}
+    space = sweep.search_space if sweep else _typed(data, "search_space", dict)
+    base: dict[str, Any] = {}
+    base_ok = True
+    if base_config:
+        try:
+            base = read_yaml_mapping((p.parent / base_config).resolve(), "base_config")
+        except ConfigError as exc:
+            problems.append(exc)
+            base_ok = False
+    base = _merge(base, inline)
+    try:
+        GradmonConfig.model_validate(copy.deepcopy(base))  # the base itself must be a valid run config
+    except ValidationError as exc:
+        problems += config_errors(GradmonConfig, exc, "", base)
+        base_ok = False
+    if space is not None and not space:
+        problems.append(
+            ConfigError("search_space", "is empty; give at least one field, e.g. {ppo.lr: {choice: [1e-4, 3e-4]}}")
+        )
+    problems += _search_space_problems(space or {}, base, check_values=base_ok)
+    if problems:
+        raise _all_of(problems)
+    assert sweep is not None  # no problems: it parsed
     if sweep.name is None:
         sweep.name = p.stem
     return sweep, base
+
+
+def _typed(data: dict[str, Any], key: str, kind: type) -> Any:
+    value = data.get(key)
+    return value if isinstance(value, kind) else None
+
+
+def _search_space_problems(space: dict[str, Any], base: dict[str, Any], *, check_values: bool) -> list[ConfigError]:
+    """Each entry's problems: its form, and (on a valid base) each value the run config would refuse."""
+    problems: list[ConfigError] = []
+    for key, spec in space.items():
+        try:
+            values = _candidate_values(key, spec)
+        except ConfigError as exc:
+            problems.append(exc)
+            continue
+        if not check_values:  # an invalid base refuses every value: its own errors say why
+            continue
+        for value in values:
+            try:
+                config_from_dict(apply_overrides(copy.deepcopy(base), {key: value}))
+            except ConfigError as exc:
+                problems.append(ConfigError(f"search_space.{key}", str(exc)))
+                break  # one refused value per entry is enough to say what is wrong with it
+    return problems
+
+
+def _all_of(problems: list[ConfigError]) -> ConfigError:
+    """One error: the problem itself when there is one, else all of them on one line."""
+    if len(problems) == 1:
+        return problems[0]
+    return ConfigError("sweep", f"{len(problems)} problems: " + "; ".join(str(p) for p in problems))
 
 
 def _candidate_values(key: str, spec: Any) -> list[Any]:

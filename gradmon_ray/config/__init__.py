@@ -26,7 +26,15 @@ from gradmon_ray.config.band_sections import (
     CollapseSection,
     ValueBandsSection,
 )
-from gradmon_ray.config.base import SECTION_PATHS, ConfigError, ConfigModel, config_error, describe, parse
+from gradmon_ray.config.base import (
+    SECTION_PATHS,
+    ConfigError,
+    ConfigModel,
+    config_error,
+    config_errors,
+    describe,
+    parse,
+)
 from gradmon_ray.config.probe_sections import ProbeSection, RegularizerEntry
 from gradmon_ray.config.sections import (
     EMBEDDED_TRACKING_URI,
@@ -72,6 +80,7 @@ __all__ = [
     "apply_overrides",
     "config_advisories",
     "config_error",
+    "config_errors",
     "config_from_dict",
     "default_tracking_uri",
     "describe",
@@ -194,4 +203,9 @@ def validate_config(cfg: GradmonConfig) -> None:
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> GradmonConfig:
     """Load YAML (or defaults when ``path`` is None), apply dotted ``overrides``, validate."""
     data = read_yaml_mapping(path, "--config") if path is not None else {}
+    if "search_space" in data:  # the most likely mix-up: both kinds of file live in tune_configs/
+        raise ConfigError(
+            "--config",
+            f"{path} is a sweep file (it has search_space), not a run config; run it with: gradmon-ray tune {path}",
+        )
     return config_from_dict(apply_overrides(data, overrides or {}))

@@ -71,6 +71,21 @@ def config_error(cls: type[BaseModel], exc: ValidationError, root: str = "", dat
     """One ``ConfigError`` for ``exc``: an unknown key first (most likely the cause), else the first error."""
     errors = exc.errors(include_url=False)
     err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+    return _error_for(cls, err, root, data)
+
+
+def config_errors(cls: type[BaseModel], exc: ValidationError, root: str = "", data: Any = None) -> list[ConfigError]:
+    """Every problem in ``exc`` as its own ``ConfigError`` (same wording as ``config_error``), each once."""
+    out: list[ConfigError] = []
+    for err in exc.errors(include_url=False):
+        error = _error_for(cls, err, root, data)
+        if str(error) not in {str(e) for e in out}:
+            out.append(error)
+    return out
+
+
+def _error_for(cls: type[BaseModel], err: Any, root: str, data: Any) -> ConfigError:
+    """``ConfigError`` for one of pydantic's error dicts."""
     loc, kind, got = tuple(err["loc"]), err["type"], err.get("input")
     path, tp, info, parent, used = _walk(cls, loc, root)
     if used < len(loc) and data is not None:

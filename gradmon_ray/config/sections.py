@@ -291,3 +291,10 @@ class MlflowSection(ConfigModel):
     plots_every: int = Field(
         10, ge=0, description="Log the gradient-health plots as artifacts every N iterations and at the end (0: off)."
     )
+    offline_ok: bool = Field(
+        False,
+        description="Start training even when the tracking server does not answer at start: the metrics are "
+        "buffered, spilled to spill_dir and delivered later (gradmon-ray replay). False: a server that does not "
+        "answer within 5 s at start is an error (exit 2) before anything runs. An outage after the start is "
+        "always buffered.",
+    )

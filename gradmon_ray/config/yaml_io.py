@@ -38,6 +38,21 @@ def load_yaml(text: str) -> Any:
         loader.dispose()
 
 
+def yaml_error_text(exc: yaml.YAMLError) -> str:
+    """PyYAML's error as one line with 1-based line and column: ``line 3, column 7: expected ',' or ']',
+    but got '<stream end>' (in the flow sequence started at line 1, column 6)``."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None)
+    if mark is None or problem is None:  # a YAMLError without a position (rare): its own first line
+        return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    text = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and context_mark is not None:
+        where = re.sub(r"^while \w+ an? ", "in the ", context)  # "while parsing a flow sequence"
+        text += f" ({where} started at line {context_mark.line + 1}, column {context_mark.column + 1})"
+    return text
+
+
 def read_yaml_mapping(path: str | Path, field_path: str) -> dict[str, Any]:
     """A YAML file's top-level mapping (an empty file is ``{}``); a missing file, bad YAML or
     a non-mapping is a ``ConfigError`` on ``field_path``."""
@@ -47,7 +62,7 @@ def read_yaml_mapping(path: str | Path, field_path: str) -> dict[str, Any]:
     try:
         loaded = load_yaml(p.read_text())
     except yaml.YAMLError as exc:
-        raise ConfigError(field_path, f"{p} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(field_path, f"{p} is not valid YAML: {yaml_error_text(exc)}") from None
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(field_path, f"{p} must hold a mapping at the top level")
     return loaded or {}

@@ -11,6 +11,8 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from gradmon_ray.tracking.redact import redact_text
+
 MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limits
 MAX_PARAMS_PER_BATCH = 100
 MAX_TAGS_PER_BATCH = 100
@@ -45,15 +47,19 @@ def log_in_batches(
     params: Mapping[str, str] | None = None,
     tags: Mapping[str, str] | None = None,
 ) -> None:
-    """Write metric entities, then params, then tags with ``log_batch`` in chunks MLflow accepts."""
+    """Write metric entities, then params, then tags with ``log_batch`` in chunks MLflow accepts.
+
+    Param and tag values go through ``redact_text``: whatever path they came by (the run config's
+    ``mlflow.tracking_uri``, an error text in a tag), no credential is stored in MLflow.
+    """
     from mlflow.entities import Param, RunTag
 
     metric_list = list(metrics)
     for i in range(0, len(metric_list), MAX_METRICS_PER_BATCH):
         client.log_batch(run_id, metrics=metric_list[i : i + MAX_METRICS_PER_BATCH])
-    param_list = [Param(str(k), str(v)) for k, v in (params or {}).items()]
+    param_list = [Param(str(k), redact_text(str(v))) for k, v in (params or {}).items()]
     for i in range(0, len(param_list), MAX_PARAMS_PER_BATCH):
         client.log_batch(run_id, params=param_list[i : i + MAX_PARAMS_PER_BATCH])
-    tag_list = [RunTag(str(k), str(v)) for k, v in (tags or {}).items()]
+    tag_list = [RunTag(str(k), redact_text(str(v))) for k, v in (tags or {}).items()]
     for i in range(0, len(tag_list), MAX_TAGS_PER_BATCH):
         client.log_batch(run_id, tags=tag_list[i : i + MAX_TAGS_PER_BATCH])

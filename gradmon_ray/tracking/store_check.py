@@ -1,22 +1,68 @@
-"""Will a local MLflow store work?  Checked before Ray or MLflow start, without creating anything.
+"""Will the MLflow store work?  Checked before Ray or MLflow start, without creating anything.
 
 MLflow only finds out that ``sqlite:////etc/hostname/mlflow.db`` or ``file:///proc/mlruns`` can
-never work when it first writes, after training has started; and a read-only command pointed
-at a directory without a store would create an empty one.  These checks read the filesystem
-only.  Server URIs (``http(s)://``, ``databricks``, database URLs other than sqlite) are not
-checked here: a server outage is buffered, spilled and replayed by the sink.
+never work when it first writes, after training has started; a read-only command pointed at a
+directory without a store would create an empty one; and a URI whose scheme MLflow does not
+know (``mlfow://host:5000``) only fails in the sink's background thread, once per iteration.
+``local_store_problem`` reads the filesystem only (and checks the scheme first).
+``tracking_server_problem`` asks an ``http(s)://`` server one bounded question at start; an
+outage *after* the start is buffered, spilled and replayed by the sink.  Every message shows
+the URI through ``redact_uri``: no password reaches the terminal.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from importlib.metadata import entry_points
 from pathlib import Path
 from urllib.parse import unquote, urlparse
+
+from gradmon_ray.tracking.redact import redact_text, redact_uri, uri_secrets
+
+TRACKING_SCHEMES = ("file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")
+"""The URI schemes MLflow 3.17 can track to (its ``_register_tracking_stores``; ``databricks-uc`` and
+``uc`` are registered there only to refuse them).  A database scheme may name a driver
+(``postgresql+psycopg2``); a plain path is a file store; plugins add their own schemes."""
+
+_DATABASES = ("postgresql", "mysql", "mssql", "sqlite")
+
+
+def _plugin_schemes() -> tuple[str, ...]:
+    """Schemes that installed MLflow plugins register (entry point group ``mlflow.tracking_store``)."""
+    return tuple(ep.name for ep in entry_points(group="mlflow.tracking_store"))
+
+
+def tracking_scheme(uri: str) -> str:
+    """The scheme MLflow picks a store by: lower case, a database driver dropped, ``""`` for a path."""
+    if uri in ("databricks", "databricks-uc", "uc"):  # MLflow's own special case: bare names, no "://"
+        return uri
+    scheme = urlparse(uri).scheme.lower()
+    if len(scheme) == 1:  # a Windows drive letter (C:\\runs): a path, as MLflow reads it
+        return ""
+    engine = scheme.split("+", 1)[0]
+    return engine if engine in _DATABASES else scheme
+
+
+def uri_scheme_problem(uri: str) -> str | None:
+    """Why MLflow cannot track to ``uri`` by its scheme alone, in one line (None: the scheme is known)."""
+    scheme = tracking_scheme(uri)
+    known = (*TRACKING_SCHEMES, *_plugin_schemes())
+    if scheme == "" or scheme in known:
+        return None
+    if scheme in ("databricks-uc", "uc"):
+        what = f"{scheme!r} is a model registry scheme, not a tracking one"
+    elif urlparse(uri).path.isdigit():  # "localhost:5000": a host and port without http://
+        what = f"unknown scheme {scheme!r} (a server is http://{uri})"
+    else:
+        what = f"unknown scheme {scheme!r}"
+    return f"{redact_uri(uri)}: {what}; MLflow tracks to {', '.join(known)} URIs or a local directory path"
 
 
 def local_store_path(uri: str) -> Path | None:
     """The filesystem path of a local store (``sqlite:///x.db``, ``file:///dir``, a plain path), else None."""
+    if tracking_scheme(uri) == "databricks":
+        return None
     if uri.startswith("sqlite:///"):
         path = uri[len("sqlite:///") :].split("?", 1)[0]
         return None if path in ("", ":memory:") else Path(path)
@@ -45,8 +91,11 @@ def local_store_problem(uri: str, *, must_exist: bool) -> str | None:
 
     ``must_exist``: for commands that only read (``watch``, ``report``): a store that is not
     there is a problem (and is never created).  Otherwise the store may be created, so its
-    directory must exist and be writable.
+    directory must exist and be writable.  An unknown scheme is a problem for any URI.
     """
+    scheme_problem = uri_scheme_problem(uri)
+    if scheme_problem:
+        return scheme_problem
     path = local_store_path(uri)
     if path is None:
         return None
@@ -91,3 +140,59 @@ def ephemeral_store_problem(uri: str, cwd: Path) -> str | None:
         f"{uri} would be written inside this job's temporary working directory ({cwd}), which Ray deletes; "
         "pass --mlflow-uri with an absolute path or a tracking server, or set MLFLOW_TRACKING_URI on the cluster"
     )
+
+
+SERVER_PROBE_ENDPOINT = "/api/2.0/mlflow/experiments/search"
+"""What ``tracking_server_problem`` asks: a real, authenticated REST call (``/health`` answers without
+credentials, so a wrong password would only show up mid-run)."""
+
+
+def tracking_server_problem(uri: str, timeout_s: float = 5.0) -> str | None:
+    """Why the tracking server at an ``http(s)://`` ``uri`` cannot take this run now, in one line
+    (None: it answered, or ``uri`` is not an HTTP server).
+
+    One request, no retries, at most ``timeout_s``, through MLflow's own HTTP client so that the
+    credentials (in the URI or ``MLFLOW_TRACKING_USERNAME``/``_PASSWORD``/``_TOKEN``) and TLS
+    settings are exactly the ones the run will use.
+    """
+    if tracking_scheme(uri) not in ("http", "https"):
+        return None
+    from mlflow.tracking._tracking_service.utils import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+
+    shown = redact_uri(uri)
+    try:
+        response = http_request(
+            get_default_host_creds(uri),
+            SERVER_PROBE_ENDPOINT,
+            "GET",
+            max_retries=0,
+            timeout=timeout_s,
+            raise_on_status=False,
+            params={"max_results": 1},
+        )
+    except Exception as exc:
+        reason = redact_text(_last_cause(exc), uri_secrets(uri))
+        return (
+            f"no MLflow tracking server answers at {shown} within {timeout_s:g} s ({reason}); start it, fix the URI, "
+            "or set mlflow.offline_ok: true to train now and deliver the metrics later (gradmon-ray replay)"
+        )
+    if response.status_code in (401, 403):
+        return (
+            f"the MLflow server at {shown} refused the credentials (HTTP {response.status_code}); give them in the URI "
+            "(http://USER:PASSWORD@host) or in MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
+        )
+    if response.status_code != 200:
+        return (
+            f"{shown} answered HTTP {response.status_code} to {SERVER_PROBE_ENDPOINT}: not a working MLflow tracking "
+            "server (check the host, port and path)"
+        )
+    return None
+
+
+def _last_cause(exc: BaseException) -> str:
+    """The innermost cause's first line (MLflow wraps the connection error; its repr names the host)."""
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return f"{type(exc).__name__}: {first[:200]}"
