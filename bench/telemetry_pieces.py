@@ -31,9 +31,10 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
+
 from gradmon_ray.config import GradmonConfig
-from gradmon_ray.rllib import head_health, monitor, reporting
-from gradmon_ray.rllib.metrics_stats import GradmonMetricsLogger
+from gradmon_ray.rllib import head_health, module_telemetry, reporting
 from gradmon_ray.rllib.standalone import build_local_learner, sample_episodes, train_batch, update
 from gradmon_ray.telemetry import accumulator, summary
 
@@ -45,8 +46,8 @@ PIECES = [
     (summary.TelemetryTracker, "finish_iteration", "host summary", "update"),
     (summary.IterationTelemetry, "to_metrics", "metric names", "update"),
     (reporting.GradmonReporting, "_log_gradmon_metrics", "logging them into RLlib's MetricsLogger", "update"),
-    (monitor.GradmonMonitor, "record_logp", "keep log-probs", "minibatch"),
-    (monitor.GradmonMonitor, "record_head_inputs", "keep head-health inputs", "minibatch"),
+    (module_telemetry.ModuleTelemetry, "record_logp", "keep log-probs", "minibatch"),
+    (module_telemetry.ModuleTelemetry, "record_head_inputs", "keep head-health inputs", "minibatch"),
     (accumulator.IterationAccumulator, "add_minibatch_logp", "record the minibatch", "minibatch"),
 ]
 
@@ -97,7 +98,7 @@ def main() -> None:
         if recording["on"]:
             reduce_samples[current["arm"]].append(seconds)
 
-    GradmonMetricsLogger.reduce = _timed(GradmonMetricsLogger.reduce, record_reduce)  # type: ignore[method-assign]
+    MetricsLogger.reduce = _timed(MetricsLogger.reduce, record_reduce)  # type: ignore[method-assign]
 
     def one_update(arm: str) -> float:
         current["arm"] = arm

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from gradmon_ray.telemetry.accumulator import IterationAccumulator
+from gradmon_ray.telemetry.accumulator import IterationAccumulator, reduce_and_copy
 
 logger = logging.getLogger(__name__)
 
@@ -112,18 +112,69 @@ class LearnerCollective:
 
 
 class ReducedIteration(NamedTuple):
-    """One iteration's numbers after ``reduce_iteration`` (numpy, on the host)."""
+    """One module's numbers of one step after ``reduce_iteration``/``reduce_modules`` (numpy, on the host)."""
 
     lanes: np.ndarray
     """The telemetry lanes, merged across replicas (``TelemetryLayout.merge_replicas``)."""
     checksum: np.ndarray
-    """The SUM of the learners' checksum digits."""
+    """The SUM of the learners' checksum digits (one set per learner, shared by its modules)."""
     noise: np.ndarray
     """The SUM of the learners' noise-scale lanes (``gradmon_ray.telemetry.noise_scale``)."""
     local: np.ndarray
     """``local`` as it was on this learner (not reduced)."""
     health: np.ndarray
     """The SUM of the learners' policy head-health lanes (``telemetry.head_entropy``; empty when off)."""
+    own_checksum: np.ndarray
+    """This learner's own checksum digits (rode the host copy unreduced)."""
+
+
+class ModuleLanes(NamedTuple):
+    """What one module puts into a step's packed reduction."""
+
+    accumulator: IterationAccumulator
+    noise: torch.Tensor
+    health: torch.Tensor
+    local: torch.Tensor
+    """Rank-local values that ride the same host copy unreduced."""
+
+
+def reduce_modules(
+    modules: Sequence[ModuleLanes], collective: LearnerCollective, *, checksum: torch.Tensor
+) -> list[ReducedIteration]:
+    """ONE SUM reduction and ONE device->host copy for every module of the learner.
+
+    Packed as ``[checksum, (buffer, noise, health) per module | own checksum, local per module]``: the
+    reduced part first, so a single in-place allreduce covers it (on the device for NCCL,
+    on the host copy for gloo).  Each module's buffer is zeroed.  With one learner nothing is
+    reduced.
+    """
+    reduced_parts: dict[str, torch.Tensor] = {"checksum": checksum}
+    local_parts: dict[str, torch.Tensor] = {"checksum": checksum}
+    for i, part in enumerate(modules):
+        reduced_parts[f"{i}.lanes"] = part.accumulator.fold()
+        reduced_parts[f"{i}.noise"] = part.noise
+        reduced_parts[f"{i}.health"] = part.health
+        local_parts[f"{i}.local"] = part.local
+    reduced, local = Segments(reduced_parts), Segments(local_parts)
+    host = reduce_and_copy(
+        reduced.pack(),
+        local.pack(),
+        allreduce=collective.allreduce_sum if collective.active else None,
+        reduce_on_device=collective.backend == "nccl",
+    )
+    n = sum(reduced.sizes.values())
+    reduced_host, local_host = reduced.unpack(host[:n]), local.unpack(host[n:])
+    return [
+        ReducedIteration(
+            part.accumulator.finish(reduced_host[f"{i}.lanes"], collective.world_size),
+            reduced_host["checksum"],
+            reduced_host[f"{i}.noise"],
+            local_host[f"{i}.local"],
+            reduced_host[f"{i}.health"],
+            local_host["checksum"],
+        )
+        for i, part in enumerate(modules)
+    ]
 
 
 def reduce_iteration(
@@ -135,20 +186,11 @@ def reduce_iteration(
     local: torch.Tensor,
     health: torch.Tensor | None = None,
 ) -> ReducedIteration:
-    """Drain ``accumulator`` with ``[checksum, noise, health]`` riding in its ONE reduction and
-    ``local`` in its one host copy; with a single learner nothing is reduced.  Zeroes nothing but
-    the accumulator's buffer."""
+    """``reduce_modules`` for one module: drain ``accumulator`` with ``[checksum, noise, health]``
+    riding in its ONE reduction and ``local`` in its one host copy."""
     health = checksum[:0] if health is None else health
-    extra = Segments({"checksum": checksum, "noise": noise, "health": health})
-    lanes, reduced_extra, local_host = accumulator.drain(
-        reduced_extra=extra.pack(),
-        local_extra=local,
-        allreduce=collective.allreduce_sum if collective.active else None,
-        reduce_on_device=collective.backend == "nccl",
-        world_size=collective.world_size,
-    )
-    parts = extra.unpack(reduced_extra)
-    return ReducedIteration(lanes, parts["checksum"], parts["noise"], local_host, parts["health"])
+    (reduced,) = reduce_modules([ModuleLanes(accumulator, noise, health, local)], collective, checksum=checksum)
+    return reduced
 
 
 class Segments:

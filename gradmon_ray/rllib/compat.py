@@ -1,7 +1,7 @@
 """Every private RLlib / torch API gradmon's learners use, in one place, for one Ray version.
 
 RLlib's ``Learner`` exposes no public hook for several things the monitor needs (the
-whole postprocessed train batch, the grad scaler, the parameter behind a gradient key);
+whole postprocessed train batch, the grad scaler);
 torch's ``GradScaler`` and fused Adam communicate through private names.  Each use is a
 small function below; nothing else in ``gradmon_ray`` touches a private RLlib name, so an
 RLlib upgrade breaks here, loudly, and nowhere else.  ``check_ray_version()`` runs when a
@@ -12,20 +12,15 @@ Private uses kept here (Ray 2.60 / torch 2.x):
 - ``Learner._make_batch_if_necessary`` (overridden by ``TrainBatchHook``, called by ``make_train_batch``)
 - ``Checkpointable._check_component`` (``wants_component``)
 - ``TorchLearner._grad_scalers`` (``grad_scaler``)
-- ``Learner._params`` (``parameter_of``)
-- ``AlgorithmConfig._torch_lr_scheduler_classes`` (``lr_scheduler_classes``)
 - ``torch.amp.GradScaler._get_scale_async`` (``scale_tensor``)
-- the ``optimizer.found_inf`` attribute fused Adam reads (``step_unless_found_inf``)
-- ``torch._foreach_mul_`` (``scale_in_place``)
+- the ``optimizer.found_inf`` attribute fused Adam reads (``set_found_inf``)
 - ``TorchMultiCategorical._cats``, ``TorchMultiDistribution._flat_child_distributions``
   (``child_distributions``)
-- ``MetricsLogger._threading_lock`` (``metrics_lock``), ``StatsBase._start_times``
-  (``reset_timers``)
+- ``StatsBase._start_times`` (``reset_timers``)
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -88,34 +83,30 @@ def scale_tensor(scaler: torch.amp.GradScaler) -> torch.Tensor:
     return scaler._get_scale_async()
 
 
-def parameter_of(learner: Any, param_ref: Any) -> torch.nn.Parameter:
-    """The parameter behind a key of RLlib's gradient dicts."""
-    return learner._params[param_ref]
-
-
-def lr_scheduler_classes(config: Any) -> Any:
-    """``config.experimental(_torch_lr_scheduler_classes=...)`` (None when not set)."""
-    return getattr(config, "_torch_lr_scheduler_classes", None)
-
-
 def supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step`` reads ``found_inf`` on the device (fused Adam/AdamW/SGD)."""
     return all(group.get("fused") for group in optimizer.param_groups)
 
 
-def step_unless_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
-    """Fused step that the kernel itself skips when ``found_inf`` is nonzero: the protocol
-    ``torch.amp.GradScaler.step`` uses, without a host round trip."""
+def set_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """Make the next ``optimizer.step()`` of a fused optimizer skip inside the kernel when
+    ``found_inf`` is nonzero: the protocol ``torch.amp.GradScaler.step`` uses, without a host
+    round trip.  Undo with ``clear_found_inf``."""
     optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+
+
+def clear_found_inf(optimizer: torch.optim.Optimizer) -> None:
+    """Remove what ``set_found_inf`` set (nothing when it is not set)."""
+    optimizer.__dict__.pop("found_inf", None)
+
+
+def step_unless_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """One fused step that the kernel itself skips when ``found_inf`` is nonzero."""
+    set_found_inf(optimizer, found_inf)
     try:
         optimizer.step()
     finally:
-        del optimizer.found_inf  # type: ignore[attr-defined]
-
-
-def scale_in_place(tensors: Sequence[torch.Tensor], factor: torch.Tensor) -> None:
-    """``t *= factor`` for every tensor, one fused kernel (what ``clip_grad_norm_`` uses)."""
-    torch._foreach_mul_(list(tensors), factor)
+        clear_found_inf(optimizer)
 
 
 def child_distributions(dist: Any) -> list[Any]:
@@ -125,12 +116,6 @@ def child_distributions(dist: Any) -> list[Any]:
         if hasattr(dist, attr):
             return list(getattr(dist, attr))
     raise TypeError(f"{type(dist).__name__} has no per-component distributions")
-
-
-def metrics_lock(metrics_logger: Any) -> Any:
-    """The lock RLlib's ``MetricsLogger`` holds around its own ``reduce()`` (a real ``RLock`` where
-    a learner thread logs concurrently: IMPALA, APPO)."""
-    return metrics_logger._threading_lock
 
 
 def reset_timers(stats: Any) -> None:

@@ -70,7 +70,10 @@ class GradmonPPOTorchLearner(compat.TrainBatchHook, with_gradmon(PPOTorchLearner
     loss) and ``probe`` (rank 0 hands the GradientProbe actor the pre-update weights and the
     batch every ``probe.every`` iterations).  ``build_ppo_config`` sets
     ``torch_skip_nan_gradients=True``: a non-finite minibatch is skipped, not zeroed.
+    With several modules, each gets this loss; the probe follows the first monitored module.
     """
+
+    gradmon_full_learner = True
 
     @override(PPOTorchLearner)
     def build(self) -> None:
@@ -80,6 +83,7 @@ class GradmonPPOTorchLearner(compat.TrainBatchHook, with_gradmon(PPOTorchLearner
         probe = self.gradmon.probe
         self._probe: ProbeClient | None = None
         self._probe_snapshot: dict[str, Any] | None = None
+        self._probe_module_id = next(iter(self.gradmon_modules), None)
         if probe.every > 0 and global_rank() == 0:
             # Rank 0's shard stands for the batch: the other shards come from the same policy.
             self._probe = ProbeClient(probe.actor_name, probe.every)
@@ -129,9 +133,9 @@ class GradmonPPOTorchLearner(compat.TrainBatchHook, with_gradmon(PPOTorchLearner
         total = terms.total
         for spec in self._regularizers:
             total = total + spec.weight * spec.fn(module, batch, fwd_out)
-        if self.gradmon.telemetry:
-            self.record_logp(terms.per_head_logp, batch.get(Columns.LOSS_MASK))
-            self.record_head_inputs(logits.detach(), batch)
+        if self.gradmon.telemetry and module_id in self.gradmon_modules:
+            self.record_logp(terms.per_head_logp, batch.get(Columns.LOSS_MASK), module_id=module_id)
+            self.record_head_inputs(logits.detach(), batch, module_id=module_id)
         # Same keys and window as RLlib's PPO learner (its KL-coefficient update reads them).
         explained = (
             explained_variance(batch[Postprocessing.VALUE_TARGETS], terms.values)
@@ -159,7 +163,7 @@ class GradmonPPOTorchLearner(compat.TrainBatchHook, with_gradmon(PPOTorchLearner
         probe = self._probe
         if probe is None or batch is None or not probe.due(self.gradmon_iteration + 1) or not probe.reserve():
             return
-        mid = self._module_id
+        mid = self._probe_module_id
         module = self.module[mid].unwrapped()
         self._probe_snapshot = {
             "weights": {k: v.detach().clone() for k, v in module.state_dict().items()},
@@ -183,8 +187,8 @@ class GradmonPPOTorchLearner(compat.TrainBatchHook, with_gradmon(PPOTorchLearner
     def _probe_request(self, snapshot: dict[str, Any]) -> ProbeRequest:
         import tree
 
-        module = self.module[self._module_id].unwrapped()
-        config = self.config.get_config_for_module(self._module_id)
+        module = self.module[self._probe_module_id].unwrapped()
+        config = self.config.get_config_for_module(self._probe_module_id)
         to_host = lambda t: t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)  # noqa: E731
         return ProbeRequest(
             iteration=self.gradmon_iteration + 1,

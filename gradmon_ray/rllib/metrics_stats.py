@@ -14,20 +14,16 @@ It is registered under its own reduce name through RLlib's documented extension 
 also sets) and keeps ``stats_cls_identifier = "mean"``: a checkpointed ``MetricsLogger``
 state restores as a plain ``MeanStats`` anywhere, with or without gradmon's lookup.
 
-The learner's logger itself becomes a ``GradmonMetricsLogger``: RLlib's ``reduce()`` walks the
-stats with dm-tree's ``map_structure_with_path``, whose path-tracking walk is Python and costs
-~1.7 us a leaf (gradmon adds ~90 leaves); ``GradmonMetricsLogger.reduce`` walks the nested
-dicts itself (~0.06 us a leaf) and returns the same result for the trees RLlib builds.
+The learner's ``MetricsLogger`` itself is RLlib's, untouched: an earlier version swapped its
+class for a cheaper ``reduce()`` walk, which saved ~0.2 ms per update (132 vs 344 us) against
+~200 ms per update, far below the benchmark's own A/A noise (1-2.6%), so it was dropped.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import tree
-from ray.rllib.utils.annotations import override
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
-from ray.rllib.utils.metrics.stats.base import StatsBase
 from ray.rllib.utils.metrics.stats.mean import MeanStats
 
 from gradmon_ray.rllib import compat
@@ -89,60 +85,3 @@ def log_step_metrics(metrics_logger: MetricsLogger, key: str, metrics: dict[str,
             stats.push(value)
         else:
             metrics_logger.log_value((key, name), value, reduce=GRADMON_REDUCE, window=1)
-
-
-class GradmonMetricsLogger(MetricsLogger):
-    """RLlib's ``MetricsLogger`` whose ``reduce()`` walks nested dicts without dm-tree; same result.
-
-    Deliberately not dm-tree here: its path-tracking map is ~30x slower than a dict walk, and a
-    learner's stats are nested plain dicts with string keys and ``StatsBase`` leaves.  Any other
-    container in the tree (a list, a dict subclass) is handed to dm-tree, so for the trees RLlib
-    builds the result is RLlib's; ``tests/rllib/test_metrics_stats.py`` compares the two on the
-    same logs.  Differences only outside those trees, or when a reduce fails: leaves are visited
-    in insertion order (dm-tree: sorted keys), so with two failing leaves another one may be
-    named; unsortable (mixed-type) keys, which dm-tree refuses, are walked.
-    """
-
-    @override(MetricsLogger)
-    def reduce(self, compile: bool = False) -> dict:
-        if type(self.stats) is not dict:  # RLlib always starts from {}; anything else is its walk
-            return super().reduce(compile)
-        with compat.metrics_lock(self):
-            return _reduce_dict(self.stats, (), compile)
-
-
-def _reduce_dict(node: dict, path: tuple[Any, ...], compile: bool) -> dict:
-    """``MetricsLogger.reduce``'s ``tree.map_structure_with_path(_reduce, stats)`` for a plain dict
-    (dm-tree keeps a dict's own key order in what it returns, as this does)."""
-    out = {}
-    for key, child in node.items():
-        where = (*path, key)
-        if isinstance(child, StatsBase):
-            out[key] = _reduce_leaf(where, child, compile)
-        elif type(child) is dict:
-            out[key] = _reduce_dict(child, where, compile)
-        else:  # not a plain dict: dm-tree, as RLlib
-            out[key] = tree.map_structure_with_path(
-                lambda p, s, where=where: _reduce_leaf((*where, *p), s, compile), child
-            )
-    return out
-
-
-def _reduce_leaf(path: tuple[Any, ...], stats: StatsBase, compile: bool) -> Any:
-    """``stats.reduce(compile=compile)``; a failure is raised as RLlib raises it, naming ``path``."""
-    try:
-        return stats.reduce(compile=compile)
-    except Exception as e:  # RLlib's message for a failing leaf
-        raise ValueError(f"Error reducing stats {stats} with compile={compile} at path {path}.") from e
-
-
-def use_gradmon_metrics_logger(metrics_logger: MetricsLogger) -> MetricsLogger:
-    """Make a stock ``MetricsLogger`` a ``GradmonMetricsLogger`` in place (same object, same state).
-
-    In place, not a new object, because others may already hold the learner's logger (IMPALA's
-    and APPO's learner and loader threads get it at build); only an exact ``MetricsLogger`` is
-    changed (the subclass adds no state), any other class is left as it is.
-    """
-    if type(metrics_logger) is MetricsLogger:
-        metrics_logger.__class__ = GradmonMetricsLogger
-    return metrics_logger

@@ -15,9 +15,17 @@ from ray.rllib.utils.annotations import override
 from ray.rllib.utils.typing import StateDict
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.distributed import ReplicaDivergenceError, Segments, parameter_checksum, reduce_iteration
+from gradmon_ray.distributed import (
+    ModuleLanes,
+    ReducedIteration,
+    ReplicaDivergenceError,
+    Segments,
+    parameter_checksum,
+    reduce_modules,
+)
 from gradmon_ray.rllib import compat
 from gradmon_ray.rllib.metrics_stats import log_step_metrics
+from gradmon_ray.rllib.module_telemetry import ModuleTelemetry
 from gradmon_ray.telemetry.noise_scale import noise_scales
 from gradmon_ray.telemetry.state_digest import state_digest
 
@@ -47,34 +55,33 @@ class GradmonReporting:
 
     @property
     def gradmon_iteration(self) -> int:
-        """Telemetry steps completed: THE gradmon clock (latches, probe, faults, checksums use it)."""
-        return self._tracker.iteration
+        """Telemetry steps completed: THE gradmon clock (latches, probe, faults, checksums use it).
+
+        Every monitored module's tracker advances together, once per step."""
+        for monitor in self._monitors.values():
+            return monitor.tracker.iteration
+        return 0
 
     def gradmon_extra_metrics(self) -> dict[str, float]:
-        """Metrics a subclass adds to the step (called before the clock advances)."""
+        """Metrics a subclass adds to the step of its first monitored module (called before the clock advances)."""
         return {}
 
     def _report(self) -> None:
-        metrics = dict(self.gradmon_extra_metrics())
-        if not self.gradmon.telemetry and self._vgs is None:
-            self._tracker.skip_iteration()
+        extra = dict(self.gradmon_extra_metrics())
+        metrics: dict[Any, dict[str, float]] = {mid: {} for mid in self._monitors}
+        if extra and self._monitors:
+            metrics[next(iter(self._monitors))].update(extra)
+        vgs_on = any(m.vgs is not None for m in self._monitors.values())
+        if not self.gradmon.telemetry and not vgs_on:
+            for monitor in self._monitors.values():
+                monitor.tracker.skip_iteration()
             self._log_gradmon_metrics(metrics)
             return
-        lanes, checksum_ok = self._reduce_step()
-        if self.gradmon.telemetry:
-            health = lanes["health"] if self._head_health.enabled else None
-            summary = self.last_telemetry = self._tracker.finish_iteration(lanes["telemetry"], health)
-            metrics.update(summary.to_metrics())
-            metrics.update(self._noise_scale_metrics(lanes["noise"], summary.minibatches))
-        else:
-            self._tracker.skip_iteration()
-        if self._vgs is not None:
-            metrics.update(zip(mn.VGS_DEVICE_METRICS, lanes["vgs"].tolist(), strict=True))
-            metrics.update(self._vgs.host_metrics())
-        if self._grad_scaler is not None:
-            metrics[mn.SCALER_SKIPPED_UPDATES], metrics[mn.GRAD_SCALE] = (float(v) for v in lanes["scaler"])
-        if checksum_ok is not None:
-            metrics[mn.REPLICA_CHECKSUM_OK] = float(checksum_ok)
+        reduced, checksum_ok = self._reduce_step()
+        for module_id, monitor in self._monitors.items():
+            metrics[module_id].update(self._module_metrics(monitor, reduced[module_id]))
+            if checksum_ok is not None:
+                metrics[module_id][mn.REPLICA_CHECKSUM_OK] = float(checksum_ok)
         self._log_gradmon_metrics(metrics)
         if checksum_ok is False:
             raise ReplicaDivergenceError(
@@ -83,63 +90,75 @@ class GradmonReporting:
                 "the run cannot be trusted: restore the last checkpoint"
             )
 
-    def _noise_scale_metrics(self, noise: np.ndarray, minibatches: int) -> dict[str, float]:
+    def _module_metrics(self, monitor: ModuleTelemetry, reduced: ReducedIteration) -> dict[str, float]:
+        """One module's metrics of this step, from its share of the reduced host copy."""
+        metrics: dict[str, float] = {}
+        local = _local_segments(monitor).unpack(reduced.local)
+        if self.gradmon.telemetry:
+            health = reduced.health if monitor.head_health.enabled else None
+            summary = monitor.last_telemetry = monitor.tracker.finish_iteration(reduced.lanes, health)
+            metrics.update(summary.to_metrics())
+            metrics.update(self._noise_scale_metrics(monitor, reduced.noise, summary.minibatches))
+        else:
+            monitor.tracker.skip_iteration()
+        if monitor.vgs is not None:
+            metrics.update(zip(mn.VGS_DEVICE_METRICS, local["vgs"].tolist(), strict=True))
+            metrics.update(monitor.vgs.host_metrics())
+        if monitor.grad_scaler is not None:
+            metrics[mn.SCALER_SKIPPED_UPDATES], metrics[mn.GRAD_SCALE] = (float(v) for v in local["scaler"])
+        return metrics
+
+    def _noise_scale_metrics(self, monitor: ModuleTelemetry, noise: np.ndarray, minibatches: int) -> dict[str, float]:
         """B_simple per head and global from the reduced noise lanes of one step, as metrics."""
-        rows = self._noise_hook.take_rows()
-        if self._noise is None:
+        rows = monitor.noise_hook.take_rows()
+        if monitor.noise is None:
             return {}
         per_head, global_scale = noise_scales(
-            self._noise, noise, world_size=self._collective.world_size, minibatches=minibatches, rows=rows
+            monitor.noise, noise, world_size=self._collective.world_size, minibatches=minibatches, rows=rows
         )
         return mn.noise_scale_metrics(per_head, global_scale)
 
-    def _log_gradmon_metrics(self, metrics: dict[str, float]) -> None:
-        log_step_metrics(self.metrics, self._module_id, metrics)
+    def _log_gradmon_metrics(self, metrics: dict[Any, dict[str, float]]) -> None:
+        for module_id, values in metrics.items():
+            log_step_metrics(self.metrics, module_id, values)
 
-    def _reduce_step(self) -> tuple[dict[str, np.ndarray], bool | None]:
-        """Pack, reduce ONCE across learners, copy to the host ONCE; then unpack by segment name.
+    def _reduce_step(self) -> tuple[dict[Any, ReducedIteration], bool | None]:
+        """Pack every module's lanes, reduce ONCE across learners, copy to the host ONCE.
 
-        Reduced: the telemetry lanes, the checksum digits (zeros unless this is a check step),
-        the noise-scale lanes and the policy head-health lanes (``rllib.head_health``; computed
-        here, once per step, from the step's last minibatch).  Local (identical on every replica, or rank-local): the
-        scaler lanes, the VGS metrics and this rank's own checksum digits.
+        Reduced: the telemetry lanes, the checksum digits (zeros unless this is a check step;
+        one checksum over all monitored parameters), the noise-scale lanes and the policy
+        head-health lanes (``rllib.head_health``; computed here, once per step, from the step's
+        last minibatch).  Local (identical on every replica, or rank-local): the scaler lanes,
+        the VGS metrics and this rank's own checksum digits.
         """
         collective = self._collective
         every = self.gradmon.replica_check_every
         check = collective.active and every > 0 and (self.gradmon_iteration + 1) % every == 0
+        params = [p for monitor in self._monitors.values() for p in monitor.norm_plan.params]
         digits = (
-            parameter_checksum(list(self._norm_plan.params)).to(self.device)
+            parameter_checksum(list({id(p): p for p in params}.values())).to(self.device)
             if check
             else torch.zeros(2, dtype=torch.float64, device=self.device)
         )
-        scaler_lanes = self._minibatch_step.scaler_lanes
-        empty = scaler_lanes[:0]
-        local = Segments(
-            {
-                "scaler": scaler_lanes if self._grad_scaler is not None else empty,
-                "vgs": self._vgs.metrics_tensor() if self._vgs is not None else empty,
-                "checksum": digits,
-            }
-        )
-        health = self._head_health.lanes() if self.gradmon.telemetry else empty
-        reduced = reduce_iteration(
-            self._accumulator,
-            collective,
-            checksum=digits,
-            noise=self._noise_hook.lanes,
-            local=local.pack(),
-            health=health,
-        )
-        scaler_lanes[0].zero_()
-        self._noise_hook.zero_()
-        parts = local.unpack(reduced.local)
+        parts = []
+        for monitor in self._monitors.values():
+            empty = monitor.scaler_lanes[:0]
+            health = monitor.head_health.lanes() if self.gradmon.telemetry else empty
+            local = _local_segments(monitor).pack()
+            parts.append(ModuleLanes(monitor.accumulator, monitor.noise_hook.lanes, health, local))
+        reduced = reduce_modules(parts, collective, checksum=digits)
+        for monitor in self._monitors.values():
+            monitor.scaler_lanes[0].zero_()
+            monitor.noise_hook.zero_()
         k = collective.world_size
-        checksum_ok = bool(np.array_equal(reduced.checksum, k * parts["checksum"])) if check else None
-        return {"telemetry": reduced.lanes, "noise": reduced.noise, "health": reduced.health, **parts}, checksum_ok
+        checksum_ok = (
+            bool(np.array_equal(reduced[0].checksum, k * reduced[0].own_checksum)) if check and reduced else None
+        )
+        return dict(zip(self._monitors, reduced, strict=True)), checksum_ok
 
     def telemetry_state(self) -> dict[str, Any]:
-        """The persistent telemetry state (latches, prev values, counters)."""
-        return self._tracker.state_dict()
+        """The persistent telemetry state (latches, prev values, counters) of every monitored module."""
+        return {mid: monitor.tracker.state_dict() for mid, monitor in self._monitors.items()}
 
     def gradmon_state_digest(self) -> str:
         """SHA-256 of this learner's gradmon state (latches, prev values, counters, VGS, noise, probe)."""
@@ -149,22 +168,50 @@ class GradmonReporting:
     @override(Learner)
     def get_state(self, components: Any = None, *, not_components: Any = None, **kwargs: Any) -> StateDict:
         state = super().get_state(components, not_components=not_components, **kwargs)
-        wanted = [
-            (TELEMETRY_STATE_KEY, self._tracker),
-            (NOISE_STATE_KEY, self._noise),
-            (VGS_STATE_KEY, self._vgs),
-        ]
-        for key, part in wanted:
-            if part is not None and compat.wants_component(self, key, components, not_components):
-                state[key] = part.state_dict()
+        for key, part in _STATE_PARTS.items():
+            per_module = {
+                mid: piece.state_dict()
+                for mid, monitor in self._monitors.items()
+                if (piece := monitor.parts()[part]) is not None
+            }
+            if per_module and compat.wants_component(self, key, components, not_components):
+                state[key] = per_module
         return state
 
     @override(Learner)
     def set_state(self, state: StateDict) -> None:
         super().set_state(state)
-        if TELEMETRY_STATE_KEY in state:
-            self._tracker.load_state_dict(state[TELEMETRY_STATE_KEY])
-        if NOISE_STATE_KEY in state and self._noise is not None:
-            self._noise.load_state_dict(state[NOISE_STATE_KEY])
-        if VGS_STATE_KEY in state and self._vgs is not None:
-            self._vgs.load_state_dict(state[VGS_STATE_KEY])
+        for key, part in _STATE_PARTS.items():
+            if key not in state:
+                continue
+            for mid, piece_state in self._by_module(state[key]).items():
+                monitor = self._monitors.get(mid)
+                piece = monitor.parts()[part] if monitor is not None else None
+                if piece is not None:
+                    piece.load_state_dict(piece_state)
+
+    def _by_module(self, value: dict[str, Any]) -> dict[Any, Any]:
+        """``{module_id: state}``; a state written before multi-agent support (one module's state,
+        not keyed by module) belongs to the one monitored module."""
+        if value and set(value) <= set(self._monitors):
+            return value
+        if len(self._monitors) == 1:
+            return {next(iter(self._monitors)): value}
+        raise ValueError(
+            f"checkpointed gradmon state is keyed {sorted(value)}, not by the modules {list(self._monitors)}"
+        )
+
+
+_STATE_PARTS = {TELEMETRY_STATE_KEY: "telemetry", NOISE_STATE_KEY: "noise", VGS_STATE_KEY: "vgs"}
+"""Learner state key -> the ``ModuleTelemetry.parts()`` entry it checkpoints, per module."""
+
+
+def _local_segments(monitor: ModuleTelemetry) -> Segments:
+    """The module's rank-local values riding the step's host copy (same layout on pack and unpack)."""
+    empty = monitor.scaler_lanes[:0]
+    return Segments(
+        {
+            "scaler": monitor.scaler_lanes if monitor.grad_scaler is not None else empty,
+            "vgs": monitor.vgs.metrics_tensor() if monitor.vgs is not None else empty,
+        }
+    )

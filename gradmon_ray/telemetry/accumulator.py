@@ -197,6 +197,18 @@ class IterationAccumulator:
             )
         )
 
+    def fold(self) -> torch.Tensor:
+        """The step's records folded into ``buffer`` (on the device, no copy): what a packed
+        reduction carries.  Call ``finish`` with the reduced host values afterwards."""
+        self._fold_records()
+        return self.buffer
+
+    def finish(self, host_lanes: np.ndarray, world_size: int = 1) -> np.ndarray:
+        """``host_lanes`` (this buffer's slice of the step's host copy, after any SUM across
+        ``world_size`` replicas) as one merged view (``layout.merge_replicas``); zeroes the buffer."""
+        self.buffer.zero_()
+        return self.layout.merge_replicas(host_lanes, world_size)
+
     def drain(
         self,
         *,
@@ -215,22 +227,36 @@ class IterationAccumulator:
         lanes then go through ``layout.merge_replicas``; the buffer is zeroed.  Returns
         ``(lanes, reduced_extra_on_host, local_extra_on_host)`` (empty arrays when absent).
         """
-        self._fold_records()
-        empty = self.buffer.new_zeros(0)
-        extra_r = empty if reduced_extra is None else reduced_extra.reshape(-1).to(self.buffer.dtype)
-        extra_l = empty if local_extra is None else local_extra.reshape(-1).to(self.buffer.dtype)
-        reduced = torch.cat([self.buffer, extra_r])
-        if allreduce is not None and reduce_on_device:
-            allreduce(reduced)
-        host = torch.cat([reduced, extra_l]).cpu()
-        self.buffer.zero_()
+        buffer = self.fold()
+        empty = buffer.new_zeros(0)
+        extra_r = empty if reduced_extra is None else reduced_extra.reshape(-1).to(buffer.dtype)
+        extra_l = empty if local_extra is None else local_extra.reshape(-1).to(buffer.dtype)
+        reduced = torch.cat([buffer, extra_r])
+        host = reduce_and_copy(reduced, extra_l, allreduce=allreduce, reduce_on_device=reduce_on_device)
         n = reduced.numel()
-        if allreduce is not None and not reduce_on_device:
-            allreduce(host[:n])
-        values = host.numpy()
         size = self.layout.size
-        lanes = self.layout.merge_replicas(values[:size], world_size)
-        return lanes, values[size:n].copy(), values[n:].copy()
+        lanes = self.finish(host[:size], world_size)
+        return lanes, host[size:n].copy(), host[n:].copy()
+
+
+def reduce_and_copy(
+    reduced: torch.Tensor,
+    local: torch.Tensor,
+    *,
+    allreduce: Callable[[torch.Tensor], object] | None = None,
+    reduce_on_device: bool = False,
+) -> np.ndarray:
+    """``[reduced, local]`` on the host after ONE device->host copy, ``reduced`` SUM-reduced once.
+
+    With ``allreduce`` (in place), the reduction runs on the device before the copy
+    (``reduce_on_device``, e.g. NCCL) or on the host copy after it (e.g. gloo).
+    """
+    if allreduce is not None and reduce_on_device:
+        allreduce(reduced)
+    host = torch.cat([reduced, local.to(reduced.dtype)]).cpu()
+    if allreduce is not None and not reduce_on_device:
+        allreduce(host[: reduced.numel()])
+    return host.numpy()
 
 
 _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)  # bfloat16 has no numpy dtype

@@ -197,6 +197,6 @@ def test_configured_band_edges_judge_the_learners_heads():
     bands = {"action": {"dead_below": 0.001}, "value": {"healthy_max": 20.0, "elevated_max": 80.0}}
     cfg = config_from_dict({"seed": 0, "model": {"trunk_hiddens": [16]}, "telemetry": {"bands": bands}})
     learner = build_local_learner(cfg)
-    assert learner._tracker.bands == BandSet.from_dict(bands)
-    assert learner._tracker.bands.value.edges == (0.01, 0.1, 20.0, 80.0)
-    assert learner._tracker.bands.action.edges == (0.001, 0.1, 2.0, 5.0)
+    assert learner.gradmon_modules[DEFAULT_MODULE_ID].tracker.bands == BandSet.from_dict(bands)
+    assert learner.gradmon_modules[DEFAULT_MODULE_ID].tracker.bands.value.edges == (0.01, 0.1, 20.0, 80.0)
+    assert learner.gradmon_modules[DEFAULT_MODULE_ID].tracker.bands.action.edges == (0.001, 0.1, 2.0, 5.0)

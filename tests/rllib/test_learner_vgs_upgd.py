@@ -74,7 +74,7 @@ def test_vgs_state_rides_in_the_learner_checkpoint(batch):
     learner = build_local_learner(cfg)
     update(learner, batch, cfg)
     state = learner.get_state()
-    assert state[VGS_STATE_KEY]["step_count"] == learner.vgs.step_count > 0
+    assert state[VGS_STATE_KEY][DEFAULT_MODULE_ID]["step_count"] == learner.vgs.step_count > 0
     restored = build_local_learner(cfg)
     restored.set_state(state)
     assert restored.vgs.get_metrics() == learner.vgs.get_metrics()

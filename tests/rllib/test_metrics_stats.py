@@ -7,8 +7,6 @@ checkpoint restore) shows up as a difference from what stock RLlib reports for t
 from __future__ import annotations
 
 import math
-import threading
-from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -19,9 +17,7 @@ from ray.rllib.utils.metrics.stats.mean import MeanStats
 from gradmon_ray.rllib.metrics_stats import (
     GRADMON_REDUCE,
     GradmonMeanStats,
-    GradmonMetricsLogger,
     log_step_metrics,
-    use_gradmon_metrics_logger,
 )
 
 KEY = "default_policy"
@@ -169,130 +165,3 @@ def _log_everything(logger: MetricsLogger, step: int) -> None:
     logger.log_value(("__all_modules__", "timers", "low"), float(-step), reduce="min")
     logger.log_value("top_level", 3.0 + step, window=3)
     log_step_metrics(logger, "default_policy", {"grad/global_norm": 1.5 * step, "latch/nan/op": float("nan")})
-
-
-def _reduced_values(result: object, compile: bool) -> object:
-    """A reduce result with Stats leaves replaced by what they hold, key order kept."""
-    if isinstance(result, dict):
-        return [(k, _reduced_values(v, compile)) for k, v in result.items()]
-    value = result if compile else result.peek()
-    return repr(float(value)) if isinstance(value, (float, int, np.floating, torch.Tensor)) else repr(value)
-
-
-@pytest.mark.parametrize("compile", [True, False])
-def test_gradmon_logger_reduces_exactly_like_rllibs(compile: bool) -> None:
-    """The dict walk against RLlib's dm-tree walk (the oracle) over three steps: same keys in the
-    same order, same values, and the same state left behind (windows emptied, lifetimes kept).
-    A leaf skipped, reduced twice or keyed wrong, or a nested level flattened, differs here."""
-    stock, ours = MetricsLogger(), use_gradmon_metrics_logger(MetricsLogger())
-    assert type(ours) is GradmonMetricsLogger
-    for step in range(3):
-        _log_everything(stock, step)
-        _log_everything(ours, step)
-        want, got = stock.reduce(compile=compile), ours.reduce(compile=compile)
-        assert _reduced_values(got, compile) == _reduced_values(want, compile)
-        if not compile:
-            assert {type(v) for v in got["default_policy"].values()} >= {GradmonMeanStats}
-        assert repr(ours.get_state()) == repr(stock.get_state())
-
-
-def test_gradmon_logger_hands_other_containers_to_dm_tree() -> None:
-    """A subtree that is not a plain dict goes through dm-tree, as in RLlib."""
-    stock, ours = MetricsLogger(), use_gradmon_metrics_logger(MetricsLogger())
-    for logger in (stock, ours):
-        pair = [MeanStats(window=1), MeanStats(window=1)]
-        pair[0].push(1.0)
-        pair[1].push(2.0)
-        logger.stats["odd"] = {"pair": pair}
-    assert ours.reduce(compile=True) == stock.reduce(compile=True) == {"odd": {"pair": [1.0, 2.0]}}
-
-
-class Broken(MeanStats):
-    """A leaf whose reduce fails (the error path of both walks)."""
-
-    def reduce(self, compile: bool = True) -> object:
-        raise RuntimeError("boom")
-
-
-def test_gradmon_logger_names_the_failing_leaf_like_rllib() -> None:
-    messages = []
-    for logger in (MetricsLogger(), use_gradmon_metrics_logger(MetricsLogger())):
-        logger.stats["a"] = {"b": Broken(window=1)}
-        with pytest.raises(ValueError, match=r"at path \('a', 'b'\)") as info:
-            logger.reduce()
-        assert isinstance(info.value.__cause__, RuntimeError)
-        messages.append(str(info.value))
-    assert messages[0] == messages[1]
-
-
-def test_only_a_stock_logger_is_switched_and_in_place() -> None:
-    logger = MetricsLogger()
-    logger.log_value("kept", 1.0)
-    assert use_gradmon_metrics_logger(logger) is logger and type(logger) is GradmonMetricsLogger
-    assert logger.peek("kept") == 1.0
-
-    class Custom(MetricsLogger):
-        pass
-
-    custom = Custom()
-    assert type(use_gradmon_metrics_logger(custom)) is Custom
-
-
-def test_gradmon_logger_reduces_under_the_loggers_own_lock() -> None:
-    """IMPALA/APPO swap a real RLock into the logger at build; reduce() must hold that very lock
-    while the leaves reduce (a learner thread logs concurrently), as RLlib's own reduce does."""
-
-    held = []
-
-    class Probe(MeanStats):
-        lock: threading.RLock
-
-        def reduce(self, compile: bool = True) -> object:
-            free = []
-
-            def try_lock() -> None:  # from another thread: fails while reduce() holds the lock
-                free.append(self.lock.acquire(blocking=False))
-                if free[0]:
-                    self.lock.release()
-
-            thread = threading.Thread(target=try_lock)
-            thread.start()
-            thread.join()
-            held.append(not free[0])
-            return 0.0
-
-    for logger in (MetricsLogger(), use_gradmon_metrics_logger(MetricsLogger())):
-        probe = Probe(window=1)
-        probe.lock = logger._threading_lock = threading.RLock()  # what IMPALALearner.build() installs
-        logger.stats["a"] = {"b": probe}
-        logger.reduce(compile=True)
-    assert held == [True, True]
-
-
-def test_gradmon_logger_keeps_a_dict_subclass_and_names_a_leaf_inside_another_container() -> None:
-    """A subtree that is a dict subclass or a list is dm-tree's: its type kept, the full path in an error."""
-
-    results, messages = [], []
-    for logger in (MetricsLogger(), use_gradmon_metrics_logger(MetricsLogger())):
-        ordered = OrderedDict([("b", MeanStats(window=1)), ("a", MeanStats(window=1))])
-        ordered["b"].push(1.0)
-        ordered["a"].push(2.0)
-        logger.stats["odd"] = {"ordered": ordered}
-        reduced = logger.reduce(compile=True)["odd"]["ordered"]
-        results.append((type(reduced), list(reduced.items())))
-        logger.stats["odd"] = {"pair": [MeanStats(window=1), Broken(window=1)]}
-        with pytest.raises(ValueError, match=r"at path \('odd', 'pair', 1\)") as info:
-            logger.reduce()
-        messages.append(str(info.value))
-    assert results[0] == results[1] == (OrderedDict, [("b", 1.0), ("a", 2.0)])
-    assert messages[0] == messages[1]
-
-
-def test_gradmon_logger_leaves_a_non_dict_top_level_to_rllib() -> None:
-    results = []
-    for logger in (MetricsLogger(), use_gradmon_metrics_logger(MetricsLogger())):
-        stats = MeanStats(window=1)
-        stats.push(3.0)
-        logger.stats = OrderedDict([("a", {"b": stats})])
-        results.append(logger.reduce(compile=True))
-    assert type(results[1]) is type(results[0]) is OrderedDict and results[0] == results[1] == {"a": {"b": 3.0}}

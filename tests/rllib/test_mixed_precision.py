@@ -82,7 +82,8 @@ def test_an_overflow_at_the_scale_is_a_scaler_skip_not_a_nan_latch(episodes):
     assert logged[mn.SCALER_SKIPPED_UPDATES] == 1.0 and logged[mn.SKIPPED_UPDATES] == 0.0
     assert logged[mn.NAN_GRAD_COUNT] + logged[mn.INF_GRAD_COUNT] > 0  # what the unscaled grads held
     assert logged[mn.GRAD_SCALE] == 2.0**127  # the scale that overflowed ...
-    assert learner._grad_scaler.get_scale() == 2.0**111  # ... and the scaler backed off
+    scaler = learner.gradmon_modules[DEFAULT_MODULE_ID].grad_scaler
+    assert scaler.get_scale() == 2.0**111  # ... and the scaler backed off
     for head in learner.head_names[:-1]:
         assert logged[mn.head_metric(mn.HEAD_NAN_LATCH, head)] == 0.0
         assert logged[mn.head_metric(mn.HEAD_INF_LATCH, head)] == 0.0

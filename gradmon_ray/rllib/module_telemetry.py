@@ -1,0 +1,222 @@
+"""One monitored RLModule's telemetry inside a gradmon learner: its heads, buffers and state.
+
+A learner holds one ``ModuleTelemetry`` per monitored module (one for a single-agent
+``RLModule``, one per module of a ``MultiRLModule``).  Each has its own heads, bands, latches,
+collapse, entropy/KL, noise scale, VGS and checkpointed state; the learner packs all of
+them into ONE reduction and ONE host copy per telemetry step (``rllib.reporting``).
+
+Per minibatch, nothing here syncs with the host on an accelerator: ``record_logp`` and
+``record_head_inputs`` keep references, ``measure`` runs the norm plan on the device.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gradmon_ray.distributed import NoiseScaleHook
+from gradmon_ray.optim.scaled_step import UpdateScaler
+from gradmon_ray.rllib import compat
+from gradmon_ray.rllib.head_health import HeadHealthRecorder, head_sizes
+from gradmon_ray.rllib.heads import action_heads, head_parameter_groups
+from gradmon_ray.rllib.settings import GradmonSettings, VGSSettings
+from gradmon_ray.telemetry import (
+    GradientNormPlan,
+    GradientNorms,
+    IterationAccumulator,
+    IterationTelemetry,
+    NoiseScaleTracker,
+    TelemetryTracker,
+    VarianceGradientScaler,
+)
+from gradmon_ray.telemetry.bands import BandSet
+from gradmon_ray.telemetry.noise_scale import GLOBAL_ENTRY
+
+
+@dataclass(frozen=True)
+class ModuleSpecOfMonitor:
+    """What the learner resolved for one module before building its telemetry."""
+
+    module_id: str
+    heads: dict[str, list[Any]]
+    """Head name -> its parameters (or ``ParamRows``), from ``rllib.heads.head_parameter_groups``."""
+    latch_heads: tuple[str, ...]
+    bands: BandSet
+
+
+class ModuleTelemetry:
+    """The per-module half of ``GradmonMonitor``: measure, record, and hold the module's state."""
+
+    def __init__(
+        self,
+        spec: ModuleSpecOfMonitor,
+        rl_module: torch.nn.Module,
+        *,
+        device: torch.device | str,
+        grad_scaler: torch.amp.GradScaler | None,
+        vgs: VGSSettings,
+        optimizers: list[torch.optim.Optimizer],
+    ) -> None:
+        self.module_id = spec.module_id
+        self.device = device
+        groups = spec.heads
+        self.groups = groups
+        self.grad_scaler = grad_scaler
+        self.norm_plan = GradientNormPlan(groups, [p for p in rl_module.parameters() if p.requires_grad])
+        sizes = head_sizes(rl_module, spec.latch_heads)
+        self.tracker = TelemetryTracker(
+            list(groups), action_heads(groups), bands=spec.bands, latch_heads=spec.latch_heads, head_sizes=sizes
+        )
+        self.head_health = HeadHealthRecorder(sizes, device)
+        self.accumulator = IterationAccumulator(self.tracker.layout, device=device)
+        self.last_telemetry: IterationTelemetry | None = None
+        self.pending_norms: GradientNorms | None = None
+        # This minibatch's [rows, latch heads] log-probs and loss mask (references).
+        self.pending_logp: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._no_logp = torch.zeros(1, len(self.tracker.latch_heads), device=device)
+        self.noise_hook = NoiseScaleHook(groups, device, scale=self._loss_scale)  # lanes always reduced
+        self.noise: NoiseScaleTracker | None = None
+        self.scaler_lanes = torch.zeros(2, dtype=torch.float64, device=device)
+        """[minibatches the GradScaler skipped this step (overflow at its scale), scale of the
+        last minibatch]: reported once per telemetry step, then the count is zeroed."""
+        self.vgs: VarianceGradientScaler | None = None
+        self.update_scaler: UpdateScaler | None = None
+        self._vgs_factor: torch.Tensor | None = None  # update mode: this minibatch's factor
+        if vgs.enabled:
+            # One scale for the whole module, from gradients DDP has already averaged: every
+            # replica sees identical inputs and so applies an identical scale.
+            self.vgs = VarianceGradientScaler(self.norm_plan.params, **vgs.kwargs)
+            if vgs.apply_to == "update":
+                self.update_scaler = UpdateScaler(optimizers)
+
+    @property
+    def head_names(self) -> tuple[str, ...]:
+        """Reported heads (norms), in order."""
+        return self.tracker.reported_heads
+
+    def _loss_scale(self) -> torch.Tensor | None:
+        return compat.scale_tensor(self.grad_scaler) if self.grad_scaler is not None else None
+
+    def setup_noise_scale(self, ddp_module: Any, settings: GradmonSettings, active: bool) -> None:
+        """Per-head gradient noise scale (2+ learners): a DDP comm hook adds each bucket's LOCAL
+        squared norms into device lanes, then hands the bucket to DDP's own all-reduce."""
+        if settings.noise_scale and active and self.noise_hook.register(ddp_module):
+            self.noise = NoiseScaleTracker([*self.groups, GLOBAL_ENTRY], beta=settings.noise_ema_beta)
+
+    # --- per minibatch -------------------------------------------------------------------
+    def record_logp(self, per_head_logp: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """Keep the minibatch's ``[B, latch heads]`` log-probs and loss mask by reference (no kernel)."""
+        self.pending_logp = (per_head_logp.detach(), mask)
+
+    def record_head_inputs(self, logits: torch.Tensor, sampling_logits: Any, mask: torch.Tensor | None) -> None:
+        """Keep references for the step's head health (``rllib.head_health``); no kernel."""
+        self.head_health.record(logits, sampling_logits, mask)
+
+    def measure(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """After backward (and DDP's all-reduce), before clipping: the norms; then VGS.
+
+        With a ``GradScaler`` the gradients are unscaled first (in place; it records
+        ``found_inf`` for its own ``step``, no host sync), so the norms are the true ones.
+        """
+        if self.grad_scaler is not None:
+            for optimizer in optimizers:
+                self.grad_scaler.unscale_(optimizer)
+        norms = self.pending_norms = self.norm_plan.compute()
+        if self.noise is not None:
+            rows = self.pending_logp[0].shape[0] if self.pending_logp is not None else 0  # host-side shape
+            self.noise_hook.add_big(norms.head_norms, norms.global_norm, rows)
+        if self.vgs is not None:
+            # After the telemetry norms (they stay pre-scaling); a skipped (non-finite) step
+            # must not teach VGS either.  Gradient mode scales before RLlib's clipping;
+            # update mode scales the optimizer's step.
+            if self.update_scaler is None:
+                self.vgs.scale_gradients(skip=norms.found_nonfinite)
+            else:
+                self._vgs_factor = self.vgs.observe(skip=norms.found_nonfinite, scale_gradients=False)
+            self.vgs.step()
+
+    def norms(self) -> GradientNorms:
+        """This minibatch's norms (``measure``'s, or measured now when RLlib skipped postprocessing)."""
+        return self.pending_norms if self.pending_norms is not None else self.norm_plan.compute()
+
+    def prepare_step(
+        self, optimizers: list[torch.optim.Optimizer], skip_nonfinite: bool, flags: FoundInfFlags
+    ) -> tuple[torch.Tensor, list[torch.nn.Parameter]]:
+        """Before RLlib's optimizer step for this module: ``(skipped flag, parameters to leave alone)``.
+
+        ``skip_nonfinite`` (``torch_skip_nan_gradients``): fused optimizers get the non-finite
+        flag as ``found_inf`` (``torch.amp.GradScaler``'s protocol: the kernel itself skips,
+        no host round trip); any other optimizer costs one host sync, and on a non-finite
+        minibatch its parameters are returned: the caller drops their gradients, so that its
+        ``step`` leaves them alone.  Without it, RLlib's own ``nan_to_num`` and step run
+        untouched.  With a ``GradScaler``, ``GradScaler.step`` skips on overflow itself: counted
+        apart (``scaler_lanes``).
+        """
+        found = self.norms().found_nonfinite
+        if self.grad_scaler is not None:
+            self.scaler_lanes[0].add_(found)
+            self.scaler_lanes[1].copy_(compat.scale_tensor(self.grad_scaler).reshape(()))
+            return torch.zeros_like(found), []
+        if not skip_nonfinite:
+            return torch.zeros_like(found), []
+        dropped: list[torch.nn.Parameter] = []
+        for optimizer in optimizers:
+            if compat.supports_found_inf(optimizer):
+                flags.set(optimizer, found)
+            elif bool(found):  # the one tolerated host sync per minibatch (non-fused optimizers only)
+                dropped.extend(p for group in optimizer.param_groups for p in group["params"])
+        return found, dropped
+
+    def scaled_update(self) -> AbstractContextManager[None]:
+        """VGS in update mode: the optimizers' steps move by factor x their update."""
+        if self.update_scaler is None or self._vgs_factor is None:
+            return nullcontext()
+        factor, self._vgs_factor = self._vgs_factor, None
+        return self.update_scaler.scaled(factor)
+
+    def finish_minibatch(self, skipped: torch.Tensor, telemetry: bool) -> None:
+        """Add the minibatch to the step's accumulator (references, no kernel); forget it."""
+        if telemetry:
+            logp, mask = self.pending_logp if self.pending_logp is not None else (self._no_logp, None)
+            self.accumulator.add_minibatch_logp(self.norms(), logp, skipped, mask)
+        self.pending_norms = None
+        self.pending_logp = None
+
+    # --- state ---------------------------------------------------------------------------
+    def parts(self) -> dict[str, Any]:
+        """The module's checkpointed pieces by state key suffix (None: not in use)."""
+        return {"telemetry": self.tracker, "noise": self.noise, "vgs": self.vgs}
+
+
+class FoundInfFlags:
+    """Sets ``optimizer.found_inf`` on fused optimizers for one step and always removes it again."""
+
+    def __init__(self) -> None:
+        self._flagged: list[torch.optim.Optimizer] = []
+
+    def __enter__(self) -> FoundInfFlags:
+        return self
+
+    def set(self, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> None:
+        compat.set_found_inf(optimizer, found)
+        self._flagged.append(optimizer)
+
+    def __exit__(self, *exc: object) -> None:
+        for optimizer in self._flagged:
+            compat.clear_found_inf(optimizer)
+        self._flagged.clear()
+
+
+def resolve_module(
+    module_id: str, rl_module: Any, settings: GradmonSettings, latch_heads: tuple[str, ...]
+) -> ModuleSpecOfMonitor:
+    """The heads and bands of one module (raises ``ValueError`` naming the module)."""
+    own = settings.for_module(module_id)
+    try:
+        heads = head_parameter_groups(rl_module, own.heads)
+    except ValueError as exc:
+        raise ValueError(f"module {module_id!r}: {exc}") from None
+    return ModuleSpecOfMonitor(module_id, heads, latch_heads, own.bands)
