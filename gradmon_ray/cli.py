@@ -10,12 +10,14 @@ import argparse
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
 import yaml
 
-from gradmon_ray.config import ConfigError, config_advisories, load_config, load_yaml
+from gradmon_ray.config import ConfigError, GradmonConfig, config_advisories, load_config, load_yaml
+from gradmon_ray.tracking.redact import OUTPUT_REDACTOR, redact_uri
 from gradmon_ray.tracking.spill import SpillFormatError
 from gradmon_ray.viz.runs import RunLookupError
 
@@ -177,12 +179,16 @@ def _resume(args: argparse.Namespace) -> int:
     from gradmon_ray.resume import resume_point
     from gradmon_ray.tracking import MlflowSink
     from gradmon_ray.tracking.spill import default_spill_path
+    from gradmon_ray.tracking.store_check import uri_scheme_problem
     from gradmon_ray.train import plotter, run_training
 
     others = {k: v for k, v in vars(args).items() if k in ("config", "num_learners", "num_env_runners", "seed")}
     if any(v is not None for v in others.values()) or args.set:
         raise ConfigError("--resume", "takes the run's own config; only --iterations and --mlflow-uri may be given")
     uri = args.mlflow_uri or default_tracking_uri()
+    problem = uri_scheme_problem(uri)
+    if problem:
+        raise ConfigError("--mlflow-uri", problem)
     cfg, point = resume_point(uri, args.resume)
     cfg.mlflow.tracking_uri = uri
     if args.iterations is not None:
@@ -211,32 +217,45 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume:
         return _resume(args)
     cfg = load_config(args.config, _overrides(args))
+    OUTPUT_REDACTOR.add_uri(cfg.mlflow.tracking_uri)  # the config file may hold it too
     from gradmon_ray.rllib.preflight import preflight
     from gradmon_ray.train import run_training
 
     if not args.debug:
         _filter_startup_noise()
     preflight(cfg)  # store, GPUs, env, model, restore point: before the banner, Ray or MLflow
+    _check_tracking_server(cfg)
     _advise(cfg)
-    print(
-        f"gradmon-ray: training {cfg.iterations} iterations on {cfg.env.id}; MLflow: {cfg.mlflow.tracking_uri}",
-        flush=True,
-    )
+    shown = redact_uri(cfg.mlflow.tracking_uri)
+    print(f"gradmon-ray: training {cfg.iterations} iterations on {cfg.env.id}; MLflow: {shown}", flush=True)
     outcome = run_training(cfg, progress=lambda line: print(line, flush=True), checked=True)
+    if outcome.run_id is None:  # MLflow never answered (mlflow.offline_ok): everything is in the spill file
+        where = f"; replay it with: gradmon-ray replay {outcome.spill_path}" if outcome.spill_path else ""
+        print(f"gradmon-ray: done, but MLflow at {shown} never took the run{where}", flush=True)
+        return EXIT_OK
     print(
         f"gradmon-ray: done. MLflow run {outcome.run_id} in experiment '{cfg.mlflow.experiment}'"
         + ("" if outcome.mlflow_complete else " (MLflow did not receive everything; see warnings)")
         + (f"; checkpoint {outcome.checkpoint_path}" if outcome.checkpoint_path else ""),
         flush=True,
     )
-    uri = cfg.mlflow.tracking_uri
     hint = (
-        f"open {uri} in a browser"
-        if uri.startswith(("http://", "https://"))
-        else f"mlflow ui --backend-store-uri {uri}"
+        f"open {shown} in a browser"
+        if shown.startswith(("http://", "https://"))
+        else f"mlflow ui --backend-store-uri {shown}"
     )
     print(f"gradmon-ray: view it with: {hint}", flush=True)
     return EXIT_OK
+
+
+def _check_tracking_server(cfg: GradmonConfig) -> None:
+    """A tracking server that does not answer now is refused before anything starts (one bounded
+    request), unless ``mlflow.offline_ok``: then the run buffers, spills and is replayed later."""
+    from gradmon_ray.tracking.store_check import tracking_server_problem
+
+    problem = tracking_server_problem(cfg.mlflow.tracking_uri, offline_ok=cfg.mlflow.offline_ok)
+    if problem:
+        raise ConfigError("mlflow.tracking_uri", problem)
 
 
 def _fail_fast_mlflow_http(timeout_s: int) -> None:
@@ -295,7 +314,10 @@ def _tune(args: argparse.Namespace) -> int:
         "iterations": args.iterations,
     }
     base = apply_overrides(base, {**{k: v for k, v in flags.items() if v is not None}, **_set_overrides(args.set)})
-    _advise(config_from_dict(dict(base)))  # the flags too are validated before Ray starts
+    cfg = config_from_dict(dict(base))  # the flags too are validated before Ray starts
+    OUTPUT_REDACTOR.add_uri(cfg.mlflow.tracking_uri)
+    _check_tracking_server(cfg)
+    _advise(cfg)
     print(f"gradmon-ray: sweep '{sweep.name}' over {', '.join(sweep.search_space)}", flush=True)
     outcome = run_sweep(sweep, base, progress=lambda line: print(line, flush=True))
     best = f"best run {outcome.best.run_id} ({sweep.metric} {outcome.best.metric:.4g})" if outcome.best else "no best"
@@ -309,6 +331,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
+    # Every log record and warning of this process is masked from here on (MLflow's and Ray's too).
+    OUTPUT_REDACTOR.install()
+    for uri in (getattr(args, "mlflow_uri", None), getattr(args, "tracking_uri", None), os.environ.get(URI_ENV)):
+        OUTPUT_REDACTOR.add_uri(uri)
     try:
         _fail_fast_mlflow_http(10 if args.command in ("train", "tune") else 5)
         if args.command == "train":
@@ -323,25 +349,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _replay(args)
         raise AssertionError(args.command)
     except ConfigError as exc:
-        print(f"gradmon-ray: config error: {exc}", file=sys.stderr)
+        _error(f"gradmon-ray: config error: {exc}")
         return EXIT_USAGE
     except SpillFormatError as exc:
-        print(f"gradmon-ray: {exc}", file=sys.stderr)
+        _error(f"gradmon-ray: {exc}")
         return EXIT_USAGE
     except RunLookupError as exc:
-        print(f"gradmon-ray: {exc}", file=sys.stderr)
+        _error(f"gradmon-ray: {exc}")
         return EXIT_FAILED if exc.unreachable else EXIT_USAGE
     except KeyboardInterrupt:
-        print("gradmon-ray: interrupted", file=sys.stderr)
+        _error("gradmon-ray: interrupted")
         return EXIT_INTERRUPTED
     except Exception as exc:
-        if args.debug:
-            raise
-        print(
-            f"gradmon-ray: run failed: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
-            file=sys.stderr,
+        if args.debug:  # the traceback, masked like everything else
+            _error(traceback.format_exc().rstrip())
+        _error(
+            f"gradmon-ray: run failed: {type(exc).__name__}: {exc}"
+            + ("" if args.debug else " (rerun with --debug for the traceback)")
         )
         return EXIT_FAILED
+
+
+URI_ENV = "MLFLOW_TRACKING_URI"
+
+
+def _error(text: str) -> None:
+    """One message on stderr, credentials masked (an error may quote the URI it failed on)."""
+    print(OUTPUT_REDACTOR(text), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,27 @@
-"""Say what Ray is waiting for while the algorithm's actors cannot be placed, and give up in time.
+"""What Ray can give this run: is the cluster there, can it ever hold the run, and the wait while it cannot yet.
 
-Building the algorithm blocks while Ray has no room for its learner and EnvRunner actors (a
-GPU request sent to a CPU-only cluster waits forever, silently).  ``ResourceWait`` watches
-that wait from a timer thread: after ``report_after_s`` it logs one line with what the run
-asks for and what the cluster has, and after ``give_up_after_s`` it interrupts the main
-thread, which the caller turns into ``ResourceWaitTimeout`` (exit 1 from the CLI).  An
-autoscaling cluster may still add the nodes, which is why this waits instead of refusing.
+Three checks, in the order a run meets them:
+
+- ``ray_address_problem``: an address nothing answers at is refused at once (``ray.init`` would
+  retry silently until Ctrl-C).
+- ``over_total_problem``: a Ray that *this run started* (a local one) never grows, so a request
+  larger than its total resources can never be placed: refused (exit 2) before an MLflow run or
+  store exists.  A cluster we only connect to may autoscale (Ray has no public API for the
+  autoscaler's maximum), so there a request over today's total is logged and waited for.
+- ``ResourceWait``: building the algorithm blocks while Ray has no room for its learner and
+  EnvRunner actors.  It watches that wait from a timer thread: after ``report_after_s`` it logs
+  one line with what the run asks for and what the cluster has, and after ``give_up_after_s``
+  it interrupts the main thread, which the caller turns into ``ResourceWaitTimeout`` (exit 1
+  from the CLI).
 """
 
 from __future__ import annotations
 
 import _thread
 import logging
+import socket
 import threading
+import time
 from collections.abc import Mapping
 from types import TracebackType
 
@@ -26,12 +35,14 @@ class ResourceWaitTimeout(RuntimeError):
 
 
 def requested_resources(cfg: GradmonConfig) -> dict[str, float]:
-    """What the run's actors ask Ray for: one CPU per EnvRunner and per remote learner (RLlib's
-    defaults), ``num_gpus_per_learner`` per learner (the driver's own learner with 0 remote ones),
-    and their custom resources."""
+    """What the run's actors ask Ray for: one CPU per EnvRunner and per remote CPU learner (RLlib's
+    defaults; a GPU learner takes no CPU), ``num_gpus_per_learner`` per learner (the driver's own
+    learner with 0 remote ones), and their custom resources."""
     res = cfg.resources
     learners = max(1, res.num_learners)
-    request = {"CPU": float(res.num_env_runners + res.num_learners)}
+    # RLlib's num_cpus_per_learner="auto": 1 CPU per CPU learner, none for a GPU learner.
+    cpu_learners = res.num_learners if res.num_gpus_per_learner == 0 else 0
+    request = {"CPU": float(res.num_env_runners + cpu_learners)}
     if res.num_gpus_per_learner > 0:
         request["GPU"] = learners * res.num_gpus_per_learner
     for count, custom in (
@@ -45,6 +56,87 @@ def requested_resources(cfg: GradmonConfig) -> dict[str, float]:
 
 def _describe(resources: Mapping[str, float], keys: list[str]) -> str:
     return ", ".join(f"{k} {resources.get(k, 0.0):g}" for k in keys)
+
+
+GCS_PORT, CLIENT_PORT = 6379, 10001  # Ray's defaults: ``ray start --head`` and the Ray Client server
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` that a Ray address connects to; None for ``auto``/``local`` (Ray resolves those)."""
+    if address in ("auto", "local") or ("://" in address and not address.startswith("ray://")):
+        return None
+    default = CLIENT_PORT if address.startswith("ray://") else GCS_PORT
+    hostport = address.removeprefix("ray://").split("/", 1)[0]
+    if hostport.startswith("["):  # [::1]:6379
+        host, _, rest = hostport[1:].partition("]")
+        port = rest.removeprefix(":")
+    else:
+        host, _, port = hostport.rpartition(":") if hostport.count(":") == 1 else (hostport, "", "")
+    if not port.isdigit():
+        return host or hostport, default
+    return host, int(port)
+
+
+def ray_address_problem(address: str | None, timeout_s: float = 15.0) -> str | None:
+    """Why nothing can be reached at Ray ``address`` (None: a TCP connection opened, or no address).
+
+    Only the TCP port is tried: a refused connection or an unknown host is final at once (no
+    Ray listens there now); a silent one is retried until ``timeout_s``.  ``ray.init`` itself
+    would retry for minutes without a word.
+    """
+    target = _host_port(address) if address else None
+    if target is None:
+        return None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            with socket.create_connection(target, timeout=max(0.1, min(remaining, 3.0))):
+                return None
+        except socket.gaierror as exc:
+            reason = f"unknown host {target[0]!r} ({exc.strerror})"
+        except ConnectionRefusedError:
+            reason = f"nothing listens on {target[0]}:{target[1]}"
+        except OSError as exc:  # a timeout, or a network that is not there yet: retried until the deadline
+            if time.monotonic() + 0.5 < deadline:
+                time.sleep(0.5)
+                continue
+            reason = f"no answer from {target[0]}:{target[1]} within {timeout_s:g} s ({exc.strerror or exc})"
+        return f"cannot reach Ray at {address}: {reason}; start the cluster or fix the address (unset: a local Ray)"
+
+
+def over_total_problem(request: Mapping[str, float], total: Mapping[str, float]) -> str | None:
+    """Why ``request`` can never be placed on a Ray whose total resources are ``total``, in one line
+    (None: it fits the total, even if not what is free now)."""
+    short = sorted(k for k, v in request.items() if v > total.get(k, 0.0) + 1e-9)
+    if not short:
+        return None
+    hint = (
+        " (resources.num_cpus sets a local Ray's logical CPUs; Ray may be given more than the machine has)"
+        if "CPU" in short
+        else ""
+    )
+    return (
+        f"this run asks for {_describe(request, sorted(request))} but this Ray has {_describe(total, sorted(request))} "
+        f"in total, so it can never start; lower resources.num_env_runners / num_learners / num_gpus_per_learner "
+        f"or the custom resources{hint}"
+    )
+
+
+def check_fits(request: Mapping[str, float], *, ray_started_here: bool, wait_s: float) -> None:
+    """Refuse (``ConfigError`` on ``resources``) a ``request`` that a Ray started here can never place;
+    on a cluster we connected to, only log it: an autoscaler may still add the nodes, and
+    ``ResourceWait`` gives up after ``wait_s``."""
+    import ray
+
+    from gradmon_ray.config import ConfigError
+
+    problem = over_total_problem(request, ray.cluster_resources())
+    if problem is None:
+        return
+    if ray_started_here:
+        raise ConfigError("resources", problem)
+    logger.warning("%s; waiting up to %g s for the cluster to grow", problem, wait_s)
 
 
 class ResourceWait:

@@ -26,6 +26,7 @@ from gradmon_ray.config import GradmonConfig, apply_overrides, config_from_dict
 from gradmon_ray.sweep_config import SweepConfig, tune_search_space
 from gradmon_ray.sweep_config import load_sweep as load_sweep  # re-exported: the CLI and tests import it from here
 from gradmon_ray.tracking.mlflow_io import mlflow_value
+from gradmon_ray.tracking.redact import redact_uri
 
 TRIAL_STATE_FILE = "gradmon_trial.json"
 PARENT_RUN_TAG = "mlflow.parentRunId"  # MLflow's own tag: the UI nests runs under their parent
@@ -71,18 +72,32 @@ def run_sweep(sweep: SweepConfig, base: dict[str, Any], *, progress: Any = print
     from mlflow.tracking import MlflowClient
     from ray import tune
 
+    from gradmon_ray.resource_wait import check_fits
     from gradmon_ray.rllib.config import build_ppo_config
     from gradmon_ray.rllib.preflight import preflight
-    from gradmon_ray.train import ensure_ray
+    from gradmon_ray.train import ensure_ray, ray_address_of
 
     base_cfg = config_from_dict(copy.deepcopy(base))
     preflight(base_cfg)  # env, model, restore_from: refused before Ray starts or any run exists
     uri = absolute_tracking_uri(base_cfg.mlflow.tracking_uri)
-    fixed: dict[str, Any] = {"mlflow.tracking_uri": uri}
+    # Tune writes the param space to disk (params.json, experiment state): it gets the URI with its
+    # credentials masked, and the trials get the real one through the object store (_trial's tracking_uri).
+    fixed: dict[str, Any] = {"mlflow.tracking_uri": redact_uri(uri)}
     if base_cfg.restore_from:  # trials run in their own working directories
         fixed["restore_from"] = os.path.abspath(base_cfg.restore_from)
     base = apply_overrides(copy.deepcopy(base), fixed)
     started_ray = ensure_ray(base_cfg)
+    try:  # a sweep whose trials a Ray started here can never place: refused before the parent run exists
+        resources = _trial_resources(base_cfg, build_ppo_config)
+        check_fits(
+            _bundle_total(resources.bundles),
+            ray_started_here=started_ray and not ray_address_of(base_cfg),
+            wait_s=base_cfg.resources.wait_for_resources_s,
+        )
+    except BaseException:
+        if started_ray:
+            ray.shutdown()
+        raise
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name(base_cfg.mlflow.experiment)
     exp_id = experiment.experiment_id if experiment else client.create_experiment(base_cfg.mlflow.experiment)
@@ -93,9 +108,8 @@ def run_sweep(sweep: SweepConfig, base: dict[str, Any], *, progress: Any = print
         client.log_param(parent_id, f"search_space.{key}", json.dumps(spec))
     status = "FAILED"
     try:
-        resources = _trial_resources(base_cfg, build_ppo_config)
         tuner = tune.Tuner(
-            tune.with_resources(_trial, resources),
+            tune.with_resources(tune.with_parameters(_trial, tracking_uri=uri), resources),
             param_space={
                 **tune_search_space(sweep.search_space),
                 "__gradmon__": {
@@ -141,6 +155,15 @@ def run_sweep(sweep: SweepConfig, base: dict[str, Any], *, progress: Any = print
         client.set_terminated(parent_id, status=status)
         if started_ray:
             ray.shutdown()
+
+
+def _bundle_total(bundles: list[dict[str, float]]) -> dict[str, float]:
+    """What a trial's placement group asks for in all."""
+    total: dict[str, float] = {}
+    for bundle in bundles:
+        for key, amount in bundle.items():
+            total[key] = total.get(key, 0.0) + float(amount)
+    return total
 
 
 def _trial_resources(cfg: GradmonConfig, build_ppo_config: Any) -> Any:
@@ -200,18 +223,23 @@ def _summary(result: Any, metric: str) -> TrialSummary:
     )
 
 
-def _trial(params: dict[str, Any]) -> None:
-    """One Tune trial: ``run_training`` with the sampled overrides, reporting to Tune."""
+def _trial(params: dict[str, Any], tracking_uri: str) -> None:
+    """One Tune trial: ``run_training`` with the sampled overrides, reporting to Tune.
+
+    ``tracking_uri``: the real URI (credentials and all), which the param space holds masked.
+    """
     from ray import tune
 
     from gradmon_ray.checkpointing import RUN_ID_WAIT_S, resume_state
     from gradmon_ray.tracking import MlflowSink
     from gradmon_ray.tracking.spill import default_spill_path
-    from gradmon_ray.train import ResumePoint, last_logged_iteration, plotter, run_training
+    from gradmon_ray.train import ResumePoint, last_logged_iteration, mlflow_params, plotter, run_training
 
     meta = params["__gradmon__"]
     overrides = {k: v for k, v in params.items() if k != "__gradmon__"}
     cfg = config_from_dict(apply_overrides(copy.deepcopy(meta["base"]), overrides))
+    if cfg.mlflow.tracking_uri == redact_uri(tracking_uri):  # the masked copy of the sweep's own URI
+        cfg.mlflow.tracking_uri = tracking_uri
     context = tune.get_context()
     resume, run_id = None, None
     checkpoint = tune.get_checkpoint()
@@ -232,7 +260,7 @@ def _trial(params: dict[str, Any]) -> None:
         cfg.mlflow.tracking_uri,
         cfg.mlflow.experiment,
         run_name=context.get_trial_name(),
-        params={**cfg.to_flat_dict(), **{f"trial.{k}": v for k, v in overrides.items()}},
+        params={**mlflow_params(cfg), **{f"trial.{k}": v for k, v in overrides.items()}},
         tags={PARENT_RUN_TAG: meta["parent_run_id"], mn.TAG_SWEEP: meta["sweep"], mn.TAG_STATUS: "running"},
         max_pending=cfg.mlflow.queue_size,
         plots_every=cfg.mlflow.plots_every,

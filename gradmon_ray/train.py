@@ -10,13 +10,14 @@ from typing import Any
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.checkpointing import CheckpointReporter, checkpoint_root, learner_state_digest
-from gradmon_ray.config import GradmonConfig
+from gradmon_ray.config import ConfigError, GradmonConfig
 from gradmon_ray.probe_lifecycle import flush_probe, start_probe, stop_probe
-from gradmon_ray.resource_wait import ResourceWait
+from gradmon_ray.resource_wait import ResourceWait, check_fits, ray_address_problem, requested_resources
 from gradmon_ray.telemetry.bands import BandSet
 from gradmon_ray.telemetry.health_stop import HealthStopMonitor, HealthStopRules
 from gradmon_ray.tracking import MlflowSink, progress_line, result_to_metrics
 from gradmon_ray.tracking.mlflow_sink import PlotFn
+from gradmon_ray.tracking.redact import redact_text, redact_uri
 from gradmon_ray.tracking.results import latch_tags
 from gradmon_ray.tracking.spill import default_spill_path
 
@@ -72,7 +73,8 @@ def last_logged_iteration(tracking_uri: str, run_id: str) -> int:
     try:
         history = MlflowClient(tracking_uri).get_metric_history(run_id, mn.LEARNERS_UPDATED)
     except Exception as exc:  # MLflow down: at worst some iterations get a second point
-        logger.warning("could not read run %s's history (%s): recomputed iterations may be logged twice", run_id, exc)
+        why = redact_text(str(exc))
+        logger.warning("could not read run %s's history (%s): recomputed iterations may be logged twice", run_id, why)
         return 0
     return max((point.step for point in history), default=0)
 
@@ -90,15 +92,28 @@ def plotter(plots_every: int) -> PlotFn | None:
     return log_plots
 
 
+def mlflow_params(cfg: GradmonConfig) -> dict[str, Any]:
+    """``cfg.to_flat_dict()`` as the run's MLflow params (and spill header): credentials masked."""
+    return {k: redact_text(v) if isinstance(v, str) else v for k, v in cfg.to_flat_dict().items()}
+
+
+def ray_address_of(cfg: GradmonConfig) -> str | None:
+    """The Ray cluster this run connects to (config, then ``RAY_ADDRESS``); None: a local Ray."""
+    return cfg.resources.ray_address or os.environ.get("RAY_ADDRESS")
+
+
 def ensure_ray(cfg: GradmonConfig) -> bool:
     """Start (or connect to) Ray; True if this call started it (so it should shut it down)."""
     import ray
 
     if ray.is_initialized():
         return False
-    address = cfg.resources.ray_address or os.environ.get("RAY_ADDRESS")
+    address = ray_address_of(cfg)
     kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
     if address:
+        problem = ray_address_problem(address)  # ray.init would retry silently until Ctrl-C
+        if problem:
+            raise ConfigError("resources.ray_address" if cfg.resources.ray_address else "RAY_ADDRESS", problem)
         ray.init(address=address, **kwargs)
     else:
         ray.init(num_cpus=cfg.resources.num_cpus, **kwargs)
@@ -132,12 +147,19 @@ def run_training(
 
         preflight(cfg)  # env, model and restore_from: a bad input fails before Ray or MLflow start
     started_ray = ensure_ray(cfg)
+    try:  # before the sink: a run that can never be placed leaves no MLflow run or store behind
+        here = started_ray and not ray_address_of(cfg)
+        check_fits(requested_resources(cfg), ray_started_here=here, wait_s=cfg.resources.wait_for_resources_s)
+    except BaseException:
+        if started_ray:
+            ray.shutdown()
+        raise
     if sink is None:
         sink = MlflowSink(
             cfg.mlflow.tracking_uri,
             cfg.mlflow.experiment,
             run_name=cfg.mlflow.run_name,
-            params=cfg.to_flat_dict(),
+            params=mlflow_params(cfg),
             tags={mn.TAG_STATUS: "running", **_checkpoint_tags(cfg)},
             max_pending=cfg.mlflow.queue_size,
             plots_every=cfg.mlflow.plots_every,
@@ -247,11 +269,11 @@ def run_training(
         if not outcome.mlflow_complete:
             logger.warning(
                 "MLflow at %s did not receive everything (%d iterations kept in %s, %d lost; last error: %s)%s",
-                sink.tracking_uri,
+                redact_uri(sink.tracking_uri),
                 sink.spilled_iterations,
                 outcome.spill_path,
                 sink.dropped_iterations,
-                sink.last_error,
+                redact_text(sink.last_error or ""),
                 f"; replay with: gradmon-ray replay {outcome.spill_path}" if outcome.spill_path else "",
             )
         if started_ray:

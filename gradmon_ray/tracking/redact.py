@@ -4,14 +4,19 @@ A tracking URI can carry a secret (``http://user:pw@host``, ``postgresql://u:pw@
 ``https://host?token=...``), and MLflow reads others from the environment.  The run still
 connects with the real URI; only what is *shown or stored* (MLflow params and tags, banners,
 warnings, error messages, spill headers, resume files, checkpoints) goes through
-:func:`redact_uri` or :func:`redact_text`.  No MLflow import: this module is pure string work.
+:func:`redact_uri` or :func:`redact_text`.  No MLflow import: this module is string work, plus
+``OUTPUT_REDACTOR``, which the CLI installs so that every log record and warning of the process
+is masked too (messages it does not write itself: MLflow's, Ray's, the sink's).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import warnings
 from collections.abc import Iterable, Mapping
+from typing import Any
 from urllib.parse import quote, unquote
 
 MASK = "***"
@@ -139,3 +144,58 @@ def redact_text(text: str, secrets: Iterable[str] = ()) -> str:
     for value in sorted(values, key=len, reverse=True):
         text = text.replace(value, MASK)
     return text
+
+
+class OutputRedactor:
+    """Masks credentials in every log record and warning this process emits, once ``install``-ed.
+
+    Log records are masked where they are made (``logging.setLogRecordFactory``), so a logger or
+    handler that MLflow or Ray sets up later is covered too; warnings through
+    ``warnings.formatwarning``.  ``add_uri`` adds a URI's secrets, which are then masked even where
+    a message quotes them without the URI around them.
+    """
+
+    def __init__(self) -> None:
+        self.secrets: set[str] = set()
+        self._installed = False
+
+    def add_uri(self, uri: str | None) -> None:
+        """Mask ``uri``'s password/token (see :func:`uri_secrets`) from now on."""
+        if uri:
+            self.secrets.update(uri_secrets(uri))
+
+    def __call__(self, text: str) -> str:
+        """``redact_text(text)`` with the secrets added so far."""
+        return redact_text(text, self.secrets)
+
+    def install(self) -> None:
+        """Mask log records and warnings from now on (idempotent: the CLI's ``main`` may run many times)."""
+        if self._installed:
+            return
+        self._installed = True
+        make_record = logging.getLogRecordFactory()
+
+        def masked_record(*args: Any, **kwargs: Any) -> logging.LogRecord:
+            record = make_record(*args, **kwargs)
+            try:
+                message = record.getMessage()
+            except Exception:  # a malformed record: logging reports it itself, unchanged
+                return record
+            clean = self(message)
+            if clean != message:
+                record.msg, record.args = clean, None
+            if record.exc_info and record.exc_info[0] is not None:  # the traceback the handler would print
+                record.exc_text = self(logging.Formatter().formatException(record.exc_info))
+            return record
+
+        logging.setLogRecordFactory(masked_record)
+        format_warning = warnings.formatwarning
+
+        def masked_warning(*args: Any, **kwargs: Any) -> str:
+            return self(format_warning(*args, **kwargs))
+
+        warnings.formatwarning = masked_warning
+
+
+OUTPUT_REDACTOR = OutputRedactor()
+"""The process's one redactor (the CLI installs it and adds every tracking URI it is given)."""

@@ -12,6 +12,7 @@ the URI through ``redact_uri``: no password reaches the terminal.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from importlib.metadata import entry_points
@@ -26,6 +27,8 @@ TRACKING_SCHEMES = ("file", "sqlite", "postgresql", "mysql", "mssql", "http", "h
 (``postgresql+psycopg2``); a plain path is a file store; plugins add their own schemes."""
 
 _DATABASES = ("postgresql", "mysql", "mssql", "sqlite")
+
+logger = logging.getLogger(__name__)
 
 
 def _plugin_schemes() -> tuple[str, ...]:
@@ -147,9 +150,11 @@ SERVER_PROBE_ENDPOINT = "/api/2.0/mlflow/experiments/search"
 credentials, so a wrong password would only show up mid-run)."""
 
 
-def tracking_server_problem(uri: str, timeout_s: float = 5.0) -> str | None:
+def tracking_server_problem(uri: str, timeout_s: float = 5.0, *, offline_ok: bool = False) -> str | None:
     """Why the tracking server at an ``http(s)://`` ``uri`` cannot take this run now, in one line
-    (None: it answered, or ``uri`` is not an HTTP server).
+    (None: it answered, or ``uri`` is not an HTTP server).  ``offline_ok`` (``mlflow.offline_ok``):
+    a server that does not answer is only logged, the run buffers and spills; one that answers
+    with an error (refused credentials, not MLflow) is still a problem.
 
     One request, no retries, at most ``timeout_s``, through MLflow's own HTTP client so that the
     credentials (in the URI or ``MLFLOW_TRACKING_USERNAME``/``_PASSWORD``/``_TOKEN``) and TLS
@@ -173,6 +178,14 @@ def tracking_server_problem(uri: str, timeout_s: float = 5.0) -> str | None:
         )
     except Exception as exc:
         reason = redact_text(_last_cause(exc), uri_secrets(uri))
+        if offline_ok:
+            logger.warning(
+                "no MLflow tracking server answers at %s (%s); mlflow.offline_ok: training anyway, the metrics "
+                "wait in memory and in mlflow.spill_dir (gradmon-ray replay)",
+                shown,
+                reason,
+            )
+            return None
         return (
             f"no MLflow tracking server answers at {shown} within {timeout_s:g} s ({reason}); start it, fix the URI, "
             "or set mlflow.offline_ok: true to train now and deliver the metrics later (gradmon-ray replay)"
