@@ -5,30 +5,42 @@ just before that all-reduce.  ``NoiseScaleHook`` adds their per-head squared nor
 "local" noise lanes on the device, then hands the bucket to DDP's own ``allreduce_hook``
 (which still does the averaging).  After the all-reduce the learner adds the "big batch"
 squared norms (``add_big``).  Lane layout and arithmetic: ``gradmon_ray.telemetry.noise_scale``.
+A head may hold rows of a parameter (``ParamRows``): those rows' squares go to the head, the
+parameter's other rows to the trunk lane.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from gradmon_ray.telemetry.head_norms import HeadPart, ParamRows
 from gradmon_ray.telemetry.noise_scale import noise_lane_count
+
+
+class _BucketLayout(NamedTuple):
+    """One DDP bucket's lane indices, built once per bucket layout."""
+
+    index: torch.Tensor  # lane of each tensor's square (heads, else the trunk)
+    row_parts: tuple[tuple[int, slice], ...]  # (tensor position, rows) of each row part in the bucket
+    row_index: torch.Tensor  # the row parts' head lanes, then as many trunk lanes
 
 
 class NoiseScaleHook:
     """Owns one iteration's noise lanes (float64, on ``device``) and the comm hook filling them.
 
-    ``groups`` maps each reported head to its parameters (disjoint); every other parameter
-    DDP reduces counts as trunk (it enters the global lane only).  ``scale`` returns the
+    ``groups`` maps each reported head to its parts (disjoint whole parameters or
+    ``ParamRows``); every other parameter (or row of a row-split one) DDP reduces counts as
+    trunk.  ``scale`` returns the
     loss scale (a 0-d tensor) when a ``GradScaler`` is in use, else None: DDP reduces the
     still-scaled gradients, so the local squares are unscaled here.
     """
 
     def __init__(
         self,
-        groups: Mapping[str, Sequence[torch.nn.Parameter]],
+        groups: Mapping[str, Sequence[HeadPart]],
         device: torch.device | str | None = None,
         scale: Callable[[], torch.Tensor | None] | None = None,
     ) -> None:
@@ -38,8 +50,15 @@ class NoiseScaleHook:
         """Rows of the minibatches added with ``add_big`` since the last ``take_rows``."""
         self._local = self.lanes[: self.num_heads + 2]  # heads, trunk, global
         self._big = self.lanes[self.num_heads + 2 :]  # heads, global
-        self._slot_of = {id(p): i for i, ps in enumerate(groups.values()) for p in ps}
-        self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
+        self._slot_of: dict[int, int] = {}
+        self._rows_of: dict[int, list[tuple[slice, int]]] = {}
+        for slot, parts in enumerate(groups.values()):
+            for part in parts:
+                if isinstance(part, ParamRows):
+                    self._rows_of.setdefault(id(part.param), []).append((part.rows, slot))
+                else:
+                    self._slot_of[id(part)] = slot
+        self._index_cache: dict[tuple[int, ...], _BucketLayout] = {}
         self._scale = scale
         self._enabled = False
         self._allreduce: Callable[..., Any] | None = None
@@ -54,16 +73,32 @@ class NoiseScaleHook:
     def add_local(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
         """Add the squared norms of ``grads`` (the local gradients of ``params``) to the local lanes."""
         key = tuple(id(p) for p in params)
-        index = self._index_cache.get(key)
-        if index is None:  # DDP may rebuild its buckets after the first iteration
-            index = torch.tensor([self._slot_of.get(id(p), self.num_heads) for p in params], device=self.lanes.device)
-            self._index_cache[key] = index
-        squares = torch.stack(torch._foreach_norm(list(grads))).double() ** 2
+        layout = self._index_cache.get(key)
+        if layout is None:  # DDP may rebuild its buckets after the first iteration
+            layout = self._layout(params)
+            self._index_cache[key] = layout
+        grads = list(grads)
+        squares = torch.stack(torch._foreach_norm(grads)).double() ** 2
         scale = self._scale() if self._scale is not None else None
         if scale is not None:
             squares = squares / scale.double() ** 2
-        self._local[: self.num_heads + 1].index_add_(0, index, squares)
+        self._local[: self.num_heads + 1].index_add_(0, layout.index, squares)
         self._local[self.num_heads + 1 :].add_(squares.sum())
+        if layout.row_parts:
+            # A row-split parameter's whole square went to the trunk: move its heads' rows from
+            # the trunk into the heads (one more _foreach_norm, over row views: no copy).
+            rows_sq = torch.stack(torch._foreach_norm([grads[i][rows] for i, rows in layout.row_parts])).double() ** 2
+            if scale is not None:
+                rows_sq = rows_sq / scale.double() ** 2
+            self._local[: self.num_heads + 1].index_add_(0, layout.row_index, torch.cat([rows_sq, -rows_sq]))
+
+    def _layout(self, params: Sequence[torch.Tensor]) -> _BucketLayout:
+        device = self.lanes.device
+        index = torch.tensor([self._slot_of.get(id(p), self.num_heads) for p in params], device=device)
+        parts = [(i, rows, slot) for i, p in enumerate(params) for rows, slot in self._rows_of.get(id(p), ())]
+        row_slots = [slot for _, _, slot in parts] + [self.num_heads] * len(parts)  # heads (+), then trunk (-)
+        row_index = torch.tensor(row_slots, dtype=torch.long, device=device)
+        return _BucketLayout(index, tuple((i, rows) for i, rows, _ in parts), row_index)
 
     def add_big(self, head_norms: torch.Tensor, global_norm: torch.Tensor, rows: int) -> None:
         """Add one minibatch's all-reduced norms (per head, then global) and its local row count."""

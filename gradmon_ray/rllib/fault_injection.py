@@ -5,8 +5,9 @@
 - ``{"nan_logits": {"rank", "head", "iteration"}}``: the logits of ``head`` are NaN on that
   rank in that (1-based) iteration (``GradmonPPOTorchLearner`` with ``FactoredActorCritic``);
 - ``{"grad": [{"rank", "head", "iteration", "value"}]}``: ``value`` (``"nan"`` or ``"inf"``) is
-  written into one element of the head's first parameter's gradient on that rank, before
-  DDP's all-reduce (any gradmon learner).
+  written into one element of the head's first part's gradient on that rank, before DDP's
+  all-reduce (any gradmon learner); for rows of a parameter (``ParamRows``), the first element
+  of the first row, so the fault stays inside that head.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from gradmon_ray.telemetry.head_norms import HeadPart, ParamRows
 
 
 @dataclass(frozen=True)
@@ -59,28 +62,33 @@ class FaultInjection:
 
     def install_grad_hooks(
         self,
-        groups: Mapping[str, Sequence[torch.nn.Parameter]],
+        groups: Mapping[str, Sequence[HeadPart]],
         rank: int,
         current_iteration: Callable[[], int],
     ) -> list[Any]:
         """One tensor hook per fault of ``rank``; returns the handles (``remove()`` them on shutdown).
 
         A tensor hook on a leaf runs before gradient accumulation, so before DDP's all-reduce:
-        the poisoned element reaches every replica the way a real local overflow would.
+        the poisoned element reaches every replica the way a real local overflow would.  A fault
+        whose head is not in ``groups`` is left to the module that has that head.
         """
         handles = []
         for fault in self.grad:
-            if fault.rank != rank:
+            if fault.rank != rank or fault.head not in groups:  # several modules: each installs its own heads'
                 continue
+            part = groups[fault.head][0]
+            param = part.param if isinstance(part, ParamRows) else part
+            # Flat index of the first element of the head's first row (0 for a whole parameter).
+            at = part.rows.start * (param.numel() // param.shape[0]) if isinstance(part, ParamRows) else 0
 
-            def poison(grad: torch.Tensor, fault: GradFault = fault) -> torch.Tensor:
+            def poison(grad: torch.Tensor, fault: GradFault = fault, at: int = at) -> torch.Tensor:
                 if current_iteration() != fault.iteration:
                     return grad
-                poisoned = grad.clone()
-                poisoned.view(-1)[0] = float(fault.value)
+                poisoned = grad.clone(memory_format=torch.contiguous_format)
+                poisoned.view(-1)[at] = float(fault.value)
                 return poisoned
 
-            handles.append(groups[fault.head][0].register_hook(poison))
+            handles.append(param.register_hook(poison))
         return handles
 
 

@@ -4,12 +4,17 @@ Pure PyTorch: nothing here touches Ray or MLflow, and nothing here synchronises 
 device with the host.  ``per_head_grad_norms`` is the reference formula;
 ``GradientNormPlan`` computes the same numbers for every head at once with a handful of
 kernels, which is what the learner runs every minibatch.
+
+A head is a list of ``HeadPart``: a whole ``torch.nn.Parameter``, or ``ParamRows`` (some rows
+of one, e.g. the rows of a policy output layer that produce one action component).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -32,18 +37,60 @@ trend_arrow = _trends.trend_arrow
 coefficient_of_variation = _trends.coefficient_of_variation
 
 
-def per_head_grad_norms(groups: Mapping[str, Iterable[torch.nn.Parameter]]) -> torch.Tensor:
+@dataclass(frozen=True, eq=False)  # eq=False: identity equality and hash (a tensor field has neither)
+class ParamRows:
+    """Rows ``rows`` (along dim 0) of ``param``'s gradient: weight rows of a Linear layer, or
+    entries of its bias.  ``rows`` is stored normalised to ``slice(start, stop)``.
+
+    Raises ``ValueError`` for a 0-d parameter, a step other than 1, or rows that are empty or
+    outside ``0 .. param.shape[0]``.
+    """
+
+    param: torch.nn.Parameter
+    rows: slice
+
+    def __post_init__(self) -> None:
+        if self.param.dim() == 0:
+            raise ValueError("ParamRows needs a parameter with at least one dimension, got a 0-d one")
+        n = self.param.shape[0]
+        rows = self.rows
+        start = 0 if rows.start is None else rows.start
+        stop = n if rows.stop is None else rows.stop
+        if rows.step not in (None, 1) or not 0 <= start < stop <= n:
+            raise ValueError(f"ParamRows rows must be a non-empty slice(start, stop) within 0..{n}, got {rows}")
+        object.__setattr__(self, "rows", slice(int(start), int(stop)))
+
+    def grad(self) -> torch.Tensor | None:
+        """The rows of ``param.grad`` (a view, no copy), or None without a gradient."""
+        g = self.param.grad
+        return None if g is None else g[self.rows]
+
+
+HeadPart = torch.nn.Parameter | ParamRows
+"""One entry of a head: a whole parameter, or rows of one."""
+
+
+def _part_grad(part: HeadPart) -> torch.Tensor | None:
+    return part.grad() if isinstance(part, ParamRows) else part.grad
+
+
+def _part_param(part: HeadPart) -> torch.nn.Parameter:
+    return part.param if isinstance(part, ParamRows) else part
+
+
+def per_head_grad_norms(groups: Mapping[str, Iterable[HeadPart]]) -> torch.Tensor:
     """L2 gradient norm of each head, in mapping order, on the parameters' device.
 
-    Entry ``h`` is ``vector_norm(stack([vector_norm(p.grad) for p in head if p.grad is not None]))``,
-    i.e. the L2 norm over all gradient elements of the head; NaN when no parameter of the
-    head has a gradient (so "no data" is never mistaken for a vanishing gradient).  No host
+    Entry ``h`` is ``vector_norm(stack([vector_norm(g) for g in head's gradients]))``, i.e. the
+    L2 norm over all gradient elements of the head, where a whole parameter contributes
+    ``p.grad`` and a ``ParamRows`` its rows ``p.grad[rows]``; NaN when no part of the head has
+    a gradient (so "no data" is never mistaken for a vanishing gradient).  No host
     synchronisation happens.
     """
     per_head: list[torch.Tensor] = []
     device: torch.device | None = None
-    for params in groups.values():
-        grads = [p.grad for p in params if p.grad is not None]
+    for parts in groups.values():
+        grads = [g for g in map(_part_grad, parts) if g is not None]
         if grads:
             device = grads[0].device
             per_head.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
@@ -59,10 +106,10 @@ def per_head_grad_norms(groups: Mapping[str, Iterable[torch.nn.Parameter]]) -> t
     )
 
 
-def _first_device(groups: Mapping[str, Iterable[torch.nn.Parameter]]) -> torch.device:
-    for params in groups.values():
-        for p in params:
-            return p.device
+def _first_device(groups: Mapping[str, Iterable[HeadPart]]) -> torch.device:
+    for parts in groups.values():
+        for part in parts:
+            return _part_param(part).device
     return torch.device("cpu")
 
 
@@ -101,13 +148,24 @@ def squares_and_counts(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.T
     return torch.stack(squares), torch.stack(nans).sum().float(), torch.stack(infs).sum().float()
 
 
+class _Index(NamedTuple):
+    """The plan's tensors for one pattern of present gradients (see ``GradientNormPlan._index_for``)."""
+
+    whole: torch.Tensor  # slot of each present gradient (a row-split parameter's: the trunk slot)
+    row_parts: tuple[tuple[int, slice], ...]  # (position in params, rows) of row parts with a gradient
+    rows: torch.Tensor  # slot of each of row_parts
+    has_grad: torch.Tensor  # per head: does any part of it have a gradient
+
+
 class GradientNormPlan:
     """Precomputed parameter-to-head assignment for fast per-minibatch norms.
 
-    ``groups`` maps each reported head to its parameters; ``all_params`` is every
-    trainable parameter (heads plus the shared trunk), which the global norm and the
-    NaN/Inf counts cover.  ``compute()`` never synchronises with the host; how it counts
-    NaN/Inf elements depends on where the gradients are:
+    ``groups`` maps each reported head to its parts (``HeadPart``: whole parameters, or
+    ``ParamRows``); ``all_params`` is every trainable parameter (heads plus the shared trunk),
+    which the global norm and the NaN/Inf counts cover, always over whole tensors.  Two heads
+    may take disjoint rows of one parameter; overlapping rows, or a parameter taken whole by
+    one head and by rows by another, raise ``ValueError``.  ``compute()`` never synchronises
+    with the host; how it counts NaN/Inf elements depends on where the gradients are:
 
     * CPU: one ``_foreach_norm`` (as ``torch.nn.utils.clip_grad_norm_`` uses) and one
       ``index_add_``; the counts only when the global norm is not finite (testing a CPU
@@ -117,11 +175,13 @@ class GradientNormPlan:
       the norms and the counts together, no copy;
     * accelerator otherwise: ``_foreach_norm`` plus one concatenation of the gradients for
       the counts (three kernels: at small sizes launches, not bytes, are the cost).
+
+    Row parts add one ``_foreach_norm`` over row views of the gradients (no copy).
     """
 
     def __init__(
         self,
-        groups: Mapping[str, Iterable[torch.nn.Parameter]],
+        groups: Mapping[str, Iterable[HeadPart]],
         all_params: Iterable[torch.nn.Parameter],
         *,
         fused_counts: str = "auto",
@@ -131,31 +191,29 @@ class GradientNormPlan:
         numel = sum(p.numel() for p in self.params)
         self._fused = Kernel(squares_and_counts, compile=True, label="gradient norms")
         self._use_fused = wants_compile(fused_counts, numel)
-        slot_of: dict[int, int] = {}
-        for slot, params in enumerate(groups.values()):
-            for p in params:
-                if id(p) in slot_of:
-                    raise ValueError("a parameter belongs to two heads; head groups must be disjoint")
-                slot_of[id(p)] = slot
         self._trunk_slot = len(self.head_names)
-        known = {id(p) for p in self.params}
-        missing = [s for s in slot_of if s not in known]
-        if missing:
+        slot_of, rows_of = _assign_slots(groups)
+        position = {id(p): i for i, p in enumerate(self.params)}
+        if any(pid not in position for pid in [*slot_of, *rows_of]):
             raise ValueError("every head parameter must also be listed in all_params")
         self._slots = [slot_of.get(id(p), self._trunk_slot) for p in self.params]
-        # Cache of (index tensor, "head has a grad" mask) per pattern of present grads,
-        # so that the steady state builds no tensors from host data.
-        self._index_cache: dict[tuple[bool, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._row_parts = tuple((position[pid], rows, slot) for pid, parts in rows_of.items() for rows, slot in parts)
+        # Cache of the index tensors per pattern of present grads, so that the steady state
+        # builds no tensors from host data.
+        self._index_cache: dict[tuple[bool, ...], _Index] = {}
 
-    def _index_for(self, present: tuple[bool, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _index_for(self, present: tuple[bool, ...], device: torch.device) -> _Index:
         cached = self._index_cache.get(present)
-        if cached is None or cached[0].device != device:
+        if cached is None or cached.whole.device != device:
             slots = [s for s, ok in zip(self._slots, present, strict=True) if ok]
+            row_parts = [(pos, rows, slot) for pos, rows, slot in self._row_parts if present[pos]]
             has_grad = [False] * (self._trunk_slot + 1)
-            for s in slots:
+            for s in [*slots, *(slot for _, _, slot in row_parts)]:
                 has_grad[s] = True
-            cached = (
+            cached = _Index(
                 torch.tensor(slots, dtype=torch.long, device=device),
+                tuple((pos, rows) for pos, rows, _ in row_parts),
+                torch.tensor([slot for _, _, slot in row_parts], dtype=torch.long, device=device),
                 torch.tensor(has_grad[: self._trunk_slot], dtype=torch.bool, device=device),
             )
             self._index_cache[present] = cached
@@ -170,14 +228,14 @@ class GradientNormPlan:
             zero = torch.zeros((), device=device)
             nan = torch.full((len(self.head_names),), float("nan"), device=device)
             return GradientNorms(nan, torch.full((), float("nan"), device=device), zero, zero)
-        index, has_grad = self._index_for(present, grads[0].device)
+        index = self._index_for(present, grads[0].device)
         on_cpu = grads[0].device.type == "cpu"
         if self._use_fused and not on_cpu:
             squares, nan_count, inf_count = self._fused(grads)
-            head_norms, global_norm = self._head_and_global(squares, index, has_grad)
+            head_norms, global_norm = self._head_and_global(squares, index)
             return GradientNorms(head_norms, global_norm, nan_count, inf_count)
         norms = torch.stack(torch._foreach_norm(grads)).float()
-        head_norms, global_norm = self._head_and_global(norms * norms, index, has_grad)
+        head_norms, global_norm = self._head_and_global(norms * norms, index)
         if on_cpu:
             # On the CPU a tensor is host memory, so testing it is no device sync. A finite
             # global norm means every element is finite: skip the counts, which cost about 70
@@ -195,9 +253,51 @@ class GradientNormPlan:
         inf_count = torch.isinf(flat).sum().float()
         return GradientNorms(head_norms, global_norm, nan_count, inf_count)
 
-    def _head_and_global(
-        self, squares: torch.Tensor, index: torch.Tensor, has_grad: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-tensor squared norms -> (per-head norms, NaN for a head without gradients; global norm)."""
-        per_slot = torch.zeros(self._trunk_slot + 1, device=squares.device).index_add_(0, index, squares)
-        return torch.where(has_grad, per_slot[: self._trunk_slot].sqrt(), float("nan")), squares.sum().sqrt()
+    def _head_and_global(self, squares: torch.Tensor, index: _Index) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-tensor squared norms -> (per-head norms, NaN for a head without gradients; global norm).
+
+        A row-split parameter's whole square lands in the (discarded) trunk slot; its row
+        parts' squares, from one more ``_foreach_norm`` over row views, in their heads."""
+        per_slot = torch.zeros(self._trunk_slot + 1, device=squares.device).index_add_(0, index.whole, squares)
+        if index.row_parts:
+            views = [self.params[pos].grad[rows] for pos, rows in index.row_parts]  # type: ignore[index]
+            row_norms = torch.stack(torch._foreach_norm(views)).float()
+            per_slot.index_add_(0, index.rows, row_norms * row_norms)
+        head_norms = torch.where(index.has_grad, per_slot[: self._trunk_slot].sqrt(), float("nan"))
+        return head_norms, squares.sum().sqrt()
+
+
+def _assign_slots(
+    groups: Mapping[str, Iterable[HeadPart]],
+) -> tuple[dict[int, int], dict[int, list[tuple[slice, int]]]]:
+    """(id of a whole parameter -> head slot, id of a row-split parameter -> [(rows, head slot)]).
+
+    Raises ``ValueError`` unless the heads are disjoint: a parameter in two heads, overlapping
+    rows, or a parameter taken whole and by rows."""
+    names = list(groups)
+    slot_of: dict[int, int] = {}
+    rows_of: dict[int, list[tuple[slice, int]]] = {}
+    shape_of: dict[int, tuple[int, ...]] = {}
+    for slot, parts in enumerate(groups.values()):
+        for part in parts:
+            if isinstance(part, ParamRows):
+                rows_of.setdefault(id(part.param), []).append((part.rows, slot))
+                shape_of[id(part.param)] = tuple(part.param.shape)
+            else:
+                if id(part) in slot_of:
+                    raise ValueError("a parameter belongs to two heads; head groups must be disjoint")
+                slot_of[id(part)] = slot
+    for pid, parts in rows_of.items():
+        if pid in slot_of:
+            raise ValueError(
+                f"a parameter of shape {shape_of[pid]} is taken whole by head {names[slot_of[pid]]!r} and by "
+                f"rows by head {names[parts[0][1]]!r}; head groups must be disjoint"
+            )
+        ordered = sorted(parts, key=lambda part: part[0].start)
+        for (a, slot_a), (b, slot_b) in itertools.pairwise(ordered):
+            if b.start < a.stop:
+                raise ValueError(
+                    f"rows {a.start}:{a.stop} (head {names[slot_a]!r}) and {b.start}:{b.stop} (head "
+                    f"{names[slot_b]!r}) of a parameter of shape {shape_of[pid]} overlap; head groups must be disjoint"
+                )
+    return slot_of, rows_of

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from gradmon_ray.distributed import NoiseScaleHook
+from gradmon_ray.telemetry.head_norms import ParamRows
 from gradmon_ray.telemetry.noise_scale import noise_lane_count
 
 
@@ -44,3 +45,21 @@ def test_register_needs_ddp():
     groups, _ = _params()
     hook = NoiseScaleHook(groups)
     assert not hook.register(nn.Linear(2, 2)) and not hook.enabled
+
+
+def test_row_heads_take_their_rows_and_leave_the_rest_to_the_trunk():
+    """A layer W [4, 2], b [4] split as rows 0:1 -> "a", 1:3 -> "b" (row 3: trunk), bucketed with
+    a trunk tensor.  Worked answer: W grads rows [1,1], [2,0], [0,2], [3,0]; b grads [1, 2, 2, 4];
+    a = 1+1 + 1 = 3; b = 4+4 + 4+4 = 16; trunk = row 3 (9 + 16) + other (4) = 29; global = 48."""
+    w, b, other = nn.Parameter(torch.zeros(4, 2)), nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(1))
+    groups = {
+        "a": [ParamRows(w, slice(0, 1)), ParamRows(b, slice(0, 1))],
+        "b": [ParamRows(w, slice(1, 3)), ParamRows(b, slice(1, 3))],
+    }
+    hook = NoiseScaleHook(groups, scale=lambda: torch.tensor(2.0))  # the grads below are scaled by 2
+    gw = torch.tensor([[1.0, 1.0], [2.0, 0.0], [0.0, 2.0], [3.0, 0.0]])
+    gb = torch.tensor([1.0, 2.0, 2.0, 4.0])
+    for _ in range(2):  # the second bucket call reuses the cached layout
+        hook.add_local([other, b, w], [torch.tensor([4.0]), 2 * gb, 2 * gw])
+    expected = 2 * torch.tensor([3.0, 16.0, 29.0, 48.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(hook.lanes, expected, rtol=1e-6, atol=1e-9)

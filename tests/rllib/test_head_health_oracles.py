@@ -31,7 +31,7 @@ from gradmon_ray.tracking import GradmonMLflowCallback
 from tests.fixtures.user_envs import MatchTwoEnv
 from tests.rllib.user_module import default_ppo_module
 
-SIZES = {"head_0": 3, "head_1": 4}  # MatchTwoEnv's MultiDiscrete([3, 4])
+SIZES = {"a0": 3, "a1": 4}  # MatchTwoEnv's MultiDiscrete([3, 4]): zero-config names a0, a1
 
 
 @pytest.mark.parametrize(

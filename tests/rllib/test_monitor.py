@@ -144,7 +144,6 @@ def _build(gradmon, learner_cls=PPOTorchLearner, **experimental):
             {"heads": {"pi": r"^pi\.", "all": r"\.weight$"}},
             r"'pi\..*weight' is matched by heads \['pi', 'all'\]",
         ),
-        ({}, "has no head_parameter_groups"),
         ({"heads": HEADS, "hedas": 1}, r"unknown keys \['hedas'\]"),
     ],
 )
@@ -220,7 +219,7 @@ def test_global_norm_equals_rllibs_own_clip_norm():
 @pytest.mark.parametrize(
     ("space", "names"),
     [
-        (gym.spaces.MultiDiscrete([3, 4]), ("head_0", "head_1")),
+        (gym.spaces.MultiDiscrete([3, 4]), ("a0", "a1")),
         (gym.spaces.Dict({"b": gym.spaces.Discrete(4), "a": gym.spaces.Discrete(3)}), ("a", "b")),
         (gym.spaces.Discrete(3), ("policy",)),
     ],
