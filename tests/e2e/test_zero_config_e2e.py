@@ -1,0 +1,52 @@
+"""Zero-config heads end to end: ``with_gradmon(PPOTorchLearner)`` on RLlib's default module for a
+``MultiDiscrete([3, 4])`` env with NO gradmon settings at all, one real ``train()`` on local Ray.
+
+Values are checked against autograd of the sliced output layer in
+``tests/rllib/test_zero_config_heads.py``; here: every component's norm, latch and head health
+arrive under ONE name (``a0``, ``a1``) in RLlib's result, next to ``vf``, and the whole policy
+head ``pi`` is not reported.  Bugs this catches: zero-config heads not reached from the learner
+(it would refuse to build), latches still named ``head_0``, the value head missing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from ray.rllib.algorithms.ppo import PPOConfig
+from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
+
+from gradmon_ray import metric_names as mn
+from gradmon_ray.rllib import with_gradmon
+from tests.fixtures.user_envs import MatchTwoEnv
+
+pytestmark = pytest.mark.e2e
+
+SIZES = {"a0": 3, "a1": 4}
+
+
+def test_multidiscrete_default_module_reports_each_component_without_heads(ray_session):
+    config = (
+        PPOConfig()
+        .environment(MatchTwoEnv)
+        .env_runners(num_env_runners=0)
+        .learners(num_learners=0, learner_class=with_gradmon(PPOTorchLearner))  # no learner_config_dict
+        .training(train_batch_size_per_learner=128, minibatch_size=64, num_epochs=1)
+        .debugging(seed=0)
+    )
+    algo = config.build_algo()
+    try:
+        logged = dict(algo.train()["learners"]["default_policy"])
+    finally:
+        algo.stop()
+    norms = {head: logged[mn.head_metric(mn.HEAD_GRAD_NORM, head)] for head in ("a0", "a1", "vf")}
+    for head, value in norms.items():
+        assert math.isfinite(value) and value > 0, (head, value)
+    assert logged[mn.GLOBAL_GRAD_NORM] >= max(norms.values())
+    assert mn.head_metric(mn.HEAD_GRAD_NORM, "pi") not in logged
+    for head, n in SIZES.items():
+        assert 0.0 < logged[mn.head_metric(mn.HEAD_ENTROPY, head)] <= math.log(n) + 1e-6, head
+        assert logged[mn.head_metric(mn.HEAD_NAN_LATCH, head)] == 0.0
+    # RLlib's own entropy of the same (last) minibatch is the sum over the components.
+    entropies = sum(logged[mn.head_metric(mn.HEAD_ENTROPY, h)] for h in SIZES)
+    assert entropies == pytest.approx(logged["entropy"], rel=1e-5)
