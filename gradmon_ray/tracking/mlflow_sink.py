@@ -1,10 +1,20 @@
-"""An MLflow sink that never blocks or breaks training.
+"""An MLflow sink that never blocks or breaks training, and loses nothing a kill could take.
 
-The training loop calls ``log_iteration`` (a non-blocking ``put``); a daemon thread owns the
+The training loop calls ``log_iteration`` (a ``put``); a daemon thread owns the
 ``MlflowClient``, creates the run, and writes with ``log_batch`` (at most 1000 metrics per
 call, MLflow's limit).  A slow or dead tracking server only delays that thread: pending
-iterations wait in a bounded buffer (the oldest are dropped and counted when it overflows),
-failed writes are retried with backoff, and nothing is ever raised into the caller.
+iterations wait in a bounded buffer, failed writes are retried with backoff, and nothing is
+ever raised into the caller.
+
+**Spill ahead.** From the first failed MLflow write to the end of the run, every iteration
+is also appended to the spill file (one write, one fsync) inside ``log_iteration``, before
+the next iteration starts; the iterations pending at that first failure are spilled at once.
+A SIGKILL or OOM kill then loses at most the iterations logged since the write that failed
+began (seconds), never a whole outage.  The sink keeps delivering from its buffer when the
+server comes back, and marks each spilled iteration it delivers in the spill file, so
+``gradmon-ray replay`` writes each iteration MLflow does not have exactly once (the rule is
+in ``spill``).  The buffer stays bounded: past ``max_pending`` the oldest leave memory (they
+are in the spill file already) and wait there for the replay.
 We write through ``MlflowClient`` rather than ``mlflow.log_*`` because the fluent API keeps
 a process-global active run, which a background writer must not share with user code.
 """
@@ -21,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from gradmon_ray.tracking.mlflow_io import log_in_batches, to_mlflow_metrics
+from gradmon_ray.tracking.redact import redact_text, uri_secrets
 from gradmon_ray.tracking.spill import SpillWriter
 
 logger = logging.getLogger(__name__)
@@ -33,10 +44,12 @@ PlotFn = Callable[[Any, str], list[str]]
 
 @dataclass
 class _Pending:
+    seq: int
     step: int
     timestamp_ms: int
     metrics: dict[str, float]
     tags: dict[str, str] = field(default_factory=dict)
+    spilled: bool = False
 
 
 class MlflowSink:
@@ -48,8 +61,9 @@ class MlflowSink:
         run_name: MLflow run name (None: MLflow picks one).
         params: run params, written once at start (values are stringified).
         tags: run tags written at start.
-        max_pending: iterations buffered while the server is unreachable; beyond this the
-            oldest are dropped (``dropped_iterations`` counts them).
+        max_pending: iterations buffered in memory while the server is unreachable; beyond
+            this the oldest leave memory: into the spill file (then replayed later), or, without
+            one, dropped (``dropped_iterations`` counts them).
         retry_backoff_s: first retry delay after a failed write (doubles up to 30 s).
         run_id: write into this existing run instead of creating one (the probe actor does
             this); ``experiment`` and ``params`` are then ignored and ``close`` leaves the
@@ -61,9 +75,10 @@ class MlflowSink:
             them as artifacts; on this sink's thread, never the caller's. 0: no plots.
         plot_fn: the plotter (``gradmon_ray.viz.report.log_plots``), passed in by the caller:
             tracking sits below viz and never imports it. Required when ``plots_every > 0``.
-        spill_path: where iterations MLflow cannot take go instead of being lost: those pushed
-            out of a full buffer, and those still pending when ``close`` gives up. Created only
-            when needed; ``gradmon-ray replay`` writes it into MLflow later. None: they are dropped.
+        spill_path: where iterations go once MLflow has failed a write (spill ahead, see the
+            module docstring), and those still pending when ``close`` gives up. Created only
+            when needed; ``gradmon-ray replay`` writes what MLflow did not get. None: nothing is
+            spilled, a full buffer drops the oldest.
     """
 
     def __init__(
@@ -96,7 +111,8 @@ class MlflowSink:
         self._closing = False
         self._abandoned = False  # close() timed out: the worker must stop, leftovers were spilled
         self._terminated = False
-        self.spilled_iterations = 0
+        self._seq = 0
+        self._spill_ahead = False  # an MLflow write has failed: every iteration goes to the spill too
         self._spill = (
             SpillWriter(
                 spill_path,
@@ -131,16 +147,25 @@ class MlflowSink:
 
     # --- producer side (training thread) -----------------------------------------------
     def log_iteration(self, step: int, metrics: Mapping[str, float], tags: Mapping[str, str] | None = None) -> None:
-        """Queue one iteration's metrics (and tags); returns immediately."""
-        item = _Pending(int(step), int(time.time() * 1000), {k: float(v) for k, v in metrics.items()}, dict(tags or {}))
-        overflow: list[_Pending] = []
+        """Queue one iteration's metrics (and tags).
+
+        Returns at once; after a failed MLflow write, once the iteration is also in the spill
+        file (an append and an fsync, milliseconds).
+        """
+        metrics_ = {k: float(v) for k, v in metrics.items()}
         with self._cond:
+            self._seq += 1
+            item = _Pending(self._seq, int(step), int(time.time() * 1000), metrics_, dict(tags or {}))
+            # Under the lock: the worker cannot take the item before it is spilled, nor switch to
+            # spilling ahead between this check and the append (it spills what is pending then).
+            if self._spill_ahead:
+                self._spill_or_drop([item], leaving=False)
             self._pending.append(item)
+            overflow = []
             while len(self._pending) > self._max_pending:
                 overflow.append(self._pending.popleft())
+            self._spill_or_drop([i for i in overflow if not i.spilled])  # spilled ones wait there
             self._cond.notify()
-        if overflow:  # only while MLflow is unreachable for more than max_pending iterations
-            self._spill_or_drop(overflow)
 
     def wait_for_run(self, timeout_s: float) -> str | None:
         """The run id once the run exists (None if it could not be created in time)."""
@@ -185,10 +210,14 @@ class MlflowSink:
                 self._abandoned = True
                 self._pending.clear()
                 self._cond.notify()
-        if leftover:
-            self._spill_or_drop(leftover)
+        with self._cond:
+            self._spill_or_drop([i for i in leftover if not i.spilled])
         if self._spill is not None:
-            self._spill.write_trailer(self.run_id, None if self._terminated or not self._owns_run else status)
+            try:
+                end = None if self._terminated or not self._owns_run else status
+                self._spill.finish(self.run_id, end, run_done=self._terminated_or_attached())
+            except OSError as exc:
+                logger.warning("gradmon MLflow sink: cannot finish spill file %s (%s)", self._spill.path, exc)
         return (
             not leftover
             and self._terminated_or_attached()
@@ -197,23 +226,52 @@ class MlflowSink:
         )
 
     @property
+    def spilled_iterations(self) -> int:
+        """Iterations in the spill file that MLflow has not taken (what ``gradmon-ray replay`` writes)."""
+        return self._spill.undelivered if self._spill is not None else 0
+
+    @property
+    def spilling_ahead(self) -> bool:
+        """True once an MLflow write failed: from then on every iteration is spilled as it is logged."""
+        return self._spill_ahead
+
+    @property
     def spill_path(self) -> Path | None:
-        """The spill file, if anything was spilled."""
+        """The spill file, if it holds anything (None also when MLflow got all of it in the end)."""
         return self._spill.path if self._spill is not None and self._spill.lines_written else None
 
     def _terminated_or_attached(self) -> bool:
         return self.run_id is not None and (self._terminated or not self._owns_run)
 
-    def _spill_or_drop(self, items: list[_Pending]) -> None:
+    def _spill_or_drop(self, items: list[_Pending], *, leaving: bool = True) -> None:
+        """Append ``items`` to the spill file (caller holds ``_cond``); without one, or when the
+        disk refuses, items ``leaving`` memory are dropped and counted (the others stay queued)."""
+        if not items:
+            return
         if self._spill is not None:
             try:
-                self.spilled_iterations += self._spill.write_iterations(
-                    ((i.step, i.timestamp_ms, i.metrics, i.tags) for i in items), self.run_id
+                self._spill.write_iterations(
+                    ((i.seq, i.step, i.timestamp_ms, i.metrics, i.tags) for i in items), self.run_id
                 )
+                for item in items:
+                    item.spilled = True
                 return
             except OSError as exc:
                 logger.warning("gradmon MLflow sink: cannot write spill file %s (%s)", self._spill.path, exc)
-        self.dropped_iterations += len(items)
+        if leaving:
+            self.dropped_iterations += len(items)
+
+    def _start_spilling_ahead(self) -> None:
+        """After a failed write: spill everything pending now, and every later iteration as it comes."""
+        with self._cond:
+            if self._spill_ahead or self._spill is None:
+                return
+            self._spill_ahead = True
+            self._spill_or_drop([i for i in self._pending if not i.spilled], leaving=False)
+        logger.warning(
+            "gradmon MLflow sink: MLflow write failed; every iteration is also kept in %s until the run ends",
+            self._spill.path,
+        )
 
     # --- consumer side (background thread) ------------------------------------------------
     def _worker(self) -> None:
@@ -242,6 +300,7 @@ class MlflowSink:
                         self._pending.clear()
                         self._pending.extend(remaining)
                         self.written_iterations += len(batch)
+                        self._mark_delivered([item.seq for item in batch if item.spilled])
                     backoff = self._backoff0
                     if self._plots_every and any(item.step % self._plots_every == 0 for item in batch):
                         self._draw_plots(client)
@@ -255,12 +314,26 @@ class MlflowSink:
                     return
             except Exception as exc:  # never let the writer die; training must not notice
                 self.failed_writes += 1
-                self.last_error = f"{type(exc).__name__}: {exc}"
+                # MLflow's messages quote the request URL: never let a password reach a log line.
+                self.last_error = redact_text(f"{type(exc).__name__}: {exc}", uri_secrets(self.tracking_uri))
                 logger.warning("gradmon MLflow sink: write failed (%s); retrying in %.1fs", self.last_error, backoff)
+                self._start_spilling_ahead()
                 # While closing we keep retrying until close()'s timeout gives up on us.
                 if not self._sleep_before_retry(backoff):
                     return
                 backoff = min(backoff * 2, 30.0)
+
+    def _mark_delivered(self, seqs: list[int]) -> None:
+        """Record in the spill file that MLflow took these spilled iterations (caller holds ``_cond``).
+
+        If the mark cannot be written they stay replayable: a replay into the run's own store
+        then writes points MLflow already holds, which its SQL stores ignore.
+        """
+        if seqs and self._spill is not None:
+            try:
+                self._spill.mark_delivered(seqs)
+            except OSError as exc:
+                logger.warning("gradmon MLflow sink: cannot mark delivered in %s (%s)", self._spill.path, exc)
 
     def _sleep_before_retry(self, backoff_s: float) -> bool:
         """Wait out the backoff; False when ``close`` has abandoned the worker.

@@ -1,11 +1,23 @@
-"""The spill file: iterations MLflow could not take, kept on local disk, and their replay.
+"""The spill file: iterations MLflow has not taken, kept on local disk, and their replay.
 
-A JSON Lines file. Line 1 is a header (``"gradmon_spill": 1``, tracking URI, experiment, run
-name, the run id when the run existed, and the params and start tags in case it did not).
-Every other line is one iteration (``step``, ``timestamp_ms``, ``metrics``, ``tags``) or
-the trailer (``"final"``: the run id and end status known when the sink closed). Replay
-writes everything into that run, or creates it first, and is idempotent: MLflow ignores a
-metric point (key, step, timestamp, value) it already has.
+A JSON Lines file, appended to and fsynced, so it survives a SIGKILL or an OOM kill of the
+trainer. Line 1 is a header (``"gradmon_spill": 1``, the tracking URI through ``redact_uri``,
+experiment, run name, the run id when the run existed, and the params and start tags in case
+it did not). Every other line is one of:
+
+- an iteration: ``seq`` (the sink's own counter), ``step``, ``timestamp_ms``, ``run_id``,
+  ``metrics``, ``tags``;
+- a delivery mark, ``{"delivered": [seq, ...]}``: the sink wrote those iterations to MLflow
+  after spilling them (its server came back);
+- the trailer, ``"final"``: the run id and the end status known when the sink closed.
+
+**Exactly once.** Replay writes the iterations with no delivery mark, and only those: an
+iteration is either marked (MLflow has it) or replayed, never both. A mark is written only
+after MLflow acknowledged the write; if the trainer dies between the two, the iteration is
+replayed with its original timestamp, and MLflow's SQL stores ignore a metric point (key,
+step, timestamp, value) they already hold. A torn last line (the writer killed mid-write) is
+skipped. Replay into a store that does not have the run (another server, a fresh sqlite
+file) creates it there from the header.
 """
 
 from __future__ import annotations
@@ -20,8 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gradmon_ray.tracking.redact import MASK, redact_uri
+
 SPILL_FORMAT_VERSION = 1
 REPLAYED_SUFFIX = ".replayed"
+
+SpillItem = tuple[int, int, int, Mapping[str, float], Mapping[str, str]]
+"""``(seq, step, timestamp_ms, metrics, tags)``: one iteration as the sink hands it over."""
 
 
 def default_spill_path(directory: str | Path, run_name: str | None) -> Path:
@@ -40,52 +57,101 @@ def _decode(value: float | str) -> float:
     return float(value)
 
 
+def _fsync_directory(directory: Path) -> None:
+    """Make a new directory entry durable (a file fsynced in a directory that is not can vanish)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some filesystems cannot open a directory: the file's own fsync is all we get
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 class SpillWriter:
-    """Appends iterations to a spill file; creates it (and its header) on first use only."""
+    """Appends records to a spill file, each call one ``write`` and one ``fsync``; creates the file
+    (and its header) on first use only; keeps count of what it holds and what MLflow has since
+    taken. Thread-safe."""
 
     def __init__(self, path: str | Path, header: Mapping[str, Any]) -> None:
+        """``header``: the run's description; its ``tracking_uri`` is stored through ``redact_uri``."""
         self.path = Path(path)
         self._header = dict(header)
+        if self._header.get("tracking_uri"):
+            self._header["tracking_uri"] = redact_uri(str(self._header["tracking_uri"]))
         self._lock = threading.Lock()
         self.lines_written = 0
+        """Iteration records written (delivery marks and the trailer not counted)."""
+        self._spilled: set[int] = set()
+        self._delivered: set[int] = set()
 
-    def _open(self) -> Any:
-        new = not self.path.exists()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle = self.path.open("a", encoding="utf-8")
-        if new:
-            handle.write(json.dumps({"gradmon_spill": SPILL_FORMAT_VERSION, **self._header}) + "\n")
-        return handle
+    @property
+    def undelivered(self) -> int:
+        """Iteration records in the file without a delivery mark: what a replay writes."""
+        return len(self._spilled - self._delivered)
 
-    def write_iterations(
-        self, items: Iterable[tuple[int, int, Mapping[str, float], Mapping[str, str]]], run_id: str | None
-    ) -> int:
-        """Append ``(step, timestamp_ms, metrics, tags)`` items; returns how many were written."""
-        lines = [
-            json.dumps(
-                {
-                    "step": step,
-                    "timestamp_ms": ts,
-                    "run_id": run_id,
-                    "metrics": {k: _encode(v) for k, v in metrics.items()},
-                    "tags": dict(tags),
-                }
-            )
-            for step, ts, metrics, tags in items
+    def _append(self, records: list[dict[str, Any]]) -> None:
+        """One ``os.write`` of whole lines to an ``O_APPEND`` descriptor, then ``fsync``: a record is
+        on disk before this returns, and a kill can tear at most the last line."""
+        with self._lock:
+            new = not self.path.exists()
+            if new:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                records = [{"gradmon_spill": SPILL_FORMAT_VERSION, **self._header}, *records]
+            data = "".join(json.dumps(r) + "\n" for r in records).encode("utf-8")
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # metrics are the user's
+            try:
+                view = memoryview(data)
+                while view:  # a regular file takes it in one write; loop for the rare partial one
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if new:
+                _fsync_directory(self.path.parent)
+
+    def write_iterations(self, items: Iterable[SpillItem], run_id: str | None) -> int:
+        """Append ``(seq, step, timestamp_ms, metrics, tags)`` items; returns how many were written."""
+        records = [
+            {
+                "seq": seq,
+                "step": step,
+                "timestamp_ms": ts,
+                "run_id": run_id,
+                "metrics": {k: _encode(v) for k, v in metrics.items()},
+                "tags": dict(tags),
+            }
+            for seq, step, ts, metrics, tags in items
         ]
-        if not lines:
+        if not records:
             return 0
-        with self._lock, self._open() as handle:
-            handle.write("\n".join(lines) + "\n")
-        self.lines_written += len(lines)
-        return len(lines)
+        self._append(records)
+        self.lines_written += len(records)
+        self._spilled.update(r["seq"] for r in records)
+        return len(records)
 
-    def write_trailer(self, run_id: str | None, status: str | None) -> None:
-        """Record the run id and the status the run should end with (only if the file exists)."""
-        if not self.path.exists():
+    def mark_delivered(self, seqs: Iterable[int]) -> None:
+        """Record that the iterations ``seqs`` (already in the file) reached MLflow: replay skips them."""
+        marked = sorted(set(seqs))
+        if marked:
+            self._append([{"delivered": marked}])
+            self._delivered.update(marked)
+
+    def finish(self, run_id: str | None, status: str | None, *, run_done: bool) -> None:
+        """At the sink's close: delete the file when MLflow has everything in it and ``run_done``
+        (its status is set, or the run is not ours to end); else append the trailer (the run id
+        and the status the run should end with) for the replay."""
+        if not self.lines_written:
             return
-        with self._lock, self._open() as handle:
-            handle.write(json.dumps({"final": True, "run_id": run_id, "status": status}) + "\n")
+        if self.undelivered == 0 and run_done:
+            with self._lock:
+                self.path.unlink(missing_ok=True)
+            self.lines_written = 0
+            return
+        self._append([{"final": True, "run_id": run_id, "status": status}])
 
 
 @dataclass
@@ -101,24 +167,34 @@ class ReplayResult:
 
 
 class SpillFormatError(ValueError):
-    """The file is not a gradmon-ray spill file (or is damaged)."""
+    """The file is not a gradmon-ray spill file (or is damaged), or cannot be replayed as given."""
 
 
 def read_spill(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
-    """Header, iteration lines and trailer (None when the writer never closed) of a spill file."""
+    """Header, the iteration records still to replay (those without a delivery mark, in the
+    order the sink counted them) and the trailer (None when the writer never closed)."""
     p = Path(path)
     if not p.is_file():
         raise SpillFormatError(f"{p}: no such file")
-    lines = p.read_text(encoding="utf-8").splitlines()
-    try:
-        records = [json.loads(line) for line in lines if line.strip()]
-    except json.JSONDecodeError as exc:
-        raise SpillFormatError(f"{p}: line {exc.lineno}: not JSON ({exc.msg})") from None
+    text = p.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if number == len(lines) and not text.endswith("\n") and number > 1:
+                break  # a torn last line: the writer was killed mid-write, and fsynced the lines before
+            raise SpillFormatError(f"{p}: line {number}: not JSON ({exc.msg})") from None
     if not records or records[0].get("gradmon_spill") != SPILL_FORMAT_VERSION:
         raise SpillFormatError(f"{p}: not a gradmon-ray spill file (version {SPILL_FORMAT_VERSION})")
     header, body = records[0], records[1:]
     trailers = [r for r in body if r.get("final")]
-    iterations = [r for r in body if not r.get("final")]
+    delivered = {int(seq) for r in body if "delivered" in r for seq in r["delivered"]}
+    iterations = [r for r in body if "step" in r and not r.get("final") and r.get("seq") not in delivered]
+    iterations.sort(key=lambda r: r.get("seq", -1))  # tags fold in the order they were logged
     return header, iterations, (trailers[-1] if trailers else None)
 
 
@@ -132,20 +208,51 @@ def replayed_iterations(records: Iterable[Mapping[str, Any]]) -> int:
     return len({int(r["step"]) for r in records if r.get("metrics")})
 
 
-def replay_spill(path: str | Path, tracking_uri: str | None = None, *, mark_done: bool = True) -> ReplayResult:
-    """Write a spill file's iterations into MLflow (the header's URI unless ``tracking_uri``).
+def _replay_uri(path: Path, header: Mapping[str, Any], tracking_uri: str | None) -> str:
+    if tracking_uri:
+        return tracking_uri
+    uri = str(header.get("tracking_uri") or "")
+    if MASK in uri:  # the header never keeps a password: it cannot log in with what it holds
+        raise SpillFormatError(
+            f"{path}: its tracking URI {uri} had credentials, which spill files never keep; give --tracking-uri"
+        )
+    if not uri:
+        raise SpillFormatError(f"{path}: the header names no tracking URI; give --tracking-uri")
+    return uri
 
+
+def _existing_run(client: Any, run_id: str | None) -> str | None:
+    """``run_id`` if the store has that run, else None (another store than the run's own)."""
+    if run_id is None:
+        return None
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_run(run_id)
+    except MlflowException as exc:
+        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
+    return run_id
+
+
+def replay_spill(path: str | Path, tracking_uri: str | None = None, *, mark_done: bool = True) -> ReplayResult:
+    """Write a spill file's undelivered iterations into MLflow (the header's URI unless ``tracking_uri``).
+
+    Into the run they belong to when that store has it, else into a run created from the header.
     Metrics go through the live sink's conversion (``mlflow_io.to_mlflow_metrics``), so they
-    land exactly as the sink would have written them.
+    land exactly as the sink would have written them. ``mark_done`` renames the file to
+    ``<file>.replayed`` afterwards.
     """
     from mlflow.tracking import MlflowClient
 
     from gradmon_ray.tracking.mlflow_io import log_in_batches, to_mlflow_metrics
 
     header, iterations, trailer = read_spill(path)
-    client = MlflowClient(tracking_uri=tracking_uri or header["tracking_uri"])
+    client = MlflowClient(tracking_uri=_replay_uri(Path(path), header, tracking_uri))
     known = [r.get("run_id") for r in ([*iterations, trailer] if trailer else iterations) if r and r.get("run_id")]
-    run_id = (trailer or {}).get("run_id") or header.get("run_id") or (known[-1] if known else None)
+    named = (trailer or {}).get("run_id") or header.get("run_id") or (known[-1] if known else None)
+    run_id = _existing_run(client, named)
     created = False
     if run_id is None:
         exp = client.get_experiment_by_name(header["experiment"])

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -26,7 +30,8 @@ def test_overflow_and_close_leftovers_are_spilled_then_replayed_into_a_new_run(t
     )
     for step in range(1, 6):
         sink.log_iteration(step, {"x": float(step), "bad": math.nan, "big": math.inf}, {"t": str(step)})
-    assert sink.spilled_iterations == 3  # steps 1..3 pushed out of the 2-iteration buffer
+    # steps 1..3 pushed out of the 2-iteration buffer; all 5 once the first failure was seen (spill ahead)
+    assert sink.spilled_iterations == (5 if sink.spilling_ahead else 3)
     assert sink.close(timeout_s=1.0) is False
     assert sink.spilled_iterations == 5 and sink.dropped_iterations == 0 and sink.spill_path == spill
     header, iterations, trailer = read_spill(spill)
@@ -181,3 +186,176 @@ def test_replay_writes_inf_and_nan_exactly_as_the_live_sink(tmp_path, dead_uri, 
     stored = _read_back(live_store, live.run_id)
     assert stored["pos_inf"] == [(3, "1.7976931348623157e+308")] and stored["nan"] == [(3, "nan")]
     assert stored["neg_inf"] == [(3, "-1.7976931348623157e+308")]
+
+
+# --- spill ahead: nothing logged after a failed write lives only in memory ------------------------
+
+
+class _FailingWrites:
+    """``MlflowClient.log_batch`` on a real sqlite store that raises while ``down`` is set (a server
+    outage as the sink sees it); every other call goes to the store."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from mlflow.tracking import MlflowClient as Client
+
+        self.down = False
+        real = Client.log_batch
+
+        def log_batch(client: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.down:
+                raise ConnectionError("tracking server unreachable (injected)")
+            return real(client, *args, **kwargs)
+
+        monkeypatch.setattr(Client, "log_batch", log_batch)
+
+
+def _wait(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def _steps_on_disk(path: Path) -> list[int]:
+    """Iteration records in the file as bytes on disk say, whatever the sink still holds in memory."""
+    lines = path.read_bytes().decode().splitlines()[1:]
+    return [json.loads(line)["step"] for line in lines if '"step"' in line]
+
+
+def test_after_a_failed_write_each_iteration_is_on_disk_before_log_iteration_returns(tmp_path, dead_uri):
+    """The first write fails; from then on every ``log_iteration`` has put its iteration in the
+    spill file (read back from disk, not from the sink) by the time it returns: a SIGKILL right
+    after it would lose nothing. Before the failure nothing is written."""
+    spill = tmp_path / "s.jsonl"
+    sink = MlflowSink(dead_uri, "e", retry_backoff_s=5.0, spill_path=spill)
+    sink.log_iteration(1, {"x": 1.0})
+    _wait(lambda: sink.failed_writes >= 1)
+    assert sink.spilling_ahead and _steps_on_disk(spill) == [1]  # pending at the failure: spilled at once
+    for step in range(2, 6):
+        sink.log_iteration(step, {"x": float(step)})
+        assert _steps_on_disk(spill) == list(range(1, step + 1))
+    assert sink.failed_writes == 1  # still in its 5 s backoff: the file did not wait for a retry
+    sink.close(timeout_s=0.5)
+    _, iterations, trailer = read_spill(spill)
+    assert [r["step"] for r in iterations] == [1, 2, 3, 4, 5] and trailer is not None
+
+
+def test_no_spill_before_the_first_failure(tmp_path):
+    spill = tmp_path / "s.jsonl"
+    sink = MlflowSink(f"sqlite:///{tmp_path / 'm.db'}", "e", spill_path=spill)
+    for step in (1, 2, 3):
+        sink.log_iteration(step, {"x": float(step)})
+        assert not spill.exists()
+    assert sink.close() is True and not sink.spilling_ahead and not spill.exists()
+
+
+def test_iterations_delivered_after_the_outage_are_marked_and_never_replayed_twice(tmp_path, monkeypatch):
+    """Writes fail for a while (iterations 2-4 spilled ahead), then MLflow takes them: the spill
+    file marks them delivered, so at the end it holds nothing to replay and is removed; the
+    store has each step exactly once."""
+    store = f"sqlite:///{tmp_path / 'm.db'}"
+    outage = _FailingWrites(monkeypatch)
+    spill = tmp_path / "s.jsonl"
+    sink = MlflowSink(store, "e", retry_backoff_s=0.05, spill_path=spill)
+    sink.log_iteration(1, {"x": 1.0})
+    assert sink.flush(30)
+    outage.down = True
+    for step in (2, 3, 4):
+        sink.log_iteration(step, {"x": float(step)})
+        _wait(lambda: sink.spilling_ahead)
+    assert _steps_on_disk(spill) == [2, 3, 4]
+    outage.down = False
+    assert sink.flush(30)
+    sink.log_iteration(5, {"x": 5.0})
+    assert _steps_on_disk(spill) == [2, 3, 4, 5]  # still spilled ahead after the server came back
+    _, undelivered, _ = read_spill(spill)
+    assert [r["step"] for r in undelivered] in ([], [5])  # 2-4 marked delivered
+    assert sink.close() is True
+    assert sink.spilled_iterations == 0 and not spill.exists() and sink.spill_path is None
+    history = MlflowClient(store).get_metric_history(sink.run_id, "x")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4, 5]
+
+
+def test_what_left_memory_during_the_outage_is_replayed_once_and_the_rest_not_at_all(tmp_path, monkeypatch):
+    """A 2-iteration buffer through a 6-iteration outage: iterations 2-5 leave memory (they are in
+    the spill file), 6-7 are delivered when MLflow is back. The spill file then holds exactly
+    2-5 to replay, and after the replay the store has 1..8 once each."""
+    store = f"sqlite:///{tmp_path / 'm.db'}"
+    outage = _FailingWrites(monkeypatch)
+    spill = tmp_path / "s.jsonl"
+    sink = MlflowSink(store, "e", max_pending=2, retry_backoff_s=0.05, spill_path=spill)
+    sink.log_iteration(1, {"x": 1.0})
+    assert sink.flush(30)
+    outage.down = True
+    sink.log_iteration(2, {"x": 2.0})
+    _wait(lambda: sink.spilling_ahead)
+    for step in range(3, 8):
+        sink.log_iteration(step, {"x": float(step)})
+    outage.down = False
+    assert sink.flush(30)  # 6 and 7, still in memory, delivered
+    sink.log_iteration(8, {"x": 8.0})
+    assert sink.close(timeout_s=30) is False  # 2-5 are only in the spill file
+    assert sink.spilled_iterations == 4 and sink.dropped_iterations == 0
+    _, undelivered, trailer = read_spill(spill)
+    assert [r["step"] for r in undelivered] == [2, 3, 4, 5] and trailer["run_id"] == sink.run_id
+    result = replay_spill(spill, store)
+    assert result.run_id == sink.run_id and result.iterations == 4 and not result.created_run
+    history = MlflowClient(store).get_metric_history(sink.run_id, "x")
+    assert sorted((m.step, m.value) for m in history) == [(s, float(s)) for s in range(1, 9)]
+
+
+def test_replay_into_another_store_creates_the_run_there(tmp_path, dead_uri):
+    """A spill file naming a run id the target store does not have (the run's server is gone for
+    good): replay creates the run there from the header instead of failing."""
+    live = f"sqlite:///{tmp_path / 'live.db'}"
+    client = MlflowClient(live)
+    run_id = client.create_run(client.create_experiment("gone")).info.run_id
+    spill = tmp_path / "s.jsonl"
+    sink = MlflowSink(dead_uri, "gone", run_id=run_id, run_name="r", retry_backoff_s=0.05, spill_path=spill)
+    for step in (4, 5):
+        sink.log_iteration(step, {"x": float(step)})
+    sink.close(timeout_s=0.5)
+    fresh = f"sqlite:///{tmp_path / 'fresh.db'}"
+    result = replay_spill(spill, fresh)
+    assert result.created_run and result.run_id != run_id and result.iterations == 2
+    assert sorted(m.step for m in MlflowClient(fresh).get_metric_history(result.run_id, "x")) == [4, 5]
+
+
+def test_a_torn_last_line_is_skipped_and_the_fsynced_lines_replay(tmp_path, dead_uri):
+    """A writer killed mid-line leaves a last line without its newline: read and replay skip it
+    (everything before it was fsynced whole); a broken line elsewhere is still an error."""
+    spill = tmp_path / "s.jsonl"
+    sink = MlflowSink(dead_uri, "torn", retry_backoff_s=5.0, spill_path=spill)
+    sink.log_iteration(1, {"x": 1.0})
+    _wait(lambda: sink.spilling_ahead)
+    sink.log_iteration(2, {"x": 2.0})
+    with spill.open("a") as handle:
+        handle.write('{"seq": 3, "step": 3, "timestamp_ms": 1, "metr')
+    _, iterations, trailer = read_spill(spill)
+    assert [r["step"] for r in iterations] == [1, 2] and trailer is None
+    result = replay_spill(spill, f"sqlite:///{tmp_path / 'm.db'}", mark_done=False)
+    assert result.iterations == 2
+    with spill.open("a") as handle:
+        handle.write("\n" + json.dumps({"seq": 4, "step": 4, "timestamp_ms": 1, "metrics": {}, "tags": {}}) + "\n")
+    with pytest.raises(SpillFormatError, match=r"line 4: not JSON"):
+        read_spill(spill)
+    sink.close(timeout_s=0.5)
+
+
+def test_the_header_keeps_no_password_and_replay_asks_for_the_uri(tmp_path, fast_failing_http):
+    """A tracking URI with a password: the spill header holds it masked, and a replay without
+    ``--tracking-uri`` says it needs one (one line, exit 2) instead of logging in with ``***``."""
+    from tests.e2e.processes import free_port
+
+    uri = f"http://alice:MARKER-pw-7@127.0.0.1:{free_port()}"
+    spill = tmp_path / "s.jsonl"
+    sink = MlflowSink(uri, "e", retry_backoff_s=0.05, spill_path=spill)
+    sink.log_iteration(1, {"x": 1.0})
+    sink.close(timeout_s=0.5)
+    assert "MARKER-pw-7" not in spill.read_text()
+    header, _, _ = read_spill(spill)
+    assert header["tracking_uri"] == uri.replace("MARKER-pw-7", "***")
+    with pytest.raises(SpillFormatError, match=r"had credentials.*give --tracking-uri"):
+        replay_spill(spill)
+    result = replay_spill(spill, f"sqlite:///{tmp_path / 'm.db'}")
+    assert result.iterations == 1
