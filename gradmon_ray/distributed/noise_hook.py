@@ -24,8 +24,9 @@ class _BucketLayout(NamedTuple):
     """One DDP bucket's lane indices, built once per bucket layout."""
 
     index: torch.Tensor  # lane of each tensor's square (heads, else the trunk)
-    row_parts: tuple[tuple[int, slice], ...]  # (tensor position, rows) of each row part in the bucket
-    row_index: torch.Tensor  # the row parts' head lanes, then as many trunk lanes
+    row_params: tuple[tuple[int, int], ...]  # (tensor position, row count) of each row-split parameter
+    row_positions: torch.Tensor  # their tensor positions
+    row_index: torch.Tensor  # the lane of each of their rows (a head's, else the trunk), then a trunk lane each
 
 
 class NoiseScaleHook:
@@ -51,7 +52,7 @@ class NoiseScaleHook:
         self._local = self.lanes[: self.num_heads + 2]  # heads, trunk, global
         self._big = self.lanes[self.num_heads + 2 :]  # heads, global
         self._slot_of: dict[int, int] = {}
-        self._rows_of: dict[int, list[tuple[slice, int]]] = {}
+        self._rows_of: dict[int, list[tuple[slice, int]]] = {}  # id -> [(rows, head slot)]
         for slot, parts in enumerate(groups.values()):
             for part in parts:
                 if isinstance(part, ParamRows):
@@ -84,21 +85,29 @@ class NoiseScaleHook:
             squares = squares / scale.double() ** 2
         self._local[: self.num_heads + 1].index_add_(0, layout.index, squares)
         self._local[self.num_heads + 1 :].add_(squares.sum())
-        if layout.row_parts:
-            # A row-split parameter's whole square went to the trunk: move its heads' rows from
-            # the trunk into the heads (one more _foreach_norm, over row views: no copy).
-            rows_sq = torch.stack(torch._foreach_norm([grads[i][rows] for i, rows in layout.row_parts])).double() ** 2
+        if layout.row_params:
+            # A row-split parameter's whole square went to the trunk: take it back out and add
+            # each of its rows' squares (one row-wise norm per parameter) to its head's lane.
+            rows = [torch.linalg.vector_norm(grads[i].reshape(n, -1), dim=1) for i, n in layout.row_params]
+            rows_sq = torch.cat(rows).double() ** 2
             if scale is not None:
                 rows_sq = rows_sq / scale.double() ** 2
-            self._local[: self.num_heads + 1].index_add_(0, layout.row_index, torch.cat([rows_sq, -rows_sq]))
+            values = torch.cat([rows_sq, -squares.index_select(0, layout.row_positions)])
+            self._local[: self.num_heads + 1].index_add_(0, layout.row_index, values)
 
     def _layout(self, params: Sequence[torch.Tensor]) -> _BucketLayout:
         device = self.lanes.device
         index = torch.tensor([self._slot_of.get(id(p), self.num_heads) for p in params], device=device)
-        parts = [(i, rows, slot) for i, p in enumerate(params) for rows, slot in self._rows_of.get(id(p), ())]
-        row_slots = [slot for _, _, slot in parts] + [self.num_heads] * len(parts)  # heads (+), then trunk (-)
-        row_index = torch.tensor(row_slots, dtype=torch.long, device=device)
-        return _BucketLayout(index, tuple((i, rows) for i, rows, _ in parts), row_index)
+        split = [(i, p.shape[0]) for i, p in enumerate(params) if id(p) in self._rows_of]
+        row_slots: list[int] = []
+        for i, n in split:
+            slots = [self.num_heads] * n
+            for rows, slot in self._rows_of[id(params[i])]:
+                slots[rows] = [slot] * (rows.stop - rows.start)
+            row_slots += slots
+        row_index = torch.tensor(row_slots + [self.num_heads] * len(split), dtype=torch.long, device=device)
+        positions = torch.tensor([i for i, _ in split], dtype=torch.long, device=device)
+        return _BucketLayout(index, tuple(split), positions, row_index)
 
     def add_big(self, head_norms: torch.Tensor, global_norm: torch.Tensor, rows: int) -> None:
         """Add one minibatch's all-reduced norms (per head, then global) and its local row count."""

@@ -74,10 +74,6 @@ def _part_grad(part: HeadPart) -> torch.Tensor | None:
     return part.grad() if isinstance(part, ParamRows) else part.grad
 
 
-def _part_param(part: HeadPart) -> torch.nn.Parameter:
-    return part.param if isinstance(part, ParamRows) else part
-
-
 def per_head_grad_norms(groups: Mapping[str, Iterable[HeadPart]]) -> torch.Tensor:
     """L2 gradient norm of each head, in mapping order, on the parameters' device.
 
@@ -109,7 +105,7 @@ def per_head_grad_norms(groups: Mapping[str, Iterable[HeadPart]]) -> torch.Tenso
 def _first_device(groups: Mapping[str, Iterable[HeadPart]]) -> torch.device:
     for parts in groups.values():
         for part in parts:
-            return _part_param(part).device
+            return (part.param if isinstance(part, ParamRows) else part).device
     return torch.device("cpu")
 
 
@@ -152,8 +148,8 @@ class _Index(NamedTuple):
     """The plan's tensors for one pattern of present gradients (see ``GradientNormPlan._index_for``)."""
 
     whole: torch.Tensor  # slot of each present gradient (a row-split parameter's: the trunk slot)
-    row_parts: tuple[tuple[int, slice], ...]  # (position in params, rows) of row parts with a gradient
-    rows: torch.Tensor  # slot of each of row_parts
+    row_params: tuple[tuple[int, int], ...]  # (position in params, row count) of row-split params with a gradient
+    rows: torch.Tensor  # slot of each of their rows, concatenated (rows no head takes: the trunk slot)
     has_grad: torch.Tensor  # per head: does any part of it have a gradient
 
 
@@ -176,7 +172,8 @@ class GradientNormPlan:
     * accelerator otherwise: ``_foreach_norm`` plus one concatenation of the gradients for
       the counts (three kernels: at small sizes launches, not bytes, are the cost).
 
-    Row parts add one ``_foreach_norm`` over row views of the gradients (no copy).
+    Each row-split parameter adds one row-wise norm (``vector_norm(dim=1)``, its rows' squares
+    then go to their heads with the same ``index_add_``): a fixed cost, however many heads split it.
     """
 
     def __init__(
@@ -197,7 +194,8 @@ class GradientNormPlan:
         if any(pid not in position for pid in [*slot_of, *rows_of]):
             raise ValueError("every head parameter must also be listed in all_params")
         self._slots = [slot_of.get(id(p), self._trunk_slot) for p in self.params]
-        self._row_parts = tuple((position[pid], rows, slot) for pid, parts in rows_of.items() for rows, slot in parts)
+        # Per row-split parameter: (position, the head slot of each of its rows, else the trunk's).
+        self._row_params = tuple((position[pid], _row_slots(parts, self._trunk_slot)) for pid, parts in rows_of.items())
         # Cache of the index tensors per pattern of present grads, so that the steady state
         # builds no tensors from host data.
         self._index_cache: dict[tuple[bool, ...], _Index] = {}
@@ -206,14 +204,15 @@ class GradientNormPlan:
         cached = self._index_cache.get(present)
         if cached is None or cached.whole.device != device:
             slots = [s for s, ok in zip(self._slots, present, strict=True) if ok]
-            row_parts = [(pos, rows, slot) for pos, rows, slot in self._row_parts if present[pos]]
+            row_params = [(pos, row_slots) for pos, row_slots in self._row_params if present[pos]]
+            row_index = [s for _, row_slots in row_params for s in row_slots]
             has_grad = [False] * (self._trunk_slot + 1)
-            for s in [*slots, *(slot for _, _, slot in row_parts)]:
+            for s in [*slots, *row_index]:
                 has_grad[s] = True
             cached = _Index(
                 torch.tensor(slots, dtype=torch.long, device=device),
-                tuple((pos, rows) for pos, rows, _ in row_parts),
-                torch.tensor([slot for _, _, slot in row_parts], dtype=torch.long, device=device),
+                tuple((pos, len(row_slots)) for pos, row_slots in row_params),
+                torch.tensor(row_index, dtype=torch.long, device=device),
                 torch.tensor(has_grad[: self._trunk_slot], dtype=torch.bool, device=device),
             )
             self._index_cache[present] = cached
@@ -256,12 +255,17 @@ class GradientNormPlan:
     def _head_and_global(self, squares: torch.Tensor, index: _Index) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-tensor squared norms -> (per-head norms, NaN for a head without gradients; global norm).
 
-        A row-split parameter's whole square lands in the (discarded) trunk slot; its row
-        parts' squares, from one more ``_foreach_norm`` over row views, in their heads."""
+        A row-split parameter's whole square lands in the (discarded) trunk slot; the squares
+        of its rows, from one row-wise norm (a view: no copy for a contiguous gradient), in
+        their heads."""
         per_slot = torch.zeros(self._trunk_slot + 1, device=squares.device).index_add_(0, index.whole, squares)
-        if index.row_parts:
-            views = [self.params[pos].grad[rows] for pos, rows in index.row_parts]  # type: ignore[index]
-            row_norms = torch.stack(torch._foreach_norm(views)).float()
+        if index.row_params:
+            row_norms = torch.cat(
+                [
+                    torch.linalg.vector_norm(self.params[pos].grad.reshape(n, -1), dim=1)  # type: ignore[union-attr]
+                    for pos, n in index.row_params
+                ]
+            ).float()
             per_slot.index_add_(0, index.rows, row_norms * row_norms)
         head_norms = torch.where(index.has_grad, per_slot[: self._trunk_slot].sqrt(), float("nan"))
         return head_norms, squares.sum().sqrt()
@@ -269,25 +273,25 @@ class GradientNormPlan:
 
 def _assign_slots(
     groups: Mapping[str, Iterable[HeadPart]],
-) -> tuple[dict[int, int], dict[int, list[tuple[slice, int]]]]:
-    """(id of a whole parameter -> head slot, id of a row-split parameter -> [(rows, head slot)]).
+) -> tuple[dict[int, int], dict[int, tuple[int, list[tuple[slice, int]]]]]:
+    """(id of a whole parameter -> head slot, id of a row-split one -> (row count, [(rows, head slot)])).
 
     Raises ``ValueError`` unless the heads are disjoint: a parameter in two heads, overlapping
     rows, or a parameter taken whole and by rows."""
     names = list(groups)
     slot_of: dict[int, int] = {}
-    rows_of: dict[int, list[tuple[slice, int]]] = {}
+    rows_of: dict[int, tuple[int, list[tuple[slice, int]]]] = {}
     shape_of: dict[int, tuple[int, ...]] = {}
     for slot, parts in enumerate(groups.values()):
         for part in parts:
             if isinstance(part, ParamRows):
-                rows_of.setdefault(id(part.param), []).append((part.rows, slot))
+                rows_of.setdefault(id(part.param), (part.param.shape[0], []))[1].append((part.rows, slot))
                 shape_of[id(part.param)] = tuple(part.param.shape)
             else:
                 if id(part) in slot_of:
                     raise ValueError("a parameter belongs to two heads; head groups must be disjoint")
                 slot_of[id(part)] = slot
-    for pid, parts in rows_of.items():
+    for pid, (_, parts) in rows_of.items():
         if pid in slot_of:
             raise ValueError(
                 f"a parameter of shape {shape_of[pid]} is taken whole by head {names[slot_of[pid]]!r} and by "
@@ -301,3 +305,11 @@ def _assign_slots(
                     f"{names[slot_b]!r}) of a parameter of shape {shape_of[pid]} overlap; head groups must be disjoint"
                 )
     return slot_of, rows_of
+
+
+def _row_slots(parts: tuple[int, list[tuple[slice, int]]], trunk: int) -> tuple[int, ...]:
+    """The head slot of each row of a ``(row count, [(rows, slot)])`` parameter; ``trunk`` where no head takes it."""
+    slots = [trunk] * parts[0]
+    for rows, slot in parts[1]:
+        slots[rows] = [slot] * (rows.stop - rows.start)
+    return tuple(slots)
