@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -63,3 +64,38 @@ def test_row_heads_take_their_rows_and_leave_the_rest_to_the_trunk():
         hook.add_local([other, b, w], [torch.tensor([4.0]), 2 * gb, 2 * gw])
     expected = 2 * torch.tensor([3.0, 16.0, 29.0, 48.0, 0.0, 0.0, 0.0], dtype=torch.float64)
     torch.testing.assert_close(hook.lanes, expected, rtol=1e-6, atol=1e-9)
+
+
+def test_row_heads_through_real_ddp_buckets(tmp_path):
+    """A one-process gloo world: DDP hands the hook its real buckets (``bucket.parameters()`` /
+    ``bucket.gradients()``, views into the flat bucket buffer).  Oracle: the squares of the
+    rows of ``p.grad`` after backward, sliced here; trunk = every other element."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a torch.distributed world is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 5))
+        out = model[2]
+        groups = {
+            "x": [ParamRows(out.weight, slice(0, 2)), ParamRows(out.bias, slice(0, 2))],
+            "y": [ParamRows(out.weight, slice(2, 4)), ParamRows(out.bias, slice(2, 4))],
+        }
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1e-4)  # ~100 bytes: several buckets
+        hook = NoiseScaleHook(groups)
+        assert hook.register(ddp)
+        for _ in range(2):  # the second backward runs on DDP's rebuilt buckets
+            hook.zero_()
+            ddp.zero_grad(set_to_none=True)
+            ddp(torch.randn(16, 4)).pow(2).mean().backward()
+        gw, gb = out.weight.grad.double(), out.bias.grad.double()
+        x = float(gw[0:2].pow(2).sum() + gb[0:2].pow(2).sum())
+        y = float(gw[2:4].pow(2).sum() + gb[2:4].pow(2).sum())
+        total = sum(float(p.grad.double().pow(2).sum()) for p in model.parameters())
+        expected = torch.tensor([x, y, total - x - y, total, 0.0, 0.0, 0.0], dtype=torch.float64)
+        torch.testing.assert_close(hook.lanes, expected, rtol=1e-5, atol=1e-9)
+        assert x > 0 and y > 0
+    finally:
+        dist.destroy_process_group()
