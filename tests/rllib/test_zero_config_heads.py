@@ -230,3 +230,26 @@ def test_an_injected_gradient_fault_stays_in_its_row_head():
     assert math.isnan(got["a1"]) and result.nan_count.item() == 1.0
     for head in ("a0", "a2", "vf"):
         assert got[head] == pytest.approx(clean[head], rel=1e-5)
+
+
+def test_per_component_log_probs_of_a_mixed_dict_use_the_same_rows():
+    """The latches' per-component log-probs (``per_head_logp``) on the rows the norm heads take:
+    ``b`` a diagonal Gaussian on rows 0:2 (means) and 2:4 (log-stds), ``m`` two categoricals on
+    rows 4:6 and 6:9, ``z`` a categorical on rows 9:12 (torch.distributions, by hand)."""
+    from gradmon_ray.rllib.heads import per_head_logp
+
+    space, rows = SPACES["dict-mixed"]
+    module = default_module("ppo", space)
+    assert latch_heads(module) == tuple(rows) == ("b", "m", "z")
+    logits = torch.randn(6, 12, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        actions = module.get_train_action_dist_cls().from_logits(logits).sample()
+    got = per_head_logp(module, logits, actions, 3)
+
+    def categorical(lo: int, hi: int, a: torch.Tensor) -> torch.Tensor:
+        return torch.distributions.Categorical(logits=logits[:, lo:hi]).log_prob(a)
+
+    want_b = torch.distributions.Normal(logits[:, 0:2], logits[:, 2:4].exp()).log_prob(actions["b"]).sum(-1)
+    want_m = categorical(4, 6, actions["m"][:, 0]) + categorical(6, 9, actions["m"][:, 1])
+    want_z = categorical(9, 12, actions["z"])
+    torch.testing.assert_close(got, torch.stack([want_b, want_m, want_z], dim=-1))
