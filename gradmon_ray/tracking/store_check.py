@@ -150,15 +150,18 @@ SERVER_PROBE_ENDPOINT = "/api/2.0/mlflow/experiments/search"
 credentials, so a wrong password would only show up mid-run)."""
 
 
-def tracking_server_problem(uri: str, timeout_s: float = 5.0, *, offline_ok: bool = False) -> str | None:
+def tracking_server_problem(
+    uri: str, timeout_s: float = 5.0, *, offline_ok: bool = False, answer_timeout_s: float = 30.0
+) -> str | None:
     """Why the tracking server at an ``http(s)://`` ``uri`` cannot take this run now, in one line
     (None: it answered, or ``uri`` is not an HTTP server).  ``offline_ok`` (``mlflow.offline_ok``):
     a server that does not answer is only logged, the run buffers and spills; one that answers
     with an error (refused credentials, not MLflow) is still a problem.
 
-    One request, no retries, at most ``timeout_s``, through MLflow's own HTTP client so that the
-    credentials (in the URI or ``MLFLOW_TRACKING_USERNAME``/``_PASSWORD``/``_TOKEN``) and TLS
-    settings are exactly the ones the run will use.
+    One request, no retries, through MLflow's own HTTP client so that the credentials (in the URI
+    or ``MLFLOW_TRACKING_USERNAME``/``_PASSWORD``/``_TOKEN``) and TLS settings are exactly the ones
+    the run will use.  ``timeout_s`` bounds the connection; a server that accepted it gets
+    ``answer_timeout_s`` to reply (its first authenticated request after a start can take seconds).
     """
     if tracking_scheme(uri) not in ("http", "https"):
         return None
@@ -172,7 +175,7 @@ def tracking_server_problem(uri: str, timeout_s: float = 5.0, *, offline_ok: boo
             SERVER_PROBE_ENDPOINT,
             "GET",
             max_retries=0,
-            timeout=timeout_s,
+            timeout=(timeout_s, answer_timeout_s),  # requests' (connect, read)
             raise_on_status=False,
             params={"max_results": 1},
         )
