@@ -7,13 +7,20 @@ training iteration in ``on_train_result`` (gradmon's telemetry and RLlib's main 
 ``algo.stop()``.  Everything goes through the CLI's asynchronous ``MlflowSink``, so a slow or dead
 tracking server never blocks or breaks training (iterations it cannot take are spilled to a file
 for ``gradmon-ray replay``).  Under ``ray.tune`` the algorithm is the trial's trainable actor, so the
-callback runs in that actor: one run per trial, named after the trial.
+callback runs in that actor: one run per trial, named after the trial.  Relative store and spill
+paths are resolved against the DRIVER's working directory (where the user runs ``gradmon-ray watch``),
+never the trial's (Tune moves a trial into a temporary directory); a store the CLI would refuse is
+refused by ``configured`` on the driver, before Ray or MLflow start.
 """
 
 from __future__ import annotations
 
+import copyreg
 import dataclasses
+import functools
+import importlib
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Mapping
@@ -23,14 +30,20 @@ from typing import Any, ClassVar
 from ray.rllib.callbacks.callbacks import RLlibCallback
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray.config import MlflowSection
 from gradmon_ray.tracking.mlflow_sink import MlflowSink, PlotFn
+from gradmon_ray.tracking.redact import redact_uri
 from gradmon_ray.tracking.results import DEFAULT_MODULE_ID, latch_tags, result_to_metrics
 from gradmon_ray.tracking.spill import default_spill_path
+from gradmon_ray.tracking.store_check import local_store_problem
 
 logger = logging.getLogger(__name__)
 
 TAG_TRIAL_DIR = "ray.tune.trial_dir_name"
 """Run tag under Tune: the trial's directory name, which holds its id (the run is named after it too)."""
+
+DEFAULT_EXPERIMENT: str = MlflowSection.model_fields["experiment"].default
+"""The CLI's default experiment (``gradmon-ray``): what ``gradmon-ray watch`` shows without ``--experiment``."""
 
 
 @dataclass(frozen=True)
@@ -38,11 +51,11 @@ class CallbackSettings:
     """What ``GradmonMLflowCallback.configured(**settings)`` takes."""
 
     tracking_uri: str | None = None
-    """MLflow tracking URI; None: ``mlflow.get_tracking_uri()``, taken by ``configured`` on the driver
-    (by the unconfigured class: where the algorithm runs).  Relative ``sqlite:///`` / file paths are
-    made absolute by ``configured`` (Tune changes a trial's cwd)."""
-    experiment: str = "gradmon"
-    """Experiment name, created when missing."""
+    """MLflow tracking URI; None: ``mlflow.get_tracking_uri()`` (``sqlite:///mlflow.db`` unless set),
+    taken on the driver.  Relative ``sqlite:///`` / file paths are made absolute against the driver's
+    working directory (Tune moves a trial's)."""
+    experiment: str = DEFAULT_EXPERIMENT
+    """Experiment name, created when missing (default: the CLI's, so ``gradmon-ray watch`` finds the run)."""
     run_name: str | None = None
     """Run name; None: the Tune trial's directory name, or MLflow's choice outside Tune."""
     tags: Mapping[str, str] = field(default_factory=dict)
@@ -60,7 +73,7 @@ class CallbackSettings:
     max_pending: int = 1000
     """Iterations buffered while MLflow is unreachable; older ones go to the spill file."""
     spill_dir: str | None = "gradmon-spill"
-    """Where iterations MLflow could not take are kept (None: dropped); relative to the process's cwd."""
+    """Where iterations MLflow could not take are kept (None: dropped); relative to the driver's cwd."""
     close_timeout_s: float = 30.0
     """How long ``algo.stop()`` waits for MLflow to take what is pending (then it spills)."""
 
@@ -75,8 +88,6 @@ class CallbackSettings:
 
 def absolute_tracking_uri(uri: str) -> str:
     """``uri`` with a relative ``sqlite:///`` or local file path made absolute (other URIs unchanged)."""
-    import os
-
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////") and uri != "sqlite:///:memory:":
         return "sqlite:///" + os.path.abspath(uri[len("sqlite:///") :])
     if "://" not in uri and not os.path.isabs(uri):
@@ -84,6 +95,54 @@ def absolute_tracking_uri(uri: str) -> str:
     if uri.startswith("file:") and not uri.startswith("file:/"):
         return "file://" + os.path.abspath(uri[len("file:") :])
     return uri
+
+
+def pinned_settings(settings: CallbackSettings) -> CallbackSettings:
+    """``settings`` with the store and spill paths fixed in THIS process: the tracking URI (None:
+    ``mlflow.get_tracking_uri()``) and a relative spill directory made absolute against its cwd."""
+    uri = settings.tracking_uri
+    if uri is None:
+        import mlflow  # only to read the default (env var or sqlite:///mlflow.db); starts nothing
+
+        uri = mlflow.get_tracking_uri()
+    spill = os.path.abspath(settings.spill_dir) if settings.spill_dir else None
+    return dataclasses.replace(settings, tracking_uri=absolute_tracking_uri(uri), spill_dir=spill)
+
+
+def _subclass(cls: type[GradmonMLflowCallback], settings: CallbackSettings) -> type[GradmonMLflowCallback]:
+    return type(cls)(cls.__name__, (cls,), {"settings": settings, "__module__": cls.__module__})
+
+
+class _PinnedWhenShipped(type(RLlibCallback)):  # type: ignore[misc]
+    """Metaclass of ``GradmonMLflowCallback``; its only job is ``_reduce_callback_class``."""
+
+
+def _reduce_callback_class(cls: type[GradmonMLflowCallback]) -> Any:
+    """How ``pickle`` ships a callback class (``copyreg`` hook for ``_PinnedWhenShipped`` classes only).
+
+    ``config.callbacks(GradmonMLflowCallback)`` runs no code of ours on the driver, and Tune runs
+    the trial in an actor whose cwd is a temporary trial directory: a default resolved there
+    would hide the run under Ray's temp dir.  So a class whose ``tracking_uri`` is None or relative
+    (or whose spill dir is relative) is pinned where it is pickled, i.e. where the config is handed
+    to Tune or RLlib: the driver.  Resolved classes pickle by reference, as any class (cloudpickle
+    ships the classes ``configured`` makes by value before this hook is asked).
+    """
+    pinned = pinned_settings(cls.settings)
+    if pinned == cls.settings:
+        return cls.__qualname__  # a str: pickle's own lookup by module and name
+    return _pinned_class, (cls.__module__, cls.__qualname__, pinned.tracking_uri, pinned.spill_dir)
+
+
+@functools.cache
+def _pinned_class(module: str, qualname: str, tracking_uri: str, spill_dir: str | None) -> type:
+    """The class ``module.qualname`` pinned to the driver's store (one class per store, however often unpickled)."""
+    cls: Any = importlib.import_module(module)
+    for name in qualname.split("."):
+        cls = getattr(cls, name)
+    return _subclass(cls, dataclasses.replace(cls.settings, tracking_uri=tracking_uri, spill_dir=spill_dir))
+
+
+copyreg.pickle(_PinnedWhenShipped, _reduce_callback_class)
 
 
 def create_sqlite_store(uri: str) -> None:
@@ -139,7 +198,7 @@ def tune_trial_dir_name(algorithm: Any) -> str | None:
     return str(name) if name else None
 
 
-class GradmonMLflowCallback(RLlibCallback):
+class GradmonMLflowCallback(RLlibCallback, metaclass=_PinnedWhenShipped):
     """One MLflow run per algorithm: gradmon's telemetry and RLlib's main results at step = iteration.
 
     ``config.callbacks(GradmonMLflowCallback)`` uses the defaults (``CallbackSettings``);
@@ -155,20 +214,25 @@ class GradmonMLflowCallback(RLlibCallback):
 
     @classmethod
     def configured(cls, **settings: Any) -> type[GradmonMLflowCallback]:
-        """A subclass with ``settings`` (the fields of ``CallbackSettings``) for ``config.callbacks(...)``."""
-        import mlflow
+        """A subclass with ``settings`` (the fields of ``CallbackSettings``) for ``config.callbacks(...)``.
 
-        resolved = dataclasses.replace(cls.settings, **settings)  # unknown names: TypeError, here
-        uri = absolute_tracking_uri(resolved.tracking_uri or mlflow.get_tracking_uri())  # pinned where configured
-        create_sqlite_store(uri)
-        resolved = dataclasses.replace(resolved, tracking_uri=uri)
-        return type(cls)(cls.__name__, (cls,), {"settings": resolved, "__module__": cls.__module__})
+        Runs on the driver: relative paths are resolved against its working directory, and a store
+        the CLI would refuse (its directory missing, an unknown URI scheme) is a one-line
+        ``ValueError`` here, before anything is created.  A ``sqlite:`` store's tables are created now.
+        """
+        resolved = pinned_settings(dataclasses.replace(cls.settings, **settings))  # unknown names: TypeError
+        problem = local_store_problem(str(resolved.tracking_uri), must_exist=False)
+        if problem:
+            raise ValueError(f"GradmonMLflowCallback.configured: {problem}")
+        create_sqlite_store(str(resolved.tracking_uri))
+        return _subclass(cls, resolved)
 
     def __init__(self) -> None:
         super().__init__()
         self.sink: MlflowSink | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._announced = False
         self._failed = False
         self._last_step = 0
         self._heads_named = False
@@ -180,6 +244,7 @@ class GradmonMLflowCallback(RLlibCallback):
             self._head_order = module_head_order(algorithm, self.settings.module_id)
             self._hook_stop(algorithm)  # close() is a no-op until the sink exists
             self.sink = self._open_sink(algorithm)  # last: nothing after it can leave a run open
+            self._announce_run(self.sink)
         except Exception as exc:  # an observer: training goes on without it
             logger.warning("gradmon callback: MLflow logging off (%s: %s)", type(exc).__name__, exc)
             self.sink = None
@@ -207,6 +272,7 @@ class GradmonMLflowCallback(RLlibCallback):
         status = "FAILED" if self._failed else "FINISHED"
         self.sink.log_iteration(self._last_step, {}, {mn.TAG_STATUS: status.lower()})
         complete = self.sink.close(status=status, timeout_s=self.settings.close_timeout_s)
+        self._announce()  # a short run can end before MLflow has created its run
         if not complete:
             logger.warning(
                 "gradmon callback: MLflow at %s did not receive everything (%d iterations kept in %s, %d lost; %s)",
@@ -219,12 +285,12 @@ class GradmonMLflowCallback(RLlibCallback):
         return complete
 
     def _open_sink(self, algorithm: Any) -> MlflowSink:
-        s = self.settings
-        uri = s.tracking_uri
-        if uri is None:
-            import mlflow
-
-            uri = absolute_tracking_uri(mlflow.get_tracking_uri())
+        s = pinned_settings(self.settings)
+        if s != self.settings:  # a class neither configured nor pickled: this process is the driver
+            problem = local_store_problem(str(s.tracking_uri), must_exist=False)
+            if problem:
+                raise ValueError(problem)
+        uri = str(s.tracking_uri)
         trial = tune_trial_dir_name(algorithm)
         run_name = s.run_name or trial
         tags = {mn.TAG_STATUS: "running", **({TAG_TRIAL_DIR: trial} if trial else {}), **s.tags}
@@ -239,6 +305,31 @@ class GradmonMLflowCallback(RLlibCallback):
             plots_every=s.plots_every,
             plot_fn=s.plot_fn,
             spill_path=default_spill_path(s.spill_dir, run_name) if s.spill_dir else None,
+        )
+
+    def _announce_run(self, sink: MlflowSink) -> None:
+        """Print the run id and its store once, as soon as the sink has created the run (under Tune: in
+        the trial's output, which Tune shows on the driver); ``close`` prints it if the run came later."""
+
+        def announce_when_created() -> None:
+            while not self._closed:
+                if sink.wait_for_run(1.0):
+                    self._announce()
+                    return
+
+        threading.Thread(target=announce_when_created, name="gradmon-announce-run", daemon=True).start()
+
+    def _announce(self) -> None:
+        with self._lock:
+            sink = self.sink
+            if self._announced or sink is None or sink.run_id is None:
+                return
+            self._announced = True
+        uri = redact_uri(sink.tracking_uri)
+        print(
+            f"gradmon: MLflow run {sink.run_id} (experiment {sink.experiment!r}) in {uri}; "
+            f"follow it: gradmon-ray watch --tracking-uri '{uri}' --run-id {sink.run_id}",
+            flush=True,
         )
 
     def _hook_stop(self, algorithm: Any) -> None:

@@ -1,37 +1,47 @@
 """``GradmonMLflowCallback`` on real RLlib into a real MLflow sqlite store: a plain ``algo.train()``
-loop, a user's own ``Tuner`` (one run per trial), and a dead tracking server.
+loop, a user's own ``Tuner`` (one run per trial), the README's and the docs' examples as written,
+and a dead tracking server; and, without Ray, where the store is resolved and what is refused.
 
 The oracle for every logged value is the result dict ``algo.train()`` (or Tune) handed back,
 passed through ``result_to_metrics`` and ``mlflow_value`` (+-Inf as +-float max, NaN as NaN):
-what MLflow holds at step i must equal it exactly, and hold nothing else.
+what MLflow holds at step i must equal it exactly, and hold nothing else.  Where a run lands is
+checked against paths built by hand from the test's own working directory.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import pickle
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
 import gymnasium as gym
 import pytest
 from mlflow.tracking import MlflowClient
+from ray import cloudpickle as ray_cloudpickle
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray.cli import main as cli_main
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.rllib.config import build_ppo_config
 from gradmon_ray.tracking import GradmonMLflowCallback
-from gradmon_ray.tracking.callback import TAG_TRIAL_DIR, absolute_tracking_uri
+from gradmon_ray.tracking.callback import TAG_TRIAL_DIR, CallbackSettings, absolute_tracking_uri
 from gradmon_ray.tracking.mlflow_io import mlflow_value
 from gradmon_ray.tracking.results import result_to_metrics
 from gradmon_ray.tracking.spill import read_spill, replay_spill
+from gradmon_ray.tracking.store_check import local_store_problem
 from gradmon_ray.train import reported_head_order
 from gradmon_ray.viz.report import log_plots
 from tests.fixtures.user_envs import MatchTwoEnv
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "callback.md"
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "callback.md"
+README = ROOT / "README.md"
 HEAD_NAMES = ["zeta", "alpha"]  # not sorted: the tag must follow the action space, as the CLI's does
 GRADMON_PREFIXES = ("grad/", "latch/", "update/", "vgs/", "probe/")
 
@@ -66,6 +76,13 @@ def assert_mlflow_holds(client: MlflowClient, run_id: str, expected_by_step: dic
             assert _same(history[step], value), (key, step, history[step], value)
 
 
+def _join_announcers() -> None:
+    """Wait for the callbacks' announcing threads (each prints once the run exists, then ends)."""
+    for thread in threading.enumerate():
+        if thread.name == "gradmon-announce-run":
+            thread.join(10)
+
+
 def _gradmon_callback(algo: Any) -> GradmonMLflowCallback:
     return next(c for c in algo.callbacks if isinstance(c, GradmonMLflowCallback))
 
@@ -86,7 +103,75 @@ def test_configured_makes_relative_store_paths_absolute_and_rejects_bad_settings
         GradmonMLflowCallback.configured(plots_every=5)
 
 
-def test_plain_train_loop_streams_every_gradmon_metric_and_ends_the_run_on_stop(ray_session, tmp_path):
+def _tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_the_default_experiment_is_the_clis():
+    # what `gradmon-ray train` writes to and `gradmon-ray watch` reads without --experiment
+    assert CallbackSettings().experiment == config_from_dict({}).mlflow.experiment == "gradmon-ray"
+    assert GradmonMLflowCallback.settings.experiment == "gradmon-ray"
+
+
+def test_configured_refuses_a_missing_store_directory_on_the_driver_and_creates_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for uri, missing in (
+        ("sqlite:///no/such/dir/x.db", tmp_path / "no" / "such" / "dir"),  # relative: against the driver's cwd
+        (f"sqlite:///{tmp_path}/gone/x.db", tmp_path / "gone"),
+    ):
+        with pytest.raises(ValueError) as raised:
+            GradmonMLflowCallback.configured(tracking_uri=uri)
+        message = str(raised.value)
+        assert "\n" not in message and message.startswith("GradmonMLflowCallback.configured: ")
+        assert f"{missing} does not exist, so the store can never be created" in message
+    assert _tree(tmp_path) == []  # no directory, no store (MLflow would have created both)
+
+
+def test_configured_refuses_an_unknown_uri_scheme_on_the_driver(tmp_path, monkeypatch):
+    if local_store_problem("sqlit:///x.db", must_exist=False) is None:
+        pytest.xfail("store_check.local_store_problem does not check URI schemes yet")
+    monkeypatch.chdir(tmp_path)
+    for uri, scheme in (("sqlit:///mlflow.db", "sqlit"), ("mlfow://host:5000", "mlfow"), ("htp://host", "htp")):
+        with pytest.raises(ValueError, match=f"unknown scheme '{scheme}'") as raised:
+            GradmonMLflowCallback.configured(tracking_uri=uri)
+        assert "\n" not in str(raised.value)
+    assert _tree(tmp_path) == []
+
+
+@pytest.mark.parametrize("pickler", [pickle, cloudpickle, ray_cloudpickle], ids=lambda m: m.__name__)
+def test_the_plain_class_is_pinned_to_the_drivers_cwd_when_shipped(pickler, tmp_path, monkeypatch):
+    driver, trial = tmp_path / "driver", tmp_path / "trial"
+    driver.mkdir()
+    trial.mkdir()
+    monkeypatch.chdir(driver)
+    blob = pickler.dumps(GradmonMLflowCallback)  # what Tune does with the config, on the driver
+    monkeypatch.chdir(trial)  # the trial's actor: Tune's temporary trial directory
+    shipped = pickle.loads(blob)
+    assert issubclass(shipped, GradmonMLflowCallback) and shipped is not GradmonMLflowCallback
+    assert shipped.settings.tracking_uri == f"sqlite:///{driver}/mlflow.db"
+    assert shipped.settings.spill_dir == str(driver / "gradmon-spill")
+    assert shipped.settings.experiment == "gradmon-ray"
+    assert pickle.loads(blob) is shipped  # one class per store, however often it is unpickled
+    assert GradmonMLflowCallback.settings.tracking_uri is None  # the class itself is untouched
+    assert _tree(driver) == [] and _tree(trial) == []  # pinning creates nothing
+
+
+def test_pinning_honours_mlflow_tracking_uri_and_leaves_configured_classes_alone(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///runs/m.db")
+    (tmp_path / "runs").mkdir()
+    blob = cloudpickle.dumps(GradmonMLflowCallback)
+    configured = GradmonMLflowCallback.configured(tracking_uri="http://127.0.0.1:5999", spill_dir=None)
+    configured_blob = cloudpickle.dumps(configured)
+    monkeypatch.chdir(tmp_path / "runs")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert pickle.loads(blob).settings.tracking_uri == f"sqlite:///{tmp_path}/runs/m.db"
+    again = pickle.loads(configured_blob)
+    assert again.settings.tracking_uri == "http://127.0.0.1:5999" and again.settings.spill_dir is None
+
+
+@pytest.mark.e2e
+def test_plain_train_loop_streams_every_gradmon_metric_and_ends_the_run_on_stop(ray_session, tmp_path, capsys):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     callback = GradmonMLflowCallback.configured(
         tracking_uri=uri, experiment="cb", plots_every=2, plot_fn=log_plots, spill_dir=str(tmp_path / "spill")
@@ -97,6 +182,12 @@ def test_plain_train_loop_streams_every_gradmon_metric_and_ends_the_run_on_stop(
         run_id = _gradmon_callback(algo).sink.wait_for_run(30)
     finally:
         algo.stop()
+    _join_announcers()
+    printed = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("gradmon: MLflow run")]
+    assert printed == [  # once, with the run id and the store, and the command that follows it
+        f"gradmon: MLflow run {run_id} (experiment 'cb') in {uri}; "
+        f"follow it: gradmon-ray watch --tracking-uri '{uri}' --run-id {run_id}"
+    ]
 
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("cb").experiment_id])
@@ -163,6 +254,7 @@ def test_users_own_tuner_gets_one_run_per_trial(ray_session, tmp_path):
         assert {p.step for p in client.get_metric_history(run.info.run_id, mn.LEARNERS_UPDATED)} == {1, 2}
 
 
+@pytest.mark.e2e
 def test_dead_tracking_server_neither_slows_nor_breaks_training(ray_session, tmp_path, dead_uri):
     hook_s: list[tuple[str, float]] = []
     base = GradmonMLflowCallback.configured(
@@ -217,22 +309,27 @@ def test_the_docs_example_is_at_most_ten_lines():
     assert len(docs_example().splitlines()) <= 10
 
 
+def cpus_per_trial(config: Any) -> dict[str, float]:
+    """What Tune reserves for one trial of ``config``: RLlib's own resource request."""
+    return config.algo_class.default_resource_request(config).required_resources
+
+
 @pytest.mark.e2e
 def test_the_docs_example_runs_as_written(ray_session, tmp_path, monkeypatch):
     from ray.rllib.algorithms.ppo import PPOConfig
 
     monkeypatch.chdir(tmp_path)  # the example's relative sqlite:///mlflow.db
     code = docs_example()
-    stop = 'tune.RunConfig(stop={"training_iteration": 100})'
+    stop = 'tune.RunConfig(stop={"training_iteration": 20})'
     assert stop in code
     short = f'tune.RunConfig(stop={{"training_iteration": 1}}, storage_path={str(tmp_path / "tune")!r}, verbose=0)'
-    config = (  # "your existing PPOConfig"
-        PPOConfig()
-        .environment("CartPole-v1")
-        .env_runners(num_env_runners=0)
-        .training(train_batch_size=256, minibatch_size=128, num_epochs=1)
+    config = (  # "your existing PPOConfig": RLlib's default resources (2 EnvRunners: 3 CPUs a trial)
+        PPOConfig().environment("CartPole-v1").training(train_batch_size=256, minibatch_size=128, num_epochs=1)
     )
+    assert cpus_per_trial(config)["CPU"] == 3
     exec(compile(code.replace(stop, short), str(DOC), "exec"), {"config": config})
+    one_trial = config.copy(copy_frozen=False).training(lr=3e-4)  # RLlib validates lr: no grid here
+    assert cpus_per_trial(one_trial) == {"CPU": 2}  # fits a 2-core machine, as the docs say
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("my-ppo").experiment_id])
@@ -242,6 +339,64 @@ def test_the_docs_example_runs_as_written(ray_session, tmp_path, monkeypatch):
         assert run.data.tags[mn.TAG_HEAD_NAMES] == "action,value"
         assert {mn.head_metric(mn.HEAD_GRAD_NORM, h) for h in ("action", "value")} <= run.data.metrics.keys()
         assert mn.EPISODE_RETURN_MEAN in run.data.metrics or mn.ENV_STEPS_SAMPLED_LIFETIME in run.data.metrics
+
+
+def readme_tuner_example() -> str:
+    match = re.search(r"<!-- readme:tuner -->\s*```python\n(.+?)\n```", README.read_text(encoding="utf-8"), re.S)
+    assert match, "README.md has no <!-- readme:tuner --> python block"
+    return match.group(1)
+
+
+@pytest.mark.e2e
+def test_the_readme_tuner_example_runs_as_written_and_watch_shows_its_run(ray_session, tmp_path, monkeypatch, capsys):
+    """The README block, run from a fresh directory: its run is in ``<that dir>/mlflow.db`` under the
+    CLI's experiment, the trial printed it, and ``gradmon-ray watch --once`` there shows it."""
+    monkeypatch.chdir(tmp_path)  # the user's directory; Ray itself was started elsewhere
+    code = readme_tuner_example()
+    # CI-sized batches and a Tune directory inside tmp_path; log_to_file keeps the trial's output
+    user_config = 'PPOConfig().environment("CartPole-v1")'
+    run_config = 'tune.RunConfig(stop={"training_iteration": 2})'
+    assert code.count(user_config) == 1 and code.count(run_config) == 1 and "\ntune.Tuner(" in code
+    code = code.replace(user_config, user_config + ".training(train_batch_size=256, minibatch_size=128, num_epochs=1)")
+    code = code.replace(
+        run_config, run_config[:-1] + f", storage_path={str(tmp_path / 'tune')!r}, verbose=0, log_to_file=True)"
+    )
+    code = code.replace("\ntune.Tuner(", "\ngrid = tune.Tuner(")
+    namespace: dict[str, Any] = {}
+    exec(compile(code, str(README), "exec"), namespace)
+    grid = namespace["grid"]
+    assert not grid.errors and len(grid) == 1
+    assert cpus_per_trial(namespace["config"]) == {"CPU": 2}  # fits a 2-core machine
+
+    store = f"sqlite:///{tmp_path}/mlflow.db"  # the driver's directory, built by hand
+    client = MlflowClient(store)
+    (run,) = client.search_runs([client.get_experiment_by_name("gradmon-ray").experiment_id])
+    trial = grid[0]
+    assert run.info.status == "FINISHED" and run.data.tags[TAG_TRIAL_DIR] == Path(trial.path).name
+    for key, value in result_to_metrics(trial.metrics).items():  # Tune's last result is MLflow's step 2
+        points = {p.step: p.value for p in client.get_metric_history(run.info.run_id, key)}
+        assert _same(points[2], mlflow_value(value)), key
+    for head in ("pi", "vf"):
+        norms = client.get_metric_history(run.info.run_id, mn.head_metric(mn.HEAD_GRAD_NORM, head))
+        assert sorted(p.step for p in norms) == [1, 2]
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".db"] == ["mlflow.db"]
+    assert not list((tmp_path / "tune").rglob("mlflow.db"))  # nothing in the trial's directories
+
+    # the trial printed the run and its store once (with log_to_file, Tune keeps the trial's stdout in
+    # its working directory under Ray's session directory, which only Ray's private API names)
+    session = Path(ray_session._private.worker._global_node.get_session_dir_path())
+    (stdout,) = session.glob(f"artifacts/*/*/working_dirs/{Path(trial.path).name}/stdout")
+    printed = [line for line in stdout.read_text().splitlines() if line.startswith("gradmon: MLflow run")]
+    assert printed == [
+        f"gradmon: MLflow run {run.info.run_id} (experiment 'gradmon-ray') in {store}; "
+        f"follow it: gradmon-ray watch --tracking-uri '{store}' --run-id {run.info.run_id}"
+    ]
+
+    capsys.readouterr()
+    assert cli_main(["watch", "--once"]) == 0  # in the driver's directory, no flags
+    shown = capsys.readouterr().out
+    assert f"run {run.info.run_name} (finished)" in shown and "iteration 2" in shown, shown
+    assert "pi" in shown and "grad norm" in shown
 
 
 class ExplodingEnv(MatchTwoEnv):
@@ -256,6 +411,7 @@ class ExplodingEnv(MatchTwoEnv):
         return super().step(action)
 
 
+@pytest.mark.e2e
 def test_a_training_step_that_raises_ends_the_run_failed(ray_session, tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     config = ppo_config().environment(env=ExplodingEnv).fault_tolerance(restart_failed_sub_environments=False)
