@@ -19,6 +19,12 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_YAML = ROOT / "cluster.yaml"
 GPU_INSTANCE_FAMILIES = ("g4dn.", "g5.", "g6.", "g6e.", "p3.", "p4d.", "p5.")
+CREDENTIALS_FILE = "~/.gradmon-ray/mlflow.env"
+# A password, token or key written into the file: an assignment or option whose value is not a
+# variable ($X), a command's output ($(...)) or a printf placeholder (%s).
+LITERAL_CREDENTIAL = re.compile(
+    r"(PASSWORD|TOKEN|SECRET_KEY|password|token)[\"']?\s*[=:]\s*(?![\"']?[$%])[\"']?[A-Za-z0-9+/_.-]{4,}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +94,8 @@ def test_token_auth_stays_on_and_the_file_holds_no_secret(cluster):
     assert all("RAY_AUTH_MODE=token" in line for line in _ray_start_lines(cluster))
     assert len(_ray_start_lines(cluster)) == 2  # one head, one worker
     assert cluster["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
-    assert not re.search(r"RAY_AUTH_TOKEN\s*=|[0-9a-f]{32,}|aws_secret|password", text, re.IGNORECASE)
+    assert not re.search(r"RAY_AUTH_TOKEN\s*=|[0-9a-f]{32,}|aws_secret", text, re.IGNORECASE)
+    assert not LITERAL_CREDENTIAL.search(text), LITERAL_CREDENTIAL.search(text)
     # The dashboard/job server is reached through `ray dashboard` (SSH), never on a public interface.
     assert "--dashboard-host=127.0.0.1" in cluster["head_start_ray_commands"][-1]
     commands = [c for key, v in cluster.items() if key.endswith("_commands") for c in v]
@@ -103,8 +110,50 @@ def test_every_node_installs_this_checkout(cluster):
 
 def test_mlflow_server_on_the_head_and_every_node_points_at_it(cluster):
     head_cmds = " ".join(cluster["head_start_ray_commands"])
-    assert "mlflow server --host $HEAD_IP --port 5000" in head_cmds
+    assert "mlflow server --app-name basic-auth --host $HEAD_IP --port 5000" in head_cmds
     assert "--artifacts-destination" in head_cmds
     head_start, worker_start = _ray_start_lines(cluster)
     assert "MLFLOW_TRACKING_URI=http://$HEAD_IP:5000" in head_start
     assert "MLFLOW_TRACKING_URI=http://$RAY_HEAD_IP:5000" in worker_start
+
+
+def _mlflow_server_command(cluster: dict[str, Any]) -> str:
+    (command,) = [c for c in cluster["head_start_ray_commands"] if "mlflow server" in c and "pkill" not in c]
+    return command
+
+
+def test_mlflow_asks_for_a_login_that_comes_from_the_environment(cluster):
+    """Issue 27: the MLflow server on the head asks for a login (MLflow's basic-auth app), its admin
+    is created from the credentials file copied from the user's machine, and every node exports
+    the same login for MLflow's client, which reads MLFLOW_TRACKING_USERNAME/_PASSWORD."""
+    server = _mlflow_server_command(cluster)
+    assert "--app-name basic-auth" in server
+    source = f"set -a && . {CREDENTIALS_FILE} && set +a"
+    assert server.index(source) < server.index("mlflow server")
+    assert 'MLFLOW_AUTH_ADMIN_USERNAME="$MLFLOW_TRACKING_USERNAME"' in server
+    assert 'MLFLOW_AUTH_ADMIN_PASSWORD="$MLFLOW_TRACKING_PASSWORD"' in server
+    assert "MLFLOW_FLASK_SERVER_SECRET_KEY=" in server  # the auth app refuses to start without one
+    # The login reaches every process Ray starts: sourced (exported) before each `ray start`.
+    for line in _ray_start_lines(cluster):
+        assert line.index(f"set -a; . {CREDENTIALS_FILE}; set +a;") < line.index("ray start"), line
+    # From the user's machine, never written into the repository; readable by its owner only.
+    assert cluster["file_mounts"][CREDENTIALS_FILE] == CREDENTIALS_FILE
+    assert f"chmod 600 {CREDENTIALS_FILE}" in cluster["setup_commands"]
+    assert any("mlflow[auth]" in c for c in cluster["head_setup_commands"])  # Flask-WTF: the auth app's CSRF
+    # Still on the head's private address only, and no credential in a URI.
+    assert "--host $HEAD_IP" in server and not re.search(r"://[^\s/]*@", CLUSTER_YAML.read_text())
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "MLFLOW_TRACKING_PASSWORD=hunter2hunter2",
+        "MLFLOW_AUTH_ADMIN_PASSWORD='s3cretpass'",
+        "MLFLOW_FLASK_SERVER_SECRET_KEY=abcd1234",
+        "admin_password: topsecret",
+    ],
+)
+def test_the_literal_credential_check_is_live(line):
+    assert LITERAL_CREDENTIAL.search(line)
+    assert not LITERAL_CREDENTIAL.search('MLFLOW_AUTH_ADMIN_PASSWORD="$MLFLOW_TRACKING_PASSWORD"')
+    assert not LITERAL_CREDENTIAL.search("MLFLOW_TRACKING_PASSWORD=%s")
