@@ -43,6 +43,12 @@ lists each one with the docstring it has there and, where there is more to say, 
 placeholders are explained at the start of the probe's section. Metrics are logged with the
 training iteration as the MLflow step. Run params: every config field, flattened (`ppo.lr`, ...).
 
+**Multi-agent runs.** When the learners monitor several RLModules (a `MultiRLModule`), every
+per-module metric below (gradient telemetry, latches, head health, losses) is written as
+`module/<module_id>/<name>`, e.g. `module/p1/grad/head/op/norm`; `env/*` and `perf/*` stay
+unprefixed. `gradmon-ray watch`, the plots, the report and `health_stop` name such a head
+`<module_id>/<head>` (e.g. `p1/op`). A run with one module keeps the plain names.
+
 Labels such as TELE-320, ADR-009 or "seed 002" are the names the project's specification gave a
 feature; the [glossary](glossary.md) says each in plain words. How every number is checked
 independently: [oracles.md](oracles.md). How the numbers are computed: [internals.md](internals.md).

@@ -14,6 +14,16 @@ from collections.abc import Mapping
 
 VALUE_HEAD = "value"
 """The reported name of the value head (an action head may not be called that)."""
+VALUE_HEAD_NAMES: tuple[str, ...] = (VALUE_HEAD, "vf")
+"""Head names that mean the value function (gradmon's own modules say ``value``, RLlib's default
+modules ``vf``): judged by the value bands, never an action head.  ``is_value_head`` is the test."""
+
+# --- multi-agent: one module's metrics in a run that monitors several -------------
+_module_template = "module/{module}/{name}"
+"""How a module's metric is named (``module_metric``): in a run whose learners monitor several
+RLModules (multi-agent), every per-module metric (gradient telemetry, latches, losses) is
+``module/<module_id>/<name>``, e.g. ``module/p1/grad/head/op/norm``.  A run with one module keeps
+the plain names.  Readers see a module's head as the label ``<module_id>/<head>`` (``head_label``)."""
 
 # --- TELE-320: per-head gradient L2 norms (after backward, before clipping) ----------
 HEAD_GRAD_NORM = "grad/head/{head}/norm"
@@ -356,9 +366,39 @@ def probe_metric(template: str, bucket: str, **parts: str) -> str:
 
 
 @functools.lru_cache(maxsize=4096)  # ~90 names per telemetry step, the same every step
+def module_metric(module: str | None, name: str) -> str:
+    """``name`` as the metric of ``module`` in a multi-module run (``_module_template``); None: ``name``."""
+    return name if module is None else _module_template.format(module=module, name=name)
+
+
+def head_label(module: str | None, head: str) -> str:
+    """How readers name a head: ``head`` in a one-module run, ``<module>/<head>`` otherwise."""
+    return head if module is None else f"{module}/{head}"
+
+
+def split_head_label(label: str) -> tuple[str | None, str]:
+    """``head_label``'s inverse: ``"p1/op"`` -> ``("p1", "op")``, ``"op"`` -> ``(None, "op")``."""
+    module, sep, head = label.rpartition("/")
+    return (module, head) if sep else (None, label)
+
+
+def is_value_head(label: str, value_heads: tuple[str, ...] = VALUE_HEAD_NAMES) -> bool:
+    """Whether the head (a name or a ``head_label``) is a value head: THE one definition."""
+    return split_head_label(label)[1] in value_heads
+
+
+def describe_head(label: str) -> str:
+    """``head 'op'``, or ``head 'op' of module 'p1'`` for a ``head_label`` with a module."""
+    module, head = split_head_label(label)
+    return f"head {head!r}" + (f" of module {module!r}" if module is not None else "")
+
+
 def head_metric(template: str, head: str) -> str:
-    """Fill a per-head template, e.g. ``head_metric(HEAD_GRAD_NORM, "op")``."""
-    return template.format(head=head)
+    """Fill a per-head template, e.g. ``head_metric(HEAD_GRAD_NORM, "op")``; a ``head_label`` with a
+    module gives that module's metric (``head_metric(HEAD_GRAD_NORM, "p1/op")`` is
+    ``module/p1/grad/head/op/norm``)."""
+    module, name = split_head_label(head)
+    return module_metric(module, template.format(head=name))
 
 
 def noise_scale_metrics(per_head: Mapping[str, float], global_scale: float | None = None) -> dict[str, float]:

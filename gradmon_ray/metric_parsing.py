@@ -11,7 +11,14 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from gradmon_ray.metric_names import PER_HEAD_TEMPLATES, PROBE_TEMPLATES, SCALAR_NAMES, _bucket_template
+from gradmon_ray.metric_names import (
+    PER_HEAD_TEMPLATES,
+    PROBE_TEMPLATES,
+    SCALAR_NAMES,
+    _bucket_template,
+    _module_template,
+    head_label,
+)
 
 # Every metric name and template ``parse`` recognises (tags are not metric names).
 METRIC_TEMPLATES: tuple[str, ...] = (*PER_HEAD_TEMPLATES, *SCALAR_NAMES, *PROBE_TEMPLATES)
@@ -83,20 +90,45 @@ _by_first_segment = _candidates()
 _bucket_pattern = template_pattern(_bucket_template)
 
 
+_module_pattern = re.compile(r"^module/(?P<module>[^/]+)/(?P<name>.+)\Z")
+assert _module_template == "module/{module}/{name}"  # what _module_pattern reads
+
+
+def split_module(name: str) -> tuple[str | None, str]:
+    """``("p1", "grad/global_norm")`` for ``module/p1/grad/global_norm``; ``(None, name)`` otherwise."""
+    match = _module_pattern.match(name)
+    return (match.group("module"), match.group("name")) if match else (None, name)
+
+
 def parse(name: str) -> ParsedName | None:
     """The template ``name`` fills and its parts, or None when it is not a gradmon metric name.
+
+    A module's metric in a multi-module run (``module/<id>/<name>``) parses as ``<name>`` with
+    ``parts["module"]`` set and its ``head`` given as the label ``<id>/<head>``
+    (``metric_names.head_label``), so readers handle module x head as one head label.
 
     Every placeholder holds exactly one non-empty path segment, so ``latch/nan/op/first_iteration``
     is ``HEAD_NAN_LATCH_FIRST_ITERATION`` of head ``op``, never ``HEAD_NAN_LATCH`` of a head
     ``op/first_iteration``; a ``{bucket}`` is ``bucket_<n>``.  Where several templates match, the
     one with the most literal text wins (see ``_candidates``).
     """
+    module, name = split_module(name)
     first = name.split("/", 1)[0]
     for template, pattern in _by_first_segment.get(first, _by_first_segment[None]):
         match = pattern.match(name)
         if match is not None:
-            return ParsedName(template, match.groupdict())
+            parts = match.groupdict()
+            if module is not None:
+                parts["module"] = module
+                if "head" in parts:
+                    parts["head"] = head_label(module, parts["head"])
+            return ParsedName(template, parts)
     return None
+
+
+def modules_of(names: Iterable[str]) -> list[str]:
+    """The module ids of a multi-module run's metric names, once each, in first-seen order."""
+    return list(dict.fromkeys(m for name in names if (m := split_module(name)[0]) is not None))
 
 
 def heads_of(names: Iterable[str], template: str) -> list[str]:

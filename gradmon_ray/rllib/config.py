@@ -7,11 +7,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from ray.rllib.algorithms.ppo import PPOConfig
+from ray.rllib.core.rl_module.multi_rl_module import MultiRLModuleSpec
 from ray.rllib.core.rl_module.rl_module import RLModuleSpec
+from ray.rllib.env.multi_agent_env import MultiAgentEnv
 
 from gradmon_ray.config import ConfigError, GradmonConfig
 from gradmon_ray.distributed import new_group_name
-from gradmon_ray.envs import BUILTIN_ENV_ID, register_builtin_env
+from gradmon_ray.envs import BUILTIN_ENV_IDS, BUILTIN_MULTI_AGENT_ENV_ID, register_builtin_env
 from gradmon_ray.rllib.connectors import AddGroupIdsToTrainBatch
 from gradmon_ray.rllib.learner import GradmonPPOTorchLearner
 from gradmon_ray.rllib.module import FactoredActorCritic
@@ -25,7 +27,7 @@ def resolve_env(env_id: str) -> Any:
     ``"package.module:ClassName"`` imports the class; anything else is passed through as a
     registered Gymnasium / Ray Tune name (the built-in env is registered here).
     """
-    if env_id == BUILTIN_ENV_ID:
+    if env_id in BUILTIN_ENV_IDS:
         register_builtin_env()
         return env_id
     if ":" in env_id:
@@ -35,6 +37,25 @@ def resolve_env(env_id: str) -> Any:
         except (ImportError, AttributeError) as exc:
             raise ConfigError("env.id", f"cannot import {env_id!r}: {exc}") from None
     return env_id
+
+
+def multi_agent_ids(cfg: GradmonConfig) -> list[str] | None:
+    """The agent ids of ``cfg``'s env when it is an RLlib ``MultiAgentEnv`` (the built-in
+    multi-agent variant or a ``package.module:Class``), else None.  Creates the env once on the
+    driver to read ``possible_agents``; each agent gets its own policy, named like the agent."""
+    env = resolve_env(cfg.env.id)
+    if env == BUILTIN_MULTI_AGENT_ENV_ID:
+        from gradmon_ray.envs.factored_ops_multi import FactoredOpsMultiAgentEnv
+
+        env = FactoredOpsMultiAgentEnv
+    if not (isinstance(env, type) and issubclass(env, MultiAgentEnv)):
+        return None
+    return [str(agent) for agent in env(dict(cfg.env.config)).possible_agents]
+
+
+def _same_id(agent_id: Any, *args: Any, **kwargs: Any) -> str:
+    """The policy mapping of a multi-agent run: each agent trains the module named like it."""
+    return str(agent_id)
 
 
 def _plain(value: Any) -> Any:
@@ -116,7 +137,6 @@ def build_ppo_config(cfg: GradmonConfig, *, probe_actor: str | None = None) -> P
                 }
             },
         )
-        .rl_module(rl_module_spec=RLModuleSpec(module_class=FactoredActorCritic, model_config=model_config))
         .training(
             lr=ppo.lr,
             gamma=ppo.gamma,
@@ -136,7 +156,13 @@ def build_ppo_config(cfg: GradmonConfig, *, probe_actor: str | None = None) -> P
         )
         .debugging(seed=cfg.seed)
     )
-    return config
+    module_spec = RLModuleSpec(module_class=FactoredActorCritic, model_config=model_config)
+    agents = multi_agent_ids(cfg)
+    if agents is None:
+        return config.rl_module(rl_module_spec=module_spec)
+    config.multi_agent(policies=set(agents), policy_mapping_fn=_same_id)
+    specs = {agent: RLModuleSpec(module_class=FactoredActorCritic, model_config=model_config) for agent in agents}
+    return config.rl_module(rl_module_spec=MultiRLModuleSpec(rl_module_specs=specs))
 
 
 def probe_actor_name_of(config: PPOConfig) -> str | None:

@@ -14,6 +14,7 @@ from ray.rllib.algorithms.ppo import PPOConfig
 from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.learner.learner import Learner
 from ray.rllib.core.learner.training_data import TrainingData
+from ray.rllib.env.multi_agent_env_runner import MultiAgentEnvRunner
 from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
 from ray.rllib.policy.sample_batch import MultiAgentBatch
 from ray.rllib.utils.metrics import NUM_ENV_STEPS_SAMPLED_LIFETIME
@@ -40,16 +41,33 @@ def env_spaces(cfg: GradmonConfig) -> tuple[Any, Any]:
         runner.stop()
 
 
+def module_spaces(cfg: GradmonConfig) -> dict[str, tuple[Any, Any]]:
+    """``{module_id: (observation, action) space}`` of ``cfg``'s env, as its EnvRunners see them:
+    ``DEFAULT_MODULE_ID`` for a single-agent env, one module per agent for a multi-agent one."""
+    config = local_ppo_config(cfg)
+    if not config.is_multi_agent:
+        return {DEFAULT_MODULE_ID: env_spaces(cfg)}
+    runner = MultiAgentEnvRunner(config=config)
+    try:
+        return {mid: (module.observation_space, module.action_space) for mid, module in runner.module.items()}
+    finally:
+        runner.stop()
+
+
 def build_local_learner(cfg: GradmonConfig, learner_class: type[Learner] | None = None) -> Learner:
     """A built learner (gradmon's unless ``learner_class`` says otherwise) in this process."""
-    return local_ppo_config(cfg, learner_class).build_learner(spaces={DEFAULT_MODULE_ID: env_spaces(cfg)})
+    return local_ppo_config(cfg, learner_class).build_learner(spaces=module_spaces(cfg))
 
 
 def sample_episodes(cfg: GradmonConfig, learner: Learner, num_timesteps: int) -> list[Any]:
     """Episodes sampled by RLlib's EnvRunner with the learner's current weights."""
-    runner = SingleAgentEnvRunner(config=local_ppo_config(cfg))
+    config = local_ppo_config(cfg)
+    runner = (MultiAgentEnvRunner if config.is_multi_agent else SingleAgentEnvRunner)(config=config)
     try:
-        runner.module.set_state(learner.module[DEFAULT_MODULE_ID].get_state(inference_only=True))
+        if config.is_multi_agent:
+            runner.module.set_state(learner.module.get_state(inference_only=True))
+        else:
+            runner.module.set_state(learner.module[DEFAULT_MODULE_ID].get_state(inference_only=True))
         return runner.sample(num_timesteps=num_timesteps, random_actions=False)
     finally:
         runner.stop()

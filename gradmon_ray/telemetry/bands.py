@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from gradmon_ray.metric_names import VALUE_HEAD
+from gradmon_ray.metric_names import is_value_head
 
 # Action-head edges from the TELE-320 record: 10 x the clip norm of 0.5 is "exploding".
 DEAD_BELOW = 0.01
@@ -104,8 +104,9 @@ class BandSet:
     collapse: CollapseBand = CollapseBand()
 
     def for_head(self, head: str) -> HealthBands:
-        """The value head's edges for ``"value"``, the action heads' for any other name."""
-        return self.value if head == VALUE_HEAD else self.action
+        """The value edges for a value head (``metric_names.is_value_head``: ``value``, ``vf``, also as
+        a module's label ``p1/vf``), the action heads' for any other name."""
+        return self.value if is_value_head(head) else self.action
 
     def to_dict(self) -> dict[str, dict[str, float]]:
         """``{"action": {...}, "value": {...}, "collapse": {...}}`` (the config's ``telemetry.bands`` shape)."""

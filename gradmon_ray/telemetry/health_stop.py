@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray import metric_parsing as mp
-from gradmon_ray.telemetry.bands import VALUE_HEAD
 
 STOP_REASON_CODES: dict[str, int] = {"dead": 1, "exploding": 2, "nan_latch": 3, "inf_latch": 4, "collapse": 5}
 """``health/stop_reason`` values (MLflow metrics are numbers); 0 = not stopped."""
@@ -88,12 +87,12 @@ class HealthStopMonitor:
                 continue
             for head in mp.heads_of(metrics, template):
                 if metrics[mn.head_metric(template, head)] >= 1.0:
-                    return StopDecision(rule, head, iteration, f"head {head!r}: {what} (latched)")
+                    return StopDecision(rule, head, iteration, f"{mn.describe_head(head)}: {what} (latched)")
         decision = None
         for state, needed in (("dead", self.rules.dead_iterations), ("exploding", self.rules.exploding_iterations)):
             code = mn.HEALTH_CODES[state]
             for head in mp.heads_of(metrics, mn.HEAD_GRAD_HEALTH):
-                if head == VALUE_HEAD and not self.rules.include_value_head:
+                if mn.is_value_head(head) and not self.rules.include_value_head:
                     continue
                 value = metrics[mn.head_metric(mn.HEAD_GRAD_HEALTH, head)]
                 if math.isnan(value):
@@ -106,7 +105,8 @@ class HealthStopMonitor:
                         state,
                         head,
                         iteration,
-                        f"head {head!r} {state} for {self._streaks[key]} consecutive iterations (norm {norm:.4g})",
+                        f"{mn.describe_head(head)} {state} for {self._streaks[key]} consecutive iterations "
+                        f"(norm {norm:.4g})",
                     )
         return decision
 

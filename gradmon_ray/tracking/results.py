@@ -11,6 +11,9 @@ from gradmon_ray import metric_parsing as mp
 from gradmon_ray.telemetry import bands as _bands
 from gradmon_ray.telemetry.bands import worst_head
 
+ALL_MODULES = "__all_modules__"
+"""RLlib's key for the learners' results over all modules (``ray.rllib.core.ALL_MODULES``)."""
+
 DEFAULT_MODULE_ID = "default_policy"
 VALUE_HEAD = mn.VALUE_HEAD
 """The value head's reported name: always the last head."""
@@ -59,44 +62,89 @@ def learners_updated(result: Mapping[str, Any]) -> bool:
     return trained is not None and math.isfinite(trained) and trained > 0
 
 
-def result_to_metrics(result: Mapping[str, Any], module_id: str = DEFAULT_MODULE_ID) -> dict[str, float]:
+def monitored_modules(result: Mapping[str, Any]) -> list[str]:
+    """The module ids under ``result["learners"]`` that carry gradmon telemetry, in RLlib's order."""
+    learners = result.get("learners")
+    if not isinstance(learners, Mapping):
+        return []
+    return [
+        mid
+        for mid, values in learners.items()
+        if mid != ALL_MODULES
+        and isinstance(values, Mapping)
+        and any(isinstance(k, str) and k.startswith(_GRADMON_PREFIXES) for k in values)
+    ]
+
+
+def result_to_metrics(result: Mapping[str, Any], module_id: str | None = None) -> dict[str, float]:
     """Gradmon's telemetry (as the learner logged it) plus the progress metrics, as floats.
 
-    A progress metric RLlib did not report this iteration (e.g. no episode finished yet)
-    is left out rather than invented; so is every learner metric of an iteration in which
-    the learners did not train (``update/trained`` is then 0).
+    ``module_id`` None: every module with gradmon telemetry; one such module keeps the plain
+    names, several get ``module/<id>/<name>`` for everything per module (``MODULE_METRIC``).
+    A progress metric RLlib did not report this iteration (e.g. no episode finished yet) is
+    left out rather than invented; so is every learner metric of an iteration in which the
+    learners did not train (``update/trained`` is then 0).
     """
     updated = learners_updated(result)
     out: dict[str, float] = {mn.LEARNERS_UPDATED: float(updated)}
-    learner = (_lookup(result, ("learners", "{module}"), module_id) or {}) if updated else {}
-    for key, value in learner.items():
-        if isinstance(key, str) and key.startswith(_GRADMON_PREFIXES):
-            number = _as_float(value)
-            if number is None or (math.isnan(number) and _absent_when_undefined(key)):
-                continue  # RLlib's NaN for a metric the learner left out this iteration
-            out[key] = number
+    modules = [module_id] if module_id is not None else monitored_modules(result) or [DEFAULT_MODULE_ID]
+    prefixed = len(modules) > 1
+    for mid in modules:
+        out.update(_module_metrics(result, mid, updated, mid if prefixed else None))
     for name, path in _RLLIB_PATHS.items():
-        if path[0] == "learners" and not updated:
+        if path[0] == "learners":
             continue
-        number = _as_float(_lookup(result, path, module_id))
+        number = _as_float(_lookup(result, path, ""))
         if number is not None and not (name == mn.EPISODE_RETURN_MEAN and math.isnan(number)):
             out[name] = number
     return out
 
 
+def _module_metrics(result: Mapping[str, Any], module_id: str, updated: bool, prefix: str | None) -> dict[str, float]:
+    """One module's gradmon telemetry and losses (named for ``prefix``'s module, or plain)."""
+    out: dict[str, float] = {}
+    if not updated:
+        return out
+    learner = _lookup(result, ("learners", "{module}"), module_id) or {}
+    for key, value in learner.items():
+        if isinstance(key, str) and key.startswith(_GRADMON_PREFIXES):
+            number = _as_float(value)
+            if number is None or (math.isnan(number) and _absent_when_undefined(key)):
+                continue  # RLlib's NaN for a metric the learner left out this iteration
+            out[mn.module_metric(prefix, key)] = number
+    for name, path in _RLLIB_PATHS.items():
+        if path[0] == "learners":
+            number = _as_float(_lookup(result, path, module_id))
+            if number is not None:
+                out[mn.module_metric(prefix, name)] = number
+    return out
+
+
 def order_heads(heads: Iterable[str], order: Sequence[str] | None = None) -> list[str]:
-    """``heads`` in gradmon's head order: action heads, then ``value``; never in the input's order.
+    """``heads`` in gradmon's head order: action heads, then the value head; never in the input's order.
 
     Heads named in ``order`` (the action-space order: a ``Dict`` space's sorted keys, a
     ``MultiDiscrete``'s ``model.head_names``; what ``resolve_heads`` gives and the
     ``gradmon.head_names`` tag holds) come first, in that order; any other action heads
-    follow, sorted; ``value`` is always last.  Without ``order`` that is: sorted action
-    heads, then ``value``.  Duplicates are dropped.
+    follow, sorted; value heads (``metric_names.is_value_head``) are always last.  Without
+    ``order`` that is: sorted action heads, then the value head.  With module labels
+    (``p1/op``) each module's heads stay together, modules in first-seen order of ``order``,
+    then sorted.  Duplicates are dropped.
     """
-    present = set(heads)
-    named = [h for h in dict.fromkeys(order or ()) if h in present and h != VALUE_HEAD]
-    rest = sorted(present.difference(named, (VALUE_HEAD,)))
-    return named + rest + ([VALUE_HEAD] if VALUE_HEAD in present else [])
+    present = list(dict.fromkeys(heads))
+    rank = {h: i for i, h in enumerate(dict.fromkeys(order or ()))}
+    module_rank: dict[str | None, int] = {}
+    for h in rank:
+        module_rank.setdefault(mn.split_head_label(h)[0], len(module_rank))
+    for module in sorted({mn.split_head_label(h)[0] or "" for h in present}):
+        module_rank.setdefault(module or None, len(module_rank))
+
+    def key(head: str) -> tuple[int, int, int, str]:
+        module = mn.split_head_label(head)[0]
+        value = mn.is_value_head(head)
+        return (module_rank[module], int(value), rank.get(head, len(rank)) if not value else 0, head)
+
+    return sorted(present, key=key)
 
 
 def heads_in(metrics: Mapping[str, float], order: Sequence[str] | None = None) -> list[str]:
@@ -147,7 +195,7 @@ def progress_line(
             "no update: nothing to train on" + (f" ({int(healthy)} EnvRunners healthy)" if healthy is not None else "")
         )
     elif heads:
-        judged = [h for h in heads if include_value_head or h != _bands.VALUE_HEAD] or heads
+        judged = [h for h in heads if include_value_head or not mn.is_value_head(h)] or heads
         norms = {h: metrics[mn.head_metric(mn.HEAD_GRAD_NORM, h)] for h in judged}
         worst, band = worst_head(norms, bands=bands or _bands.DEFAULT_BANDS)
         parts.append(f"worst head {worst} {norms[worst]:.3f} ({band})")
