@@ -35,7 +35,7 @@ import tree  # dm-tree, an RLlib dependency
 from ray.rllib.core.distribution.torch.torch_distribution import TorchMultiCategorical, TorchMultiDistribution
 from ray.rllib.core.models.torch.heads import TorchFreeLogStdMLPHead, TorchMLPHead
 
-from gradmon_ray.metric_names import VALUE_HEAD
+from gradmon_ray.metric_names import VALUE_HEAD_NAMES, is_value_head
 from gradmon_ray.rllib import compat
 from gradmon_ray.rllib.distribution import FactoredCategorical
 from gradmon_ray.telemetry.head_norms import HeadPart, ParamRows
@@ -45,9 +45,6 @@ POLICY_LATCH = "policy"
 
 SINGLE_COMPONENT_HEAD = "pi"
 """The zero-config head of a single ``Discrete`` or ``Box`` action space."""
-
-VALUE_HEAD_NAMES = (VALUE_HEAD, "vf")
-"""Heads judged by the value bands and left out of the action heads' norm CV."""
 
 _HEADS_EXAMPLE = "learner_config_dict={'gradmon': {'heads': {'pi': r'^pi\\.', 'vf': r'^vf\\.'}}}"
 
@@ -207,7 +204,7 @@ def _unrecognised(module: Any, reason: str) -> ValueError:
 
 def action_heads(groups: Mapping[str, Any]) -> list[str]:
     """The reported heads judged as action heads: all but ``VALUE_HEAD_NAMES``."""
-    return [h for h in groups if h not in VALUE_HEAD_NAMES]
+    return [h for h in groups if not is_value_head(h)]
 
 
 def latch_heads(module: Any) -> tuple[str, ...]:

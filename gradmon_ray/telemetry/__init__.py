@@ -11,7 +11,7 @@ from gradmon_ray.telemetry.bands import (
     worst_head,
 )
 from gradmon_ray.telemetry.buckets import bucket_names, group_reward_stds, split_into_buckets
-from gradmon_ray.telemetry.head_norms import GradientNormPlan, GradientNorms, per_head_grad_norms
+from gradmon_ray.telemetry.head_norms import GradientNormPlan, GradientNorms, HeadPart, ParamRows, per_head_grad_norms
 from gradmon_ray.telemetry.latches import HeadLatches, logp_nonfinite_flags, logp_sums
 from gradmon_ray.telemetry.noise_scale import NoiseScaleTracker, gradient_noise_terms
 from gradmon_ray.telemetry.shares import cosine_similarities, signed_shares
@@ -27,10 +27,12 @@ __all__ = [
     "GradientNormPlan",
     "GradientNorms",
     "HeadLatches",
+    "HeadPart",
     "HealthBands",
     "IterationAccumulator",
     "IterationTelemetry",
     "NoiseScaleTracker",
+    "ParamRows",
     "TelemetryLayout",
     "TelemetryTracker",
     "VarianceGradientScaler",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -126,7 +127,7 @@ def order_heads(heads: Iterable[str], order: Sequence[str] | None = None) -> lis
     Heads named in ``order`` (the action-space order: a ``Dict`` space's sorted keys, a
     ``MultiDiscrete``'s ``model.head_names``; what ``resolve_heads`` gives and the
     ``gradmon.head_names`` tag holds) come first, in that order; any other action heads
-    follow, sorted; value heads (``metric_names.is_value_head``) are always last.  Without
+    follow, sorted (``a2`` before ``a10``); value heads (``metric_names.is_value_head``) are always last.  Without
     ``order`` that is: sorted action heads, then the value head.  With module labels
     (``p1/op``) each module's heads stay together, modules in first-seen order of ``order``,
     then sorted.  Duplicates are dropped.
@@ -139,12 +140,17 @@ def order_heads(heads: Iterable[str], order: Sequence[str] | None = None) -> lis
     for module in sorted({mn.split_head_label(h)[0] or "" for h in present}):
         module_rank.setdefault(module or None, len(module_rank))
 
-    def key(head: str) -> tuple[int, int, int, str]:
+    def key(head: str) -> tuple[int, int, int, list[Any]]:
         module = mn.split_head_label(head)[0]
         value = mn.is_value_head(head)
-        return (module_rank[module], int(value), rank.get(head, len(rank)) if not value else 0, head)
+        return (module_rank[module], int(value), rank.get(head, len(rank)) if not value else 0, _natural(head))
 
     return sorted(present, key=key)
+
+
+def _natural(text: str) -> list[Any]:
+    """Sort key that orders ``a2`` before ``a10`` (digit runs compare as numbers)."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", text) if part]
 
 
 def heads_in(metrics: Mapping[str, float], order: Sequence[str] | None = None) -> list[str]:

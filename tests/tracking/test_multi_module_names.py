@@ -72,6 +72,7 @@ def test_head_order_keeps_modules_together_value_heads_last():
     tagged = ["p1/b", "p1/a", "p1/vf", "p0/b", "p0/a", "p0/vf"]
     assert order_heads(heads, tagged) == tagged
     assert order_heads(["vf", "op", "value", "a"]) == ["a", "op", "value", "vf"]
+    assert order_heads(["a10", "vf", "a2", "a1"]) == ["a1", "a2", "a10", "vf"]  # numbers compare as numbers
 
 
 @pytest.mark.parametrize("label", ["vf", "value", "p1/vf", "p0/value"])
