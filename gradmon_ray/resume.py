@@ -1,52 +1,109 @@
 """``gradmon-ray train --resume RUN_ID``: continue an interrupted run in the same MLflow run.
 
-With ``checkpoint_every: N``, ``train`` saves resumable checkpoints (``checkpointing``) and
-tags the run with ``gradmon.checkpoint_dir``.  ``--resume RUN_ID`` reads that tag from MLflow, restores the
-checkpoint (the digest is checked, as for Tune trial restarts), reopens the same MLflow run
-and trains the remaining iterations; iterations the interrupted attempt had already logged
-after its last checkpoint are trained again but not logged twice.
+With ``checkpoint_every: N``, ``train`` saves resumable checkpoints into
+``<checkpoint_dir>/<run id>/`` (``checkpointing``) and tags the run with the checkpoint root
+(``gradmon.checkpoint_dir``).  ``--resume RUN_ID`` finds the run's newest complete checkpoint,
+restores it (the learner-state digest is checked, as for Tune trial restarts), reopens the same
+MLflow run and trains the remaining iterations; iterations the interrupted attempt had already
+logged after its last checkpoint are trained again but not logged twice.
+
+**Only under the checkpoint root.** A checkpoint is a pickle, and anyone who can write a tag on
+the tracking server can point ``gradmon.checkpoint_dir`` anywhere: the tag alone never decides
+what is loaded.  The allowed root is ``checkpoint_dir`` (given by the caller), else
+``$GRADMON_CHECKPOINT_DIR``, else ``./gradmon-checkpoints``; it may be the root itself or one
+run's directory in it.  Without one given, the run is looked for where its tag points, and
+only if that is inside the allowed root.  Every path is compared after resolving symlinks and
+``..``, the checkpoint finally loaded (``latest`` may be a symlink) included.
 """
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
+from typing import Any
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.checkpointing import LATEST, RESUME_FILE
+from gradmon_ray.checkpointing import DEFAULT_CHECKPOINT_DIR, versions
 from gradmon_ray.config import ConfigError, GradmonConfig, config_from_dict
 from gradmon_ray.train import ResumePoint, last_logged_iteration
 
+CHECKPOINT_ROOT_ENV = "GRADMON_CHECKPOINT_DIR"
+"""Environment variable naming the checkpoint root ``--resume`` may load from."""
 
-def resume_point(tracking_uri: str, run_id: str) -> tuple[GradmonConfig, ResumePoint]:
-    """The config and checkpoint ``run_id`` can continue from (``ConfigError`` when it cannot)."""
+
+def allowed_root(checkpoint_dir: str | Path | None = None) -> Path:
+    """The directory ``--resume`` may load checkpoints from, resolved (symlinks and ``..``)."""
+    chosen = checkpoint_dir or os.environ.get(CHECKPOINT_ROOT_ENV) or DEFAULT_CHECKPOINT_DIR
+    return Path(chosen).expanduser().resolve()
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path.resolve().is_relative_to(root)
+
+
+def find_checkpoint(where: Path, run_id: str) -> tuple[Path, dict[str, Any]]:
+    """``run_id``'s newest complete checkpoint version in ``where`` (the root or the run's own
+    directory) and its resume state; ``ConfigError`` naming what is there otherwise."""
+    others = []
+    for run_dir in (where / run_id, where):
+        found = versions(run_dir)
+        mine = [(v, s) for v, s in found if s.get("run_id") == run_id]
+        if mine:
+            return mine[-1]
+        others += found
+    if others:  # e.g. a directory copied in by hand, or another run's checkpoint in the old shared layout
+        version, state = others[-1]
+        raise ConfigError("--resume", f"the checkpoint in {version} belongs to run {state.get('run_id')}, not {run_id}")
+    raise ConfigError("--resume", f"no complete checkpoint of run {run_id} in {where}")
+
+
+def resume_point(
+    tracking_uri: str, run_id: str, checkpoint_dir: str | Path | None = None
+) -> tuple[GradmonConfig, ResumePoint]:
+    """The config and checkpoint ``run_id`` can continue from (``ConfigError`` when it cannot).
+
+    ``checkpoint_dir``: the checkpoint root (or the run's directory in it) to load from; default
+    ``$GRADMON_CHECKPOINT_DIR``, else where the run's tag points if that is inside
+    ``./gradmon-checkpoints``.
+    """
     from mlflow.tracking import MlflowClient
+
+    from gradmon_ray.tracking.redact import redact_uri
 
     try:
         run = MlflowClient(tracking_uri).get_run(run_id)
     except Exception as exc:
         raise ConfigError(
-            "--resume", f"no run {run_id!r} at {tracking_uri}: {str(exc).splitlines()[0][:200]}"
+            "--resume", f"no run {run_id!r} at {redact_uri(tracking_uri)}: {str(exc).splitlines()[0][:200]}"
         ) from None
-    directory = run.data.tags.get(mn.TAG_CHECKPOINT_DIR)
-    if not directory:
+    tag = run.data.tags.get(mn.TAG_CHECKPOINT_DIR)
+    if not tag:
         raise ConfigError("--resume", f"run {run_id} has no resumable checkpoint (train with checkpoint_every > 0)")
-    latest = Path(directory) / LATEST
-    state_file = latest / RESUME_FILE
-    if not state_file.is_file():
-        raise ConfigError("--resume", f"run {run_id}'s checkpoint {latest} is missing or incomplete")
-    state = json.loads(state_file.read_text())
-    if state.get("run_id") != run_id:
-        raise ConfigError("--resume", f"the checkpoint in {latest} belongs to run {state.get('run_id')}, not {run_id}")
+    given = checkpoint_dir or os.environ.get(CHECKPOINT_ROOT_ENV)
+    root = allowed_root(given)
+    where = (Path(given).expanduser() if given else Path(tag)).resolve()  # searched as resolved: `x/..` too
+    if not _inside(where, root):
+        raise ConfigError(
+            "--resume",
+            f"run {run_id}'s checkpoints are in {tag}, outside the allowed checkpoint root {root}; "
+            f"set {CHECKPOINT_ROOT_ENV}={tag} to load from there",
+        )
+    version, state = find_checkpoint(where, run_id)
+    if not _inside(version, root):  # e.g. a `latest` or run directory symlinked out of the root
+        raise ConfigError("--resume", f"checkpoint {version} resolves to {version.resolve()}, outside {root}")
+    if not state.get("state_digest"):
+        raise ConfigError("--resume", f"checkpoint {version} records no learner state digest; it cannot be checked")
     cfg = config_from_dict(state["config"])
-    if cfg.checkpoint_dir:  # may be relative to the interrupted run's working directory: the tag is absolute
-        cfg.checkpoint_dir = directory
+    # <root>/<run id>/ckpt-*, or <root>/latest from before per-run directories
+    run_root = (version.parent.parent if version.parent.name == run_id else version.parent).absolute()
+    if cfg.checkpoint_dir:  # may be relative to the interrupted run's working directory
+        cfg.checkpoint_dir = str(run_root)
     point = ResumePoint(
-        str(latest / "algo"),
+        str(version / "algo"),
         int(state["iterations_done"]),
         state.get("health", {}),
-        state_digest=state.get("state_digest"),
+        state_digest=state["state_digest"],
         logged_through=last_logged_iteration(tracking_uri, run_id),
-        checkpoint_root=directory,
+        checkpoint_root=str(run_root),
     )
     return cfg, point

@@ -9,7 +9,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.checkpointing import CheckpointReporter, checkpoint_root, learner_state_digest
+from gradmon_ray.checkpointing import (
+    CheckpointReporter,
+    CheckpointStateMismatchError,  # noqa: F401  (re-exported: callers catch it from train)
+    checkpoint_root,
+    learner_state_digest,
+    verify_restored_state,
+)
 from gradmon_ray.config import ConfigError, GradmonConfig
 from gradmon_ray.probe_lifecycle import flush_probe, start_probe, stop_probe
 from gradmon_ray.resource_wait import ResourceWait, check_fits, ray_address_problem, requested_resources
@@ -56,10 +62,6 @@ class ResumePoint:
     checkpoint_root: str | None = None
     """Where the interrupted run kept its resumable checkpoint (``train --resume``): the resumed run
     renews it there, wherever it is started from. None: ``checkpoint_root(cfg)``."""
-
-
-class CheckpointStateMismatchError(RuntimeError):
-    """The learner's restored gradmon state differs from the one written with the checkpoint."""
 
 
 def _checkpoint_tags(cfg: GradmonConfig) -> dict[str, str]:
@@ -193,11 +195,7 @@ def run_training(
         if resume is not None:
             algo.restore_from_path(resume.checkpoint_path)  # learner state: weights, optimizer, telemetry
             restored = learner_state_digest(algo)
-            if resume.state_digest is not None and restored != resume.state_digest:
-                raise CheckpointStateMismatchError(
-                    f"the learner's gradmon state after restoring {resume.checkpoint_path} (sha256 {restored[:12]}) is "
-                    f"not the one written with it (sha256 {resume.state_digest[:12]}); not continuing the run from it"
-                )
+            verify_restored_state(resume.state_digest, restored, resume.checkpoint_path)
             resumed_tags[mn.TAG_RESUMED_FROM] = str(resume.iterations_done)
             resumed_tags[mn.TAG_RESUMED_STATE_DIGEST] = restored
             if resume.logged_through > resume.iterations_done:
@@ -291,22 +289,30 @@ def reported_head_order(action_space: Any, head_names: Sequence[str] | None = No
 
 
 def _head_order(algo: Any, cfg: GradmonConfig) -> tuple[str, ...]:
-    """``reported_head_order`` for the algorithm's module (empty, with a warning, if its spaces are unknown).
+    """``reported_head_order`` for the algorithm's module(s) (empty, with a warning, if the spaces are unknown).
 
-    Computed here, not read off the result dict: RLlib's ``MetricsLogger.aggregate`` merges
-    the learners' results through a ``set`` of keys, so their order changes from run to run.
+    A multi-agent run (several modules) names each head ``<module>/<head>``
+    (``metric_names.head_label``), module by module.  Computed here, not read off the result
+    dict: RLlib's ``MetricsLogger.aggregate`` merges the learners' results through a ``set`` of
+    keys, so their order changes from run to run.
     """
-    from gradmon_ray.tracking.results import DEFAULT_MODULE_ID
+    from gradmon_ray.metric_names import head_label
 
     try:
-        spaces = getattr(algo, "spaces", None) or {}
-        if DEFAULT_MODULE_ID in spaces:
-            action_space = spaces[DEFAULT_MODULE_ID][1]
-        else:
-            from gradmon_ray.rllib.standalone import env_spaces
+        # RLlib's ``algo.spaces`` also holds the env's own entry ("__env__"...) and, for a
+        # multi-agent env, entries without an action space: only the modules' count.
+        known = dict(getattr(algo, "spaces", None) or {})
+        spaces = {mid: s for mid, s in known.items() if not str(mid).startswith("__") and s[1] is not None}
+        if not spaces:
+            from gradmon_ray.rllib.standalone import module_spaces
 
-            action_space = env_spaces(cfg)[1]
-        return reported_head_order(action_space, cfg.model.head_names)
+            spaces = module_spaces(cfg)
+        several = len(spaces) > 1
+        return tuple(
+            head_label(module_id if several else None, head)
+            for module_id, (_, action_space) in spaces.items()
+            for head in reported_head_order(action_space, cfg.model.head_names)
+        )
     except Exception as exc:  # only the tag's order depends on it: sorted heads, then value
         logger.warning("could not work out the head order (%s: %s); heads are tagged sorted", type(exc).__name__, exc)
         return ()

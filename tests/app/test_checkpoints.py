@@ -1,0 +1,240 @@
+"""Resumable checkpoints on disk (``gradmon_ray.checkpointing``), without Ray: written by the real
+``CheckpointReporter`` from a real learner, read back by the real reader, restored into another
+learner whose gradmon state digest (read off that learner) must be the one recorded.
+
+The crash matrix fails the save at each of its filesystem steps in turn (the algorithm writer,
+every open/write/fsync/rename/replace/symlink, the deletion of the old version) and checks that
+the checkpoint found afterwards is the previous or the new one, complete and consistent."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gradmon_ray import checkpointing
+from gradmon_ray.checkpointing import (
+    LATEST,
+    RESUME_FILE,
+    CheckpointReporter,
+    newest_version,
+    read_version,
+    save_checkpoint,
+    versions,
+)
+from gradmon_ray.resume import find_checkpoint
+from tests.app.conftest import Learners
+
+RUN = "0123456789abcdef0123456789abcdef"
+
+
+def _reporter(learners: Learners, root: Path, run_id: str | None = RUN) -> CheckpointReporter:
+    return CheckpointReporter(learners.cfg, lambda timeout_s: run_id, root=root)
+
+
+def test_a_checkpoint_is_a_complete_version_in_the_runs_own_directory(learners: Learners, tmp_path: Path):
+    """Layout and content: ``<root>/<run id>/ckpt-<iteration>-*`` with ``algo/`` and the resume
+    file (run id, iterations, the learner's digest, the config without the URI's password),
+    ``latest`` a symlink to it; restoring it gives back the digest read off the learner."""
+    root = tmp_path / "ckpt"
+    _reporter(learners, root)(1, {}, learners.at("a"), None, None)
+    run_dir = root / RUN
+    (version,) = [p for p in run_dir.iterdir() if p.name.startswith("ckpt-")]
+    assert version.name.startswith("ckpt-00000001-")
+    assert (run_dir / LATEST).is_symlink() and (run_dir / LATEST).resolve() == version.resolve()
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted([LATEST, version.name])  # no leftovers
+    state = json.loads((version / RESUME_FILE).read_text())
+    assert state["run_id"] == RUN and state["iterations_done"] == 1
+    assert state["state_digest"] == learners.digest_a
+    assert learners.restored_digest(version / "algo") == learners.digest_a
+    text = (version / RESUME_FILE).read_text()
+    assert "SECRET-77" not in text and state["config"]["mlflow"]["tracking_uri"] == "http://bob:***@127.0.0.1:5999"
+    sizes = {rel: (version / "algo" / rel).stat().st_size for rel in state["manifest"]}
+    assert state["manifest"] and sizes == state["manifest"]
+
+
+def test_a_newer_save_replaces_the_older_version_and_runs_never_share_one(learners: Learners, tmp_path: Path):
+    root = tmp_path / "ckpt"
+    other = "f" * 32
+    _reporter(learners, root)(1, {}, learners.at("a"), None, None)
+    _reporter(learners, root, other)(1, {}, learners.at("b"), None, None)
+    _reporter(learners, root)(2, {}, learners.at("b"), None, None)
+    (mine,) = versions(root / RUN)  # the iteration-1 version is gone
+    assert mine[1]["iterations_done"] == 2 and mine[1]["state_digest"] == learners.digest_b
+    (theirs,) = versions(root / other)
+    assert theirs[1]["run_id"] == other and theirs[1]["iterations_done"] == 1
+
+
+def test_a_version_with_a_truncated_file_is_not_complete(learners: Learners, tmp_path: Path):
+    """A file shorter than the manifest says (a torn copy, a disk that lied) makes the version
+    incomplete: the reader skips it and takes the older complete one."""
+    root = tmp_path / "ckpt"
+    run_dir = root / RUN
+    older = save_checkpoint(run_dir, 1, lambda p: learners.at("a").save_to_path(str(p)), {"run_id": RUN})
+    keep = tmp_path / "keep"
+    shutil.copytree(older, keep)
+    newer = save_checkpoint(run_dir, 2, lambda p: learners.at("b").save_to_path(str(p)), {"run_id": RUN})
+    shutil.copytree(keep, older)  # both versions on disk
+    victim = max((p for p in (newer / "algo").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[:-1])
+    assert read_version(newer) is None and read_version(older) is not None
+    assert newest_version(run_dir)[0] == older
+
+
+class Crash(BaseException):
+    """A process dying at a filesystem step: nothing catches it, nothing after it runs."""
+
+
+class _Steps:
+    """Counts the save's filesystem steps and raises ``Crash`` at step ``crash_at`` (0: never)."""
+
+    MUTATING = ("open", "write", "fsync", "rename", "replace", "symlink", "mkdir", "makedirs", "unlink", "rmdir")
+
+    def __init__(self, crash_at: int) -> None:
+        self.crash_at, self.count, self.crashed_in = crash_at, 0, ""
+
+    def step(self, name: str) -> None:
+        self.count += 1
+        if self.count == self.crash_at and not self.crashed_in:
+            self.crashed_in = name
+            raise Crash(name)
+
+    def os_proxy(self) -> Any:
+        steps = self
+
+        class CountingOs:
+            def __getattr__(self, name: str) -> Any:
+                real = getattr(os, name)
+                if name not in _Steps.MUTATING:
+                    return real
+
+                def counted(*args: Any, **kwargs: Any) -> Any:
+                    if not (name == "close" or steps.crashed_in):
+                        steps.step(f"os.{name}")
+                    return real(*args, **kwargs)
+
+                return counted
+
+        return CountingOs()
+
+    def shutil_proxy(self) -> Any:
+        steps = self
+
+        class CountingShutil:
+            def __getattr__(self, name: str) -> Any:
+                real = getattr(shutil, name)
+                if name != "rmtree":
+                    return real
+
+                def rmtree(*args: Any, **kwargs: Any) -> Any:
+                    if not steps.crashed_in:
+                        steps.step("shutil.rmtree")
+                    return real(*args, **kwargs)
+
+                return rmtree
+
+        return CountingShutil()
+
+    def writer(self, algo: Any) -> Any:
+        """``algo`` whose ``save_to_path`` counts as one step; a crash there leaves half the files."""
+        steps = self
+
+        class Writing:
+            learner_group = algo.learner_group
+
+            def save_to_path(self, path: str) -> str:
+                if steps.crashed_in:
+                    return algo.save_to_path(path)
+                steps.count += 1
+                if steps.count == steps.crash_at:
+                    steps.crashed_in = "algo.save_to_path"
+                    algo.save_to_path(path)
+                    files = sorted(p for p in Path(path).rglob("*") if p.is_file())
+                    for victim in files[len(files) // 2 :]:
+                        victim.unlink()  # died halfway through writing the algorithm
+                    raise Crash("algo.save_to_path")
+                return algo.save_to_path(path)
+
+        return Writing()
+
+
+def _save_with_steps(monkeypatch: pytest.MonkeyPatch, learners: Learners, root: Path, crash_at: int) -> _Steps:
+    steps = _Steps(crash_at)
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpointing, "os", steps.os_proxy())
+        patch.setattr(checkpointing, "shutil", steps.shutil_proxy())
+        reporter = _reporter(learners, root)
+        with contextlib.suppress(Crash):
+            reporter(2, {}, steps.writer(learners.at("b")), None, None)
+    return steps
+
+
+def test_a_crash_at_any_step_of_a_save_leaves_the_previous_or_the_new_checkpoint(
+    learners: Learners, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Iteration 1 saved (learner state a); the iteration-2 save (state b) dies at step k, for
+    every k. Afterwards the newest complete checkpoint is iteration 1 or 2, its algorithm
+    restores to the digest recorded with it (and it is a's or b's: never a mix), once the new
+    version is published it is the new one, and the next save works and cleans up."""
+    template = tmp_path / "template"
+    _reporter(learners, template)(1, {}, learners.at("a"), None, None)
+    shutil.copytree(template, tmp_path / "count", symlinks=True)
+    clean = _save_with_steps(monkeypatch, learners, tmp_path / "count", crash_at=0)
+    total = clean.count
+    # the writer, the resume file (open, write, fsync), an fsync per file and directory, the
+    # rename, symlink and replace, the run directory's fsync, the old version renamed and removed
+    assert total >= 12, total
+    expected = {1: learners.digest_a, 2: learners.digest_b}
+    found_new_from = None
+    for k in range(1, total + 1):
+        root = tmp_path / f"crash-{k}"
+        shutil.copytree(template, root, symlinks=True)
+        steps = _save_with_steps(monkeypatch, learners, root, crash_at=k)
+        assert steps.crashed_in, k
+        version, state = find_checkpoint(root, RUN)
+        done = state["iterations_done"]
+        assert done in (1, 2), (k, steps.crashed_in)
+        assert state["state_digest"] == expected[done], (k, steps.crashed_in)
+        assert learners.restored_digest(version / "algo") == expected[done], (k, steps.crashed_in)
+        if found_new_from is None and done == 2:
+            found_new_from = k
+        if found_new_from is not None:
+            assert done == 2, f"crash at step {k} ({steps.crashed_in}) went back to the previous checkpoint"
+        _reporter(learners, root)(3, {}, learners.at("a"), None, None)  # the run goes on after a resume
+        version, state = find_checkpoint(root, RUN)
+        assert state["iterations_done"] == 3 and learners.restored_digest(version / "algo") == learners.digest_a
+        run_dir = root / RUN
+        assert sorted(p.name for p in run_dir.iterdir()) == sorted([LATEST, version.name]), k
+    assert found_new_from is not None and 1 < found_new_from <= total
+
+
+def test_a_checkpoint_saved_before_the_run_had_an_id_is_moved_to_the_runs_directory_when_stamped(
+    learners: Learners, tmp_path: Path
+):
+    root = tmp_path / "ckpt"
+    ids: list[str | None] = [None]
+    reporter = CheckpointReporter(learners.cfg, lambda timeout_s: ids[0], root=root)
+    reporter(1, {}, learners.at("a"), None, None)
+    (unnamed,) = root.iterdir()
+    assert unnamed.name.startswith("unnamed-") and newest_version(unnamed)[1]["run_id"] is None
+    reporter.stamp_run_id(RUN)
+    assert [p.name for p in root.iterdir()] == [RUN]
+    version, state = find_checkpoint(root, RUN)
+    assert state["run_id"] == RUN and learners.restored_digest(version / "algo") == learners.digest_a
+
+
+def test_the_first_checkpoint_with_the_run_id_replaces_the_unnamed_one(learners: Learners, tmp_path: Path):
+    root = tmp_path / "ckpt"
+    ids: list[str | None] = [None]
+    reporter = CheckpointReporter(learners.cfg, lambda timeout_s: ids[0], root=root)
+    reporter(1, {}, learners.at("a"), None, None)
+    ids[0] = RUN
+    reporter(2, {}, learners.at("b"), None, None)
+    reporter.stamp_run_id(RUN)  # nothing left to stamp
+    assert [p.name for p in root.iterdir()] == [RUN]
+    assert find_checkpoint(root, RUN)[1]["iterations_done"] == 2
