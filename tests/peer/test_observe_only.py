@@ -205,7 +205,8 @@ def test_users_own_gradient_overrides_run_under_gradmon() -> None:
         for step in (1, 2, 3):
             for learner in (stock, wrapped):
                 seeded_update(learner, "ppo", batch, seed=step, step=step, **MINIBATCHES)
-            assert first_difference(learner_tensors(stock), learner_tensors(wrapped)) is None, step
+            diff = first_difference(learner_tensors(stock), learner_tensors(wrapped))
+            assert diff is None, f"user learner, after update {step}: {diff}"
         assert wrapped.calls == stock.calls
         # RLlib's own count: one postprocess and one apply per minibatch (one module).
         assert stock.calls["apply_gradients"] == stock.calls["postprocess_gradients_for_module"] >= 3 * 2 * 2
@@ -274,7 +275,8 @@ def test_torch_skip_nan_gradients_skips_where_stock_rllib_steps() -> None:
         assert torch.isnan(stock_weight.view(-1)[0])
         assert peek(stock_results, MID)["num_module_steps_trained"] == 3 * m
         # gradmon skipped exactly that minibatch and counted it.
-        assert first_difference(learner_tensors(reference), learner_tensors(wrapped)) is None
+        diff = first_difference(learner_tensors(reference), learner_tensors(wrapped))
+        assert diff is None, f"gradmon's skip != training on minibatches 1 and 3: {diff}"
         logged = peek(wrapped_results, MID)
         assert (logged["update/skipped"], logged["grad/nan_count"], logged["update/minibatches"]) == (1.0, 1.0, 3.0)
 
@@ -284,7 +286,8 @@ def test_torch_skip_nan_gradients_skips_where_stock_rllib_steps() -> None:
         handle = _poison(wrapped, name, minibatch=1)
         seeded_update(wrapped, "ppo", batch, seed=2, step=2, num_epochs=1, minibatch_size=None)
         handle.remove()
-        assert first_difference(before, _weights_and_optimizer(wrapped)) is None
+        diff = first_difference(before, _weights_and_optimizer(wrapped))
+        assert diff is None, f"a skipped minibatch moved: {diff}"
     finally:
         shutdown_all(learners)
 
