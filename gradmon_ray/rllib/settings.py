@@ -17,8 +17,11 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
+from gradmon_ray.config import RegularizerEntry
+from gradmon_ray.optim.upgd import UPGD
 from gradmon_ray.rllib.fault_injection import FaultInjection
 from gradmon_ray.telemetry.bands import BandSet, CollapseBand, HealthBands
+from gradmon_ray.telemetry.vgs import VarianceGradientScaler
 
 LEARNER_CONFIG_KEY = "gradmon"
 """Key in ``AlgorithmConfig.learner_config_dict`` holding the gradmon learner settings."""
@@ -96,18 +99,10 @@ def _frozen(data: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return MappingProxyType(dict(data or {}))
 
 
-def _vgs_kwargs() -> frozenset[str]:
-    """``VarianceGradientScaler``'s keyword arguments (read from its signature: never a second list)."""
-    from gradmon_ray.telemetry.vgs import VarianceGradientScaler
-
-    return frozenset(inspect.signature(VarianceGradientScaler).parameters) - {"parameters", "enabled"}
-
-
-def _upgd_kwargs() -> frozenset[str]:
-    """``UPGD``'s settable keyword arguments (the learner passes ``params``, ``lr`` and ``generator``)."""
-    from gradmon_ray.optim.upgd import UPGD
-
-    return frozenset(inspect.signature(UPGD).parameters) - {"params", "lr", "generator"}
+def _keywords(fn: Any, *passed: str) -> frozenset[str]:
+    """``fn``'s parameter names less those the learner ``passed`` itself (read from its signature: never a
+    second list to keep in step with ``VarianceGradientScaler`` or ``UPGD``)."""
+    return frozenset(inspect.signature(fn).parameters) - set(passed)
 
 
 @dataclass(frozen=True)
@@ -123,7 +118,7 @@ class VGSSettings:
     def from_dict(cls, data: Mapping[str, Any] | None, *, at: str = where("vgs")) -> VGSSettings:
         """Parse the ``vgs`` section (``at``: its place, for error messages)."""
         data = mapping(data, at)
-        check_keys(data, {"enabled", "apply_to", "accept_old_checkpoint"} | _vgs_kwargs(), at)
+        check_keys(data, {"apply_to", "accept_old_checkpoint"} | _keywords(VarianceGradientScaler, "parameters"), at)
         data.pop("accept_old_checkpoint", None)  # checked before training (rllib.preflight)
         apply_to = str(data.pop("apply_to", "update"))
         if apply_to not in APPLY_TO:
@@ -277,7 +272,13 @@ class GradmonSettings:
             report_every=typed(data.get("report_every", 0), "int", where("report_every"), minimum=0),
             fused_optimizer=typed(data.get("fused_optimizer", True), "bool", where("fused_optimizer")),
             optimizer=optimizer,
-            upgd=_frozen(check_keys(mapping(data.get("upgd"), where("upgd")), _upgd_kwargs(), where("upgd"))),
+            upgd=_frozen(
+                check_keys(
+                    mapping(data.get("upgd"), where("upgd")),
+                    _keywords(UPGD, "params", "lr", "generator"),
+                    where("upgd"),
+                )
+            ),
             vgs=VGSSettings.from_dict(data.get("vgs")),
             bands=parse_bands(data.get("bands"), where("bands")),
             collective_group=typed(data.get("collective_group"), "str", where("collective_group"), none_ok=True),
@@ -337,7 +338,5 @@ def _regularizers(data: Any) -> tuple[Mapping[str, Any], ...]:
         raise ValueError(
             f"{at} must be a list of {{'name', 'fn', 'weight', 'enabled'}} entries, got {type(data).__name__}"
         )
-    from gradmon_ray.rllib.regularizers import resolve_regularizer
-
-    allowed = inspect.signature(resolve_regularizer).parameters
+    allowed = RegularizerEntry.model_fields  # what build_ppo_config writes, one entry each
     return tuple(_frozen(check_keys(mapping(e, f"{at}[{i}]"), allowed, f"{at}[{i}]")) for i, e in enumerate(data))
