@@ -190,6 +190,12 @@ def learner_tensors(learner: Any) -> dict[str, Any]:
     return out
 
 
+def weights_and_optimizer(learner: Any, clone: bool = False) -> dict[str, Any]:
+    """``learner_tensors`` restricted to module weights and optimizer state (``clone``: a snapshot)."""
+    state = {k: v for k, v in learner_tensors(learner).items() if k.startswith(("module[", "optimizer["))}
+    return {k: v.clone() if clone and isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
 def first_difference(stock: dict[str, Any], wrapped: dict[str, Any]) -> str | None:
     """None when equal bit for bit; else a line naming the first differing entry and by how much."""
     if list(stock) != list(wrapped):
@@ -226,3 +232,18 @@ def shutdown_all(learners: Iterable[Any]) -> None:
     for learner in learners:
         if learner is not None:
             learner.shutdown()
+
+
+def rllib_loss(learner: Any, batch: Any, module_id: str = DEFAULT_MODULE_ID) -> float:
+    """RLlib's own ``compute_loss_for_module`` of ``learner`` at its current weights, called directly
+    (outside ``update``; no gradient).  Call it on a stock learner: it is the oracle."""
+    tensors = dict(learner._convert_batch_type(copy.deepcopy(batch)).policy_batches[module_id])
+    module = learner.module[module_id].unwrapped()
+    with torch.no_grad():
+        loss = learner.compute_loss_for_module(
+            module_id=module_id,
+            config=learner.config.get_config_for_module(module_id),
+            batch=tensors,
+            fwd_out=module.forward_train(tensors),
+        )
+    return float(loss)

@@ -42,6 +42,7 @@ from tests.peer.pairs import (
     seeded_update,
     shutdown_all,
     spaces_of,
+    weights_and_optimizer,
 )
 
 LOSS_KEYS = ("total_loss", "policy_loss", "vf_loss", "entropy", "mean_kl_loss", "curr_kl_coeff")
@@ -282,16 +283,11 @@ def test_torch_skip_nan_gradients_skips_where_stock_rllib_steps() -> None:
 
         # One poisoned minibatch alone: no weight and no optimizer state moves (Adam's moments and
         # step count); RLlib's KL-coefficient rule still runs after the update, as it should.
-        before = _weights_and_optimizer(wrapped, clone=True)
+        before = weights_and_optimizer(wrapped, clone=True)
         handle = _poison(wrapped, name, minibatch=1)
         seeded_update(wrapped, "ppo", batch, seed=2, step=2, num_epochs=1, minibatch_size=None)
         handle.remove()
-        diff = first_difference(before, _weights_and_optimizer(wrapped))
+        diff = first_difference(before, weights_and_optimizer(wrapped))
         assert diff is None, f"a skipped minibatch moved: {diff}"
     finally:
         shutdown_all(learners)
-
-
-def _weights_and_optimizer(learner: Any, clone: bool = False) -> dict[str, Any]:
-    state = {k: v for k, v in learner_tensors(learner).items() if k.startswith(("module[", "optimizer["))}
-    return {k: v.clone() if clone and isinstance(v, torch.Tensor) else v for k, v in state.items()}
