@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from gradmon_ray.config import ConfigError, GradmonConfig, config_advisories, load_config, load_yaml
-from gradmon_ray.tracking.redact import OUTPUT_REDACTOR, redact_uri
+from gradmon_ray.tracking.redact import OUTPUT_REDACTOR, redact_uri, uri_secrets
 from gradmon_ray.tracking.spill import SpillFormatError
 from gradmon_ray.viz.runs import RunLookupError
 
@@ -186,6 +186,7 @@ def _resume(args: argparse.Namespace) -> int:
     if any(v is not None for v in others.values()) or args.set:
         raise ConfigError("--resume", "takes the run's own config; only --iterations and --mlflow-uri may be given")
     uri = args.mlflow_uri or default_tracking_uri()
+    _use_uri(uri)
     problem = uri_scheme_problem(uri)
     if problem:
         raise ConfigError("--mlflow-uri", problem)
@@ -217,7 +218,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume:
         return _resume(args)
     cfg = load_config(args.config, _overrides(args))
-    OUTPUT_REDACTOR.add_uri(cfg.mlflow.tracking_uri)  # the config file may hold it too
+    _use_uri(cfg.mlflow.tracking_uri)  # the config file may hold it too
     from gradmon_ray.rllib.preflight import preflight
     from gradmon_ray.train import run_training
 
@@ -246,6 +247,15 @@ def _train(args: argparse.Namespace) -> int:
     )
     print(f"gradmon-ray: view it with: {hint}", flush=True)
     return EXIT_OK
+
+
+def _use_uri(uri: str) -> None:
+    """Mask ``uri``'s credentials in this process's output from now on.  MLflow itself prints a
+    run's URL, with them, to stdout when the run ends (``_log_url``): off for such a URI (the CLI
+    prints its own, masked); set before Ray starts, so that a local Ray's workers inherit it."""
+    OUTPUT_REDACTOR.add_uri(uri)
+    if uri_secrets(uri):
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
 
 
 def _check_tracking_server(cfg: GradmonConfig) -> None:
@@ -315,7 +325,7 @@ def _tune(args: argparse.Namespace) -> int:
     }
     base = apply_overrides(base, {**{k: v for k, v in flags.items() if v is not None}, **_set_overrides(args.set)})
     cfg = config_from_dict(dict(base))  # the flags too are validated before Ray starts
-    OUTPUT_REDACTOR.add_uri(cfg.mlflow.tracking_uri)
+    _use_uri(cfg.mlflow.tracking_uri)
     _check_tracking_server(cfg)
     _advise(cfg)
     print(f"gradmon-ray: sweep '{sweep.name}' over {', '.join(sweep.search_space)}", flush=True)

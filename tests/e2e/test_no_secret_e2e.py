@@ -1,0 +1,231 @@
+"""Issue 27 item 1: a password in the tracking URI is used, and found nowhere afterwards.
+
+The server is the one ``cluster.yaml`` starts on the head: its own ``mlflow server`` command
+(MLflow's basic-auth app, the admin login from ``~/.gradmon-ray/mlflow.env``), run here on
+127.0.0.1 with a temporary home.  Its password is a unique marker.  A real short ``gradmon-ray
+train`` (and ``gradmon-ray tune``) then connects with ``http://admin:MARKER@127.0.0.1:PORT``:
+the run must reach the server (a wrong password is refused with 401, so that proves the
+marker was used) and the marker must be in no file under the working directory (checkpoints,
+``gradmon_resume.json``, Tune's trial state included), in no process output, in no row of any
+table of the server's database and in no logged artifact.
+
+Without Flask-WTF (``mlflow[auth]``) MLflow's basic-auth app cannot start: then a plain
+``mlflow server``, which ignores the password, stands in and the login test is skipped.
+"""
+
+from __future__ import annotations
+
+import configparser
+import importlib.util
+import os
+import sqlite3
+import subprocess
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from gradmon_ray import metric_names as mn
+from gradmon_ray.tracking.store_check import tracking_server_problem
+from tests.e2e.processes import BIN, SMALL_TRAIN_ARGS, clean_env, free_port, kill_group, wait_http
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+HAS_AUTH_APP = importlib.util.find_spec("flask_wtf") is not None
+CREDENTIAL_VARS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+
+
+@dataclass
+class Server:
+    port: int
+    marker: str
+    store: Path
+    """The server's sqlite backend store."""
+    artifacts: Path
+    auth: bool
+
+    def uri(self, password: str | None = None) -> str:
+        login = f"admin:{password}@" if password else ""
+        return f"http://{login}127.0.0.1:{self.port}"
+
+
+def _head_mlflow_command(port: int) -> str:
+    """cluster.yaml's own command that starts MLflow on the head, bound to 127.0.0.1:``port``."""
+    cluster = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    (command,) = [c for c in cluster["head_start_ray_commands"] if "mlflow server" in c and "pkill" not in c]
+    head_ip = "HEAD_IP=$(hostname -I | awk '{print $1}')"
+    assert head_ip in command and "--port 5000" in command
+    return command.replace(head_ip, "HEAD_IP=127.0.0.1").replace("--port 5000", f"--port {port} --workers 1")
+
+
+def _auth_config(path: Path) -> Path:
+    """MLflow's own basic_auth.ini with its credential cache on: a PBKDF2 check per request costs
+    about a second on a loaded 2-core box, and a run makes dozens of requests."""
+    import mlflow.server.auth
+
+    config = configparser.ConfigParser()
+    config.read(Path(mlflow.server.auth.__file__).parent / "basic_auth.ini")
+    config["mlflow"]["auth_cache_ttl_seconds"] = "300"
+    with path.open("w") as f:
+        config.write(f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlflow-auth")
+    marker = f"Zq{uuid.uuid4().hex}"  # 34 characters: the auth app wants 12 at least
+    home = root / "home"
+    (home / ".gradmon-ray").mkdir(parents=True)
+    credentials = home / ".gradmon-ray" / "mlflow.env"
+    credentials.write_text(f"MLFLOW_TRACKING_USERNAME=admin\nMLFLOW_TRACKING_PASSWORD={marker}\n")
+    credentials.chmod(0o600)
+    port = free_port()
+    env = clean_env(HOME=str(home))
+    for name in CREDENTIAL_VARS:
+        env.pop(name, None)
+    if HAS_AUTH_APP:
+        env["MLFLOW_AUTH_CONFIG_PATH"] = str(_auth_config(root / "auth.ini"))
+        argv = ["bash", "-c", _head_mlflow_command(port)]
+        store, artifacts = home / "mlflow" / "mlflow.db", home / "mlflow" / "artifacts"
+    else:
+        store, artifacts = root / "server.db", root / "artifacts"
+        argv = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+        argv += ["--backend-store-uri", f"sqlite:///{store}", "--artifacts-destination", str(artifacts)]
+    # cluster.yaml's command backgrounds the server (nohup ... &): it stays in this process group.
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", 180)
+        yield Server(port, marker, store, artifacts, HAS_AUTH_APP)
+    finally:
+        kill_group(proc, grace_s=10)
+
+
+@pytest.fixture
+def no_credential_env(monkeypatch):
+    for name in CREDENTIAL_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.skipif(not HAS_AUTH_APP, reason="MLflow's basic-auth app needs Flask-WTF (pip install 'mlflow[auth]')")
+def test_the_cluster_yaml_server_asks_for_its_login(server, no_credential_env, monkeypatch):
+    assert "refused the credentials (HTTP 401)" in tracking_server_problem(server.uri())
+    assert "refused the credentials (HTTP 401)" in tracking_server_problem(server.uri("not-the-password-1"))
+    assert tracking_server_problem(server.uri(server.marker)) is None
+    # How the cluster's nodes authenticate: the variables every `ray start` exports, a plain URI.
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "admin")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", server.marker)
+    assert tracking_server_problem(server.uri()) is None
+
+
+def _files_holding(marker: str, root: Path) -> list[str]:
+    """Every file under ``root`` (hidden ones too) whose bytes contain ``marker``."""
+    needle = marker.encode()
+    return [str(p) for p in sorted(root.rglob("*")) if p.is_file() and needle in p.read_bytes()]
+
+
+def _rows_holding(marker: str, store: Path) -> list[tuple[str, tuple]]:
+    """Every row of every table of the sqlite database ``store`` whose text contains ``marker``."""
+    with sqlite3.connect(store) as db:
+        tables = [name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        assert {"runs", "params", "tags", "metrics"} <= set(tables)
+        found = []
+        for table in tables:
+            found += [(table, row) for row in db.execute(f'SELECT * FROM "{table}"') if marker in repr(row)]
+    return found
+
+
+def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = clean_env()
+    for name in CREDENTIAL_VARS:  # the URI is the only place the password is given
+        env.pop(name, None)
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _assert_no_marker_left(server: Server, proc: subprocess.CompletedProcess[str], run_dir: Path) -> None:
+    assert server.marker not in proc.stdout and server.marker not in proc.stderr
+    assert _files_holding(server.marker, run_dir) == []
+    assert _files_holding(server.marker, server.artifacts) == []
+    assert _rows_holding(server.marker, server.store) == []
+
+
+def test_train_uses_the_password_and_leaves_it_nowhere(server, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    argv = [str(BIN / "gradmon-ray"), "train", *SMALL_TRAIN_ARGS, "--mlflow-uri", server.uri(server.marker)]
+    argv += ["--experiment", "no-secret", "--set", "checkpoint_every=1", "--set", "mlflow.plots_every=1"]
+    proc = _run(argv, run_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shown = f"http://admin:***@127.0.0.1:{server.port}"
+    assert f"MLflow: {shown}" in proc.stdout and f"open {shown} in a browser" in proc.stdout
+
+    # The run reached the server with the marker (it is the only login that server accepts) ...
+    client = MlflowClient(server.uri(server.marker))
+    (run,) = client.search_runs([client.get_experiment_by_name("no-secret").experiment_id])
+    assert run.info.status == "FINISHED"
+    history = client.get_metric_history(run.info.run_id, mn.head_metric(mn.HEAD_GRAD_NORM, "op"))
+    assert sorted(m.step for m in history) == [1, 2]
+    # ... the URI's param is there, masked (not just left out) ...
+    assert run.data.params["mlflow.tracking_uri"] == shown
+    # ... and what the search below covers exists: artifacts on the server, checkpoints here.
+    assert client.list_artifacts(run.info.run_id) and list(server.artifacts.rglob("*.png"))
+    assert list(run_dir.rglob("gradmon_resume.json"))
+    _assert_no_marker_left(server, proc, run_dir)
+
+
+def test_tune_uses_the_password_and_leaves_it_nowhere(server, tmp_path):
+    """Tune writes every trial's config to disk (params.json, its experiment state): the sweep's
+    param space holds the URI masked, and the trials get the real one through Ray's object store."""
+    run_dir = tmp_path / "sweep"
+    run_dir.mkdir()
+    (run_dir / "tiny_sweep.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "base": {
+                    "iterations": 1,
+                    "ppo": {"train_batch_size": 128, "minibatch_size": 64, "num_epochs": 1},
+                    "model": {"trunk_hiddens": [16]},
+                    "resources": {"num_env_runners": 0},
+                    "mlflow": {"experiment": "no-secret-sweep", "plots_every": 0},
+                },
+                "search_space": {"ppo.lr": {"choice": [0.001]}},
+                "max_failures": 0,
+            }
+        )
+    )
+    argv = [str(BIN / "gradmon-ray"), "tune", "tiny_sweep.yaml", "--mlflow-uri", server.uri(server.marker)]
+    proc = _run(argv, run_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client = MlflowClient(server.uri(server.marker))
+    runs = client.search_runs([client.get_experiment_by_name("no-secret-sweep").experiment_id])
+    assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs)  # the parent and its one trial
+    (trial,) = [r for r in runs if "trial.ppo.lr" in r.data.params]
+    assert trial.data.params["mlflow.tracking_uri"] == f"http://admin:***@127.0.0.1:{server.port}"
+    assert client.get_metric_history(trial.info.run_id, mn.head_metric(mn.HEAD_GRAD_NORM, "op"))
+    assert list(run_dir.rglob("params.json"))  # Tune's own record of the trial config is searched too
+    _assert_no_marker_left(server, proc, run_dir)
+
+
+def test_offline_ok_spills_without_the_password(tmp_path):
+    """``mlflow.offline_ok`` against a server that is not there: training runs, everything goes to
+    the spill file, whose header names the server without its password; no 'MLflow run None'."""
+    marker = f"Zq{uuid.uuid4().hex}"
+    run_dir = tmp_path / "offline"
+    run_dir.mkdir()
+    uri = f"http://admin:{marker}@127.0.0.1:{free_port()}"
+    argv = [str(BIN / "gradmon-ray"), "train", *SMALL_TRAIN_ARGS, "--mlflow-uri", uri]
+    argv += ["--iterations", "1", "--set", "mlflow.offline_ok=true", "--set", "mlflow.plots_every=0"]
+    proc = _run(argv, run_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mlflow.offline_ok: training anyway" in proc.stderr
+    assert "never took the run; replay it with: gradmon-ray replay" in proc.stdout
+    spills = list((run_dir / "gradmon-spill").glob("*.jsonl"))
+    assert len(spills) == 1 and "http://admin:***@127.0.0.1:" in spills[0].read_text().splitlines()[0]
+    assert marker not in proc.stdout + proc.stderr
+    assert _files_holding(marker, run_dir) == []
+    assert not any(p.name in ("mlflow.db", "mlruns") for p in run_dir.iterdir())
+    assert os.listdir(run_dir)  # the search above saw the spill directory
