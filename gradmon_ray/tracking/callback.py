@@ -109,8 +109,11 @@ def pinned_settings(settings: CallbackSettings) -> CallbackSettings:
     return dataclasses.replace(settings, tracking_uri=absolute_tracking_uri(uri), spill_dir=spill)
 
 
-def _subclass(cls: type[GradmonMLflowCallback], settings: CallbackSettings) -> type[GradmonMLflowCallback]:
-    return type(cls)(cls.__name__, (cls,), {"settings": settings, "__module__": cls.__module__})
+def _subclass(
+    cls: type[GradmonMLflowCallback], settings: CallbackSettings, *, store_checked: bool
+) -> type[GradmonMLflowCallback]:
+    attrs = {"settings": settings, "store_checked": store_checked, "__module__": cls.__module__}
+    return type(cls)(cls.__name__, (cls,), attrs)
 
 
 class _PinnedWhenShipped(type(RLlibCallback)):  # type: ignore[misc]
@@ -139,7 +142,8 @@ def _pinned_class(module: str, qualname: str, tracking_uri: str, spill_dir: str 
     cls: Any = importlib.import_module(module)
     for name in qualname.split("."):
         cls = getattr(cls, name)
-    return _subclass(cls, dataclasses.replace(cls.settings, tracking_uri=tracking_uri, spill_dir=spill_dir))
+    pinned = dataclasses.replace(cls.settings, tracking_uri=tracking_uri, spill_dir=spill_dir)
+    return _subclass(cls, pinned, store_checked=False)
 
 
 copyreg.pickle(_PinnedWhenShipped, _reduce_callback_class)
@@ -211,6 +215,8 @@ class GradmonMLflowCallback(RLlibCallback, metaclass=_PinnedWhenShipped):
     """
 
     settings: ClassVar[CallbackSettings] = CallbackSettings()
+    store_checked: ClassVar[bool] = False
+    """True on ``configured`` classes (checked on the driver); others check when the algorithm starts."""
 
     @classmethod
     def configured(cls, **settings: Any) -> type[GradmonMLflowCallback]:
@@ -225,7 +231,7 @@ class GradmonMLflowCallback(RLlibCallback, metaclass=_PinnedWhenShipped):
         if problem:
             raise ValueError(f"GradmonMLflowCallback.configured: {problem}")
         create_sqlite_store(str(resolved.tracking_uri))
-        return _subclass(cls, resolved)
+        return _subclass(cls, resolved, store_checked=True)
 
     def __init__(self) -> None:
         super().__init__()
@@ -285,11 +291,10 @@ class GradmonMLflowCallback(RLlibCallback, metaclass=_PinnedWhenShipped):
         return complete
 
     def _open_sink(self, algorithm: Any) -> MlflowSink:
-        s = pinned_settings(self.settings)
-        if s != self.settings:  # a class neither configured nor pickled: this process is the driver
-            problem = local_store_problem(str(s.tracking_uri), must_exist=False)
-            if problem:
-                raise ValueError(problem)
+        s = pinned_settings(self.settings)  # unchanged unless never pickled: then this process is the driver
+        problem = None if self.store_checked else local_store_problem(str(s.tracking_uri), must_exist=False)
+        if problem:
+            raise ValueError(problem)  # on_algorithm_init logs it: training goes on without MLflow
         uri = str(s.tracking_uri)
         trial = tune_trial_dir_name(algorithm)
         run_name = s.run_name or trial

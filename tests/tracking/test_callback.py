@@ -170,6 +170,36 @@ def test_pinning_honours_mlflow_tracking_uri_and_leaves_configured_classes_alone
     assert again.settings.tracking_uri == "http://127.0.0.1:5999" and again.settings.spill_dir is None
 
 
+class _StubAlgorithm:
+    """Only what ``on_algorithm_init`` touches before it opens the sink (pure logic, no RLlib)."""
+
+    config = None
+
+    def step(self) -> None: ...
+
+    def cleanup(self) -> None: ...
+
+    def get_module(self, module_id: str) -> None:
+        raise KeyError(module_id)
+
+
+def test_the_plain_class_checks_its_store_when_the_algorithm_starts_and_trains_without_mlflow(
+    tmp_path, monkeypatch, caplog
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///missing/x.db")
+    shipped = pickle.loads(cloudpickle.dumps(GradmonMLflowCallback))  # as a Tune trial gets it
+    assert not shipped.store_checked and GradmonMLflowCallback.configured(tracking_uri="sqlite:///m.db").store_checked
+    for cls in (GradmonMLflowCallback, shipped):  # in the driver's own loop, and in a trial
+        callback = cls()
+        with caplog.at_level("WARNING", logger="gradmon_ray.tracking.callback"):
+            callback.on_algorithm_init(algorithm=_StubAlgorithm())
+        assert callback.sink is None  # logging off; training goes on
+        assert f"{tmp_path}/missing does not exist, so the store can never be created" in caplog.text
+        caplog.clear()
+    assert _tree(tmp_path) == ["m.db"]  # only the configured store; nothing for the refused one
+
+
 @pytest.mark.e2e
 def test_plain_train_loop_streams_every_gradmon_metric_and_ends_the_run_on_stop(ray_session, tmp_path, capsys):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
