@@ -10,10 +10,10 @@ logged after its last checkpoint are trained again but not logged twice.
 **Only under the checkpoint root.** A checkpoint is a pickle, and anyone who can write a tag on
 the tracking server can point ``gradmon.checkpoint_dir`` anywhere: the tag alone never decides
 what is loaded.  The allowed root is ``checkpoint_dir`` (given by the caller), else
-``$GRADMON_CHECKPOINT_DIR``, else ``./gradmon-checkpoints``; it may be the root itself or one
-run's directory in it.  Without one given, the run is looked for where its tag points, and
-only if that is inside the allowed root.  Every path is compared after resolving symlinks and
-``..``, the checkpoint finally loaded (``latest`` may be a symlink) included.
+``$GRADMON_CHECKPOINT_DIR``, else ``./gradmon-checkpoints``.  The run's checkpoints are looked
+for in the directory given (the root, or the run's own directory in it), then where the run's
+tag points if that is inside the allowed root.  Every path is compared after resolving symlinks and
+``..``, the checkpoint finally loaded (a run directory may be a symlink) included.
 """
 
 from __future__ import annotations
@@ -81,14 +81,24 @@ def resume_point(
         raise ConfigError("--resume", f"run {run_id} has no resumable checkpoint (train with checkpoint_every > 0)")
     given = checkpoint_dir or os.environ.get(CHECKPOINT_ROOT_ENV)
     root = allowed_root(given)
-    where = (Path(given).expanduser() if given else Path(tag)).resolve()  # searched as resolved: `x/..` too
-    if not _inside(where, root):
-        raise ConfigError(
-            "--resume",
-            f"run {run_id}'s checkpoints are in {tag}, outside the allowed checkpoint root {root}; "
-            f"set {CHECKPOINT_ROOT_ENV}={tag} to load from there",
-        )
-    version, state = find_checkpoint(where, run_id)
+    tagged = Path(tag).resolve()  # searched as resolved, so `x/..` works whether or not x exists
+    places = [Path(given).expanduser().resolve()] if given else []  # the root, or the run's directory
+    places += [tagged] if _inside(tagged, root) and tagged not in places else []
+    outside = ConfigError(
+        "--resume",
+        f"run {run_id}'s checkpoints are in {tag}, outside the allowed checkpoint root {root}; "
+        f"set {CHECKPOINT_ROOT_ENV}={tag} to load from there",
+    )
+    found, missing = None, None
+    for where in places:
+        try:
+            found = find_checkpoint(where, run_id)
+            break
+        except ConfigError as exc:
+            missing = missing or exc
+    if found is None:
+        raise missing if _inside(tagged, root) and missing is not None else outside
+    version, state = found
     if not _inside(version, root):  # e.g. a `latest` or run directory symlinked out of the root
         raise ConfigError("--resume", f"checkpoint {version} resolves to {version.resolve()}, outside {root}")
     if not state.get("state_digest"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -22,3 +23,21 @@ def resumable_config(tmp_path: Path, **top: Any) -> GradmonConfig:
             **top,
         }
     )
+
+
+def newest_checkpoint(root: Path, run_id: str | None = None) -> Path:
+    """The newest complete checkpoint version under ``root`` (in ``run_id``'s directory if given,
+    else in any run's directory, the ``unnamed-*`` ones included)."""
+    from gradmon_ray.checkpointing import versions
+
+    run_dirs = [root / run_id] if run_id else [p for p in root.iterdir() if p.is_dir()]
+    found = [vs for run_dir in run_dirs for vs in versions(run_dir)]
+    assert found, f"no complete checkpoint under {root}"
+    return max(found, key=lambda vs: int(vs[1]["saved_ns"]))[0]
+
+
+def newest_state(root: Path, run_id: str | None = None) -> dict[str, Any]:
+    """The resume file of ``newest_checkpoint(root, run_id)``."""
+    from gradmon_ray.checkpointing import RESUME_FILE
+
+    return json.loads((newest_checkpoint(root, run_id) / RESUME_FILE).read_text())

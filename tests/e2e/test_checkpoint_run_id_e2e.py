@@ -2,11 +2,13 @@
 run on its own thread: a checkpoint may be due before the run exists (a slow store, a loaded
 box; CI once saw ``belongs to run None``).  And a checkpoint names only the run that wrote it:
 runs sharing a ``checkpoint_dir`` never resume from each other's.  Real RLlib training, a real
-sqlite store; only the moment the sink creates its run is held back."""
+sqlite store; only the moment the sink creates its run is held back.
+
+Each run keeps its checkpoints in its own directory of the checkpoint root, so runs sharing a
+``checkpoint_dir`` cannot overwrite each other's any more (they once did: ``latest`` was shared)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from typing import Any
@@ -15,12 +17,11 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray import checkpointing
-from gradmon_ray.checkpointing import LATEST, RESUME_FILE
 from gradmon_ray.config import ConfigError
 from gradmon_ray.resume import resume_point
 from gradmon_ray.tracking import MlflowSink
 from gradmon_ray.train import run_training
-from tests.e2e.resumable_runs import resumable_config
+from tests.e2e.resumable_runs import newest_state, resumable_config
 
 pytestmark = pytest.mark.e2e
 
@@ -43,7 +44,12 @@ def _hold_run_creation(monkeypatch: pytest.MonkeyPatch, release: threading.Event
 
 
 def _checkpoint_run_id(cfg: Any) -> str | None:
-    return json.loads((checkpointing.checkpoint_root(cfg) / LATEST / RESUME_FILE).read_text())["run_id"]
+    """The run id in the newest checkpoint under ``cfg``'s root, whichever run directory holds it."""
+    return newest_state(checkpointing.checkpoint_root(cfg))["run_id"]
+
+
+def _resume_point(cfg: Any, run_id: str) -> Any:
+    return resume_point(cfg.mlflow.tracking_uri, run_id, checkpointing.checkpoint_root(cfg))[1]
 
 
 def test_the_first_checkpoint_waits_for_the_run_it_belongs_to(ray_session, tmp_path, monkeypatch):
@@ -63,7 +69,7 @@ def test_the_first_checkpoint_waits_for_the_run_it_belongs_to(ray_session, tmp_p
     outcome = run_training(cfg, progress=lambda line: ids.append(_checkpoint_run_id(cfg)))
     assert outcome.iterations_done == ITERATIONS and outcome.run_id is not None
     assert ids == [outcome.run_id] * ITERATIONS  # every checkpoint, from the first, names the run
-    _, point = resume_point(cfg.mlflow.tracking_uri, outcome.run_id)
+    point = _resume_point(cfg, outcome.run_id)
     assert point.iterations_done == ITERATIONS and point.logged_through == ITERATIONS
 
 
@@ -71,8 +77,9 @@ def test_a_checkpoint_saved_before_the_run_exists_gets_its_id_when_the_run_ends(
     ray_session, tmp_path, monkeypatch, caplog
 ):
     """MLflow creates the run only after the last iteration (longer than the checkpoint's wait):
-    the checkpoints are written without the id, with one warning, and the run's end writes the
-    id into the latest one, which ``--resume`` then accepts."""
+    the checkpoints are written without the id (in an ``unnamed-*`` directory), with one warning,
+    and the run's end writes the id into the latest one and moves it to the run's directory,
+    which ``--resume`` then accepts."""
     cfg = _config(tmp_path)
     release = threading.Event()
     _hold_run_creation(monkeypatch, release)
@@ -91,23 +98,24 @@ def test_a_checkpoint_saved_before_the_run_exists_gets_its_id_when_the_run_ends(
     assert len(warnings) == 1 and "written before MLflow created the run" in warnings[0]
     assert outcome.run_id is not None and outcome.mlflow_complete
     assert _checkpoint_run_id(cfg) == outcome.run_id
-    _, point = resume_point(cfg.mlflow.tracking_uri, outcome.run_id)
-    assert point.iterations_done == ITERATIONS
+    root = checkpointing.checkpoint_root(cfg)
+    assert (root / outcome.run_id).is_dir() and not list(root.glob("unnamed-*"))  # moved, nothing left behind
+    assert _resume_point(cfg, outcome.run_id).iterations_done == ITERATIONS
 
 
-def test_resume_refuses_a_checkpoint_a_later_run_wrote_over_its_own(ray_session, tmp_path):
-    """Two runs with one ``checkpoint_dir`` (the default one, run twice in the same directory): the
-    later run's checkpoint replaces the earlier's, so ``--resume`` of the earlier run is refused,
-    naming the run the checkpoint belongs to, instead of continuing it from the other run's state."""
+def test_runs_sharing_a_checkpoint_dir_each_resume_from_their_own(ray_session, tmp_path):
+    """Two runs with one ``checkpoint_dir`` (the default one, run twice in the same directory):
+    each keeps its checkpoint in its own directory, so the later run no longer replaces the
+    earlier's, and each resumes from the checkpoint that names it."""
     cfg = _config(tmp_path)
     earlier = run_training(cfg, progress=None)
     later = run_training(cfg, progress=None)
     assert earlier.run_id != later.run_id
-    assert _checkpoint_run_id(cfg) == later.run_id
-    with pytest.raises(ConfigError, match=f"belongs to run {later.run_id}, not {earlier.run_id}"):
-        resume_point(cfg.mlflow.tracking_uri, earlier.run_id)
-    _, point = resume_point(cfg.mlflow.tracking_uri, later.run_id)
-    assert point.iterations_done == ITERATIONS
+    root = checkpointing.checkpoint_root(cfg)
+    for outcome in (earlier, later):
+        assert newest_state(root, outcome.run_id)["run_id"] == outcome.run_id
+        point = _resume_point(cfg, outcome.run_id)
+        assert point.iterations_done == ITERATIONS and f"/{outcome.run_id}/ckpt-" in point.checkpoint_path
 
 
 def test_a_run_stopped_before_its_first_checkpoint_leaves_the_previous_runs_checkpoint_alone(ray_session, tmp_path):
@@ -116,8 +124,8 @@ def test_a_run_stopped_before_its_first_checkpoint_leaves_the_previous_runs_chec
     not write its id into that checkpoint (``--resume`` would then continue it from the other
     run's weights); the other run still resumes from it, this one is refused."""
     earlier = run_training(_config(tmp_path), progress=None)
-    state_file = checkpointing.checkpoint_root(_config(tmp_path)) / LATEST / RESUME_FILE
-    before = state_file.read_bytes()
+    root = checkpointing.checkpoint_root(_config(tmp_path))
+    before = {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
     def ctrl_c(line: str) -> None:
         raise KeyboardInterrupt
@@ -125,12 +133,12 @@ def test_a_run_stopped_before_its_first_checkpoint_leaves_the_previous_runs_chec
     later_cfg = _config(tmp_path, iterations=10, checkpoint_every=5)
     with pytest.raises(KeyboardInterrupt):
         run_training(later_cfg, progress=ctrl_c)
-    assert state_file.read_bytes() == before and json.loads(before)["run_id"] == earlier.run_id
+    assert {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
+    assert newest_state(root)["run_id"] == earlier.run_id
     client = MlflowClient(later_cfg.mlflow.tracking_uri)
     runs = client.search_runs([client.get_experiment_by_name("resume").experiment_id])
     (later,) = [run for run in runs if run.info.run_id != earlier.run_id]
     assert later.info.status == "KILLED"
-    with pytest.raises(ConfigError, match=f"belongs to run {earlier.run_id}, not {later.info.run_id}"):
-        resume_point(later_cfg.mlflow.tracking_uri, later.info.run_id)
-    _, point = resume_point(later_cfg.mlflow.tracking_uri, earlier.run_id)
-    assert point.iterations_done == ITERATIONS
+    with pytest.raises(ConfigError, match=f"no complete checkpoint of run {later.info.run_id}"):
+        _resume_point(later_cfg, later.info.run_id)
+    assert _resume_point(later_cfg, earlier.run_id).iterations_done == ITERATIONS

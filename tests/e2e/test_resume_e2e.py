@@ -16,15 +16,15 @@ from mlflow.tracking import MlflowClient
 from gradmon_ray import cli
 from gradmon_ray import metric_names as mn
 from gradmon_ray.checkpointing import LATEST, RESUME_FILE
-from gradmon_ray.resume import resume_point
+from gradmon_ray.resume import CHECKPOINT_ROOT_ENV, resume_point
 from gradmon_ray.train import CheckpointStateMismatchError, run_training
-from tests.e2e.resumable_runs import resumable_config
+from tests.e2e.resumable_runs import newest_checkpoint, newest_state, resumable_config
 
 pytestmark = pytest.mark.e2e
 
 
 def _on_disk(tmp_path: Path) -> dict[str, Any]:
-    return json.loads((tmp_path / "ckpt" / LATEST / RESUME_FILE).read_text())
+    return newest_state(tmp_path / "ckpt")
 
 
 def _only_run(client: MlflowClient) -> Any:
@@ -48,8 +48,10 @@ def _interrupt_after(iteration: int, total: int):
 
 @pytest.fixture
 def cli_resume(monkeypatch, tmp_path):
-    """``gradmon-ray train --resume RUN_ID`` in this process (the CLI sets two MLflow env vars: undone after)."""
+    """``gradmon-ray train --resume RUN_ID`` in this process (the CLI sets two MLflow env vars: undone after),
+    with ``tmp_path`` as the checkpoint root it may load from."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(CHECKPOINT_ROOT_ENV, str(tmp_path))
     for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"):
         monkeypatch.delenv(name, raising=False)
 
@@ -62,9 +64,9 @@ def cli_resume(monkeypatch, tmp_path):
 def test_a_checkpoint_save_that_fails_leaves_the_previous_one_to_resume_from(
     ray_session, tmp_path, monkeypatch, cli_resume
 ):
-    """The iteration-2 save fails halfway (disk full): ``latest`` must still be the complete
-    iteration-1 checkpoint, and ``--resume`` continues from it, training iteration 2 again
-    without logging it twice, and tags that range as recomputed."""
+    """The iteration-2 save fails halfway (disk full): the newest complete checkpoint (and ``latest``)
+    must still be iteration 1's, and ``--resume`` continues from it, training iteration 2 again
+    without logging it twice, and tags that range as recomputed; the next save clears the half-written one."""
     from ray.rllib.algorithms.algorithm import Algorithm
 
     cfg = resumable_config(tmp_path, iterations=3, checkpoint_every=1)
@@ -88,7 +90,10 @@ def test_a_checkpoint_save_that_fails_leaves_the_previous_one_to_resume_from(
     assert _steps(client, run.info.run_id, mn.LEARNERS_UPDATED) == [1, 2]  # iteration 2 was logged before its save
     state = _on_disk(tmp_path)
     assert state["iterations_done"] == 1 and state["run_id"] == run.info.run_id
-    assert not (tmp_path / "ckpt" / LATEST / "algo" / "half_written").exists()
+    run_dir = tmp_path / "ckpt" / run.info.run_id
+    assert (run_dir / LATEST).resolve() == newest_checkpoint(tmp_path / "ckpt").resolve()
+    assert not (run_dir / LATEST / "algo" / "half_written").exists()
+    assert [p.name for p in run_dir.glob(".partial-*/algo/half_written")], "the failed save's staging"
 
     assert cli_resume(run.info.run_id, cfg.mlflow.tracking_uri) == 0
     again = client.get_run(run.info.run_id)
@@ -98,6 +103,7 @@ def test_a_checkpoint_save_that_fails_leaves_the_previous_one_to_resume_from(
     for name in (mn.LEARNERS_UPDATED, mn.GLOBAL_GRAD_NORM):
         assert _steps(client, run.info.run_id, name) == [1, 2, 3], name  # each once, none missing
     assert _on_disk(tmp_path)["iterations_done"] == 3
+    assert sorted(p.name.split("-")[0] for p in run_dir.iterdir()) == ["ckpt", LATEST]  # staging cleared
 
 
 EXPLODING, STREAK = mn.HEALTH_CODES["exploding"], 5
@@ -144,27 +150,35 @@ def test_a_resumed_run_keeps_the_health_stop_streak_and_checkpoints_where_it_sto
 
 
 def test_resume_refuses_a_checkpoint_whose_learner_state_is_not_the_one_it_was_written_with(
-    ray_session, tmp_path, cli_resume
+    ray_session, tmp_path, cli_resume, capsys
 ):
-    """``latest/algo`` replaced by the iteration-1 save while ``gradmon_resume.json`` says 2 (two
-    saves mixed, e.g. copied back by hand): ``--resume`` restores it, finds a learner state other
-    than the recorded digest and stops before training or logging anything."""
+    """``algo/`` of the newest checkpoint replaced by the iteration-1 save while its
+    ``gradmon_resume.json`` says 2 (two saves mixed by hand, the manifest made to match):
+    ``--resume`` restores it, finds a learner state other than the recorded digest and stops
+    before training or logging anything."""
     cfg = resumable_config(tmp_path, iterations=2, checkpoint_every=1)
     first_save = tmp_path / "algo_after_1"
 
     def keep_the_first_save(line: str) -> None:
         if line.startswith("iter 1/"):
-            shutil.copytree(tmp_path / "ckpt" / LATEST / "algo", first_save)
+            shutil.copytree(newest_checkpoint(tmp_path / "ckpt") / "algo", first_save)
 
     outcome = run_training(cfg, progress=keep_the_first_save)
-    algo_dir = tmp_path / "ckpt" / LATEST / "algo"
-    shutil.rmtree(algo_dir)
-    shutil.copytree(first_save, algo_dir)
+    version = newest_checkpoint(tmp_path / "ckpt", outcome.run_id)
+    shutil.rmtree(version / "algo")
+    shutil.copytree(first_save, version / "algo")
+    state = json.loads((version / RESUME_FILE).read_text())
+    files = [p for p in (version / "algo").rglob("*") if p.is_file()]
+    manifest = {p.relative_to(version / "algo").as_posix(): p.stat().st_size for p in files}
+    (version / RESUME_FILE).write_text(json.dumps({**state, "manifest": manifest}))
     _, point = resume_point(cfg.mlflow.tracking_uri, outcome.run_id)
     assert point.iterations_done == 2
 
-    with pytest.raises(CheckpointStateMismatchError, match="not the one written with it"):
-        cli_resume(outcome.run_id, cfg.mlflow.tracking_uri, "--debug")
+    capsys.readouterr()
+    assert cli_resume(outcome.run_id, cfg.mlflow.tracking_uri) == 1
+    failure = capsys.readouterr().err.strip().splitlines()[-1]
+    assert failure.startswith(f"gradmon-ray: run failed: {CheckpointStateMismatchError.__name__}: "), failure
+    assert "not the one written with it" in failure
     client = MlflowClient(cfg.mlflow.tracking_uri)
     assert _steps(client, outcome.run_id, mn.LEARNERS_UPDATED) == [1, 2]  # nothing trained on top of it
     assert mn.TAG_RESUMED_FROM not in client.get_run(outcome.run_id).data.tags
@@ -175,7 +189,8 @@ def test_a_run_resumed_from_another_directory_renews_the_checkpoint_it_came_from
     ray_session, tmp_path, monkeypatch, cli_resume, checkpoint_dir
 ):
     """``checkpoint_dir`` unset or relative, Ctrl-C after iteration 1, then ``--resume`` from
-    another working directory: the resumed run renews the checkpoint where the run's
+    another working directory: refused (exit 2) until that root is allowed
+    (``$GRADMON_CHECKPOINT_DIR``); then the resumed run renews the checkpoint where the run's
     ``gradmon.checkpoint_dir`` tag points (so a second ``--resume`` continues from iteration 3,
     not 1 again), and leaves no checkpoint in the new directory."""
     first, elsewhere = tmp_path / "first", tmp_path / "elsewhere"
@@ -191,8 +206,11 @@ def test_a_run_resumed_from_another_directory_renews_the_checkpoint_it_came_from
     assert run.data.tags[mn.TAG_CHECKPOINT_DIR] == str(root)
 
     monkeypatch.chdir(elsewhere)
+    monkeypatch.delenv(CHECKPOINT_ROOT_ENV)
+    assert cli_resume(run.info.run_id, cfg.mlflow.tracking_uri) == 2  # ./gradmon-checkpoints here is not it
+    monkeypatch.setenv(CHECKPOINT_ROOT_ENV, str(root))
     assert cli_resume(run.info.run_id, cfg.mlflow.tracking_uri) == 0
-    state = json.loads((root / LATEST / RESUME_FILE).read_text())
+    state = newest_state(root, run.info.run_id)
     assert state["iterations_done"] == 3 and state["run_id"] == run.info.run_id
     assert sorted(p.name for p in elsewhere.iterdir() if "mlflow" not in p.name) == []
     _, point = resume_point(cfg.mlflow.tracking_uri, run.info.run_id)
