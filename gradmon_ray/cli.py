@@ -326,6 +326,8 @@ def _tune(args: argparse.Namespace) -> int:
     base = apply_overrides(base, {**{k: v for k, v in flags.items() if v is not None}, **_set_overrides(args.set)})
     cfg = config_from_dict(dict(base))  # the flags too are validated before Ray starts
     _use_uri(cfg.mlflow.tracking_uri)
+    if not args.debug:
+        _filter_startup_noise()
     _check_tracking_server(cfg)
     _advise(cfg)
     print(f"gradmon-ray: sweep '{sweep.name}' over {', '.join(sweep.search_space)}", flush=True)

@@ -1,0 +1,120 @@
+"""Issue 27 item 7, the checks that need Ray: an address nothing answers at, a request no local
+Ray can ever place, and the wait that remains for a request that fits but is not free.
+
+The CLI cases run the real console entry point in a subprocess from an empty directory: exit
+2, one line on stderr naming the problem, no traceback, and no ``mlflow.db`` or ``mlruns`` (the
+checks come before the store is opened; before, the over-request left a FAILED run behind).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gradmon_ray.config import config_from_dict
+from gradmon_ray.resource_wait import ResourceWaitTimeout
+from tests.e2e.processes import clean_env, free_port
+
+pytestmark = pytest.mark.e2e
+
+TINY = ["--iterations", "1", "--set", "ppo.train_batch_size=128", "--set", "ppo.minibatch_size=64"]
+
+
+def _sweep_file(directory: Path, **base: object) -> str:
+    path = directory / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"base": {"iterations": 1, **base}, "search_space": {"ppo.lr": 0.001}}))
+    return str(path)
+
+
+def _refused(argv: list[str], cwd: Path, **env: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradmon_ray.cli", *argv],
+        cwd=cwd,
+        env=clean_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    err = proc.stderr.strip()
+    assert proc.returncode == 2, err[-3000:]
+    assert len(err.splitlines()) == 1 and err.startswith("gradmon-ray: config error: "), err
+    assert "Traceback" not in err
+    assert not (cwd / "mlflow.db").exists() and not (cwd / "mlruns").exists()
+    return err
+
+
+@pytest.mark.parametrize("command", ["train", "tune"])
+def test_a_ray_address_nothing_answers_at(command, tmp_path):
+    port = free_port()
+    target = [] if command == "train" else [_sweep_file(tmp_path)]
+    run_dir = tmp_path / "cwd"
+    run_dir.mkdir()
+    err = _refused([command, *target, *TINY, "--ray-address", f"127.0.0.1:{port}"], run_dir)
+    assert err == (
+        f"gradmon-ray: config error: resources.ray_address: cannot reach Ray at 127.0.0.1:{port}: nothing listens "
+        f"on 127.0.0.1:{port}; start the cluster or fix the address (unset: a local Ray)"
+    )
+    assert sorted(p.name for p in run_dir.iterdir()) == []
+
+
+def test_ray_address_from_the_environment_is_named_as_such(tmp_path):
+    port = free_port()
+    err = _refused(["train", *TINY], tmp_path, RAY_ADDRESS=f"127.0.0.1:{port}")
+    assert err.startswith(f"gradmon-ray: config error: RAY_ADDRESS: cannot reach Ray at 127.0.0.1:{port}")
+
+
+def test_more_env_runners_than_a_local_ray_has_cpus(tmp_path):
+    """The issue's case: --num-env-runners 8 on a 2-CPU Ray; before, it waited, then left a FAILED
+    MLflow run and an mlflow.db behind."""
+    err = _refused(["train", *TINY, "--num-env-runners", "8", "--set", "resources.num_cpus=2"], tmp_path)
+    assert err.startswith(
+        "gradmon-ray: config error: resources: this run asks for CPU 8 but this Ray has CPU 2 in total, "
+        "so it can never start"
+    ), err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sweep_whose_trials_a_local_ray_can_never_place(tmp_path):
+    run_dir = tmp_path / "cwd"
+    run_dir.mkdir()
+    sweep = _sweep_file(tmp_path, resources={"num_env_runners": 3, "num_cpus": 2})
+    err = _refused(["tune", sweep, *TINY], run_dir)
+    # RLlib's own request for a trial: one CPU for the trial's process, one per EnvRunner.
+    assert "resources: this run asks for CPU 4 but this Ray has CPU 2 in total" in err, err
+    assert list(run_dir.iterdir()) == []
+
+
+def test_a_request_that_fits_the_total_but_not_what_is_free_waits_then_gives_up(ray_session, tmp_path, caplog):
+    """On a Ray this run did not start (here the test session's, 4 CPUs), all CPUs held by another
+    actor: the run fits the total, so it is not refused; it waits, says so, and gives up in time."""
+    from gradmon_ray.train import run_training
+
+    ray = ray_session
+    total = ray.cluster_resources()["CPU"]
+
+    @ray.remote(num_cpus=total)
+    class Holder:
+        def ready(self) -> bool:
+            return True
+
+    holder = Holder.remote()
+    ray.get(holder.ready.remote())
+    try:
+        cfg = config_from_dict(
+            {
+                "iterations": 1,
+                "ppo": {"train_batch_size": 128, "minibatch_size": 64, "num_epochs": 1},
+                "resources": {"num_env_runners": 1, "wait_for_resources_s": 4},
+                "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "wait"},
+            }
+        )
+        with caplog.at_level("WARNING"), pytest.raises(ResourceWaitTimeout) as failed:
+            run_training(cfg, progress=None)
+    finally:
+        ray.kill(holder)
+    assert f"this run asks for CPU 1; the cluster has CPU {total:g} in total, CPU 0 free" in str(failed.value)
+    assert "can never start" not in caplog.text  # it fits the total: waited for, not refused
