@@ -58,6 +58,8 @@ def checkpoints(ray_session, tmp_path_factory):
     with state_file.open("rb") as f:  # our own checkpoint, written a moment ago
         state = pickle.load(f)
     vgs = state["gradmon_vgs"]
+    vgs = vgs.get("default_policy", vgs)  # the learner keys its gradmon state by module now
+    # Written back unkeyed, as the seed wrote it: a single-module state is read as that module's.
     state["gradmon_vgs"] = {k: vgs[k] for k in ("enabled", "beta", "alpha", "eps", "warmup_steps", "step_count")}
     state["gradmon_vgs"].update(grad_mean_ema=0.0, grad_var_ema=1e-4, grad_norm_ema=0.5, grad_max_ema=0.1)
     with state_file.open("wb") as f:
