@@ -1,5 +1,10 @@
 """Plots of a run's gradient health, as PNG files (MLflow artifacts and ``gradmon-ray report``).
 
+Every head is drawn against its own band edges (``RunHistory.bands.for_head``): the lines plot
+puts each module's action heads and its value head on separate axes, each shaded with its own
+bands; the heatmap draws each row's own edges.  A multi-module run gets one row of axes per
+module (heatmap rows labelled ``<module>/<head>``, modules set apart by a black line).
+
 Built on ``matplotlib.figure.Figure`` with the Agg canvas, never ``pyplot``: pyplot keeps
 global state and a GUI backend, and these figures are drawn on the MLflow sink's
 background thread.
@@ -8,15 +13,19 @@ background thread.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.telemetry.bands import DEAD_BELOW, ELEVATED_MAX, HEALTHY_MAX, WEAK_BELOW
+from gradmon_ray.telemetry.bands import HealthBands
+from gradmon_ray.viz.layout import band_edges_text, group_heads, short_head
 from gradmon_ray.viz.runs import ProbeView, RunHistory
 
 HEATMAP_FILE = "head_grad_norm_heatmap.png"
@@ -24,16 +33,31 @@ LINES_FILE = "head_grad_norm_lines.png"
 PROBE_FILE = "probe_components.png"
 ENTROPY_FILE = "head_entropy_norm.png"
 
-BAND_EDGES: tuple[float, ...] = (DEAD_BELOW, WEAK_BELOW, HEALTHY_MAX, ELEVATED_MAX)
-"""dead | weak | healthy | elevated | exploding (``classify_grad_norm``)."""
-BAND_SHADES: tuple[tuple[str, float, float, str], ...] = (
-    ("dead", 0.0, DEAD_BELOW, "#d62728"),
-    ("weak", DEAD_BELOW, WEAK_BELOW, "#ffbf00"),
-    ("healthy", WEAK_BELOW, HEALTHY_MAX, "#2ca02c"),
-    ("elevated", HEALTHY_MAX, ELEVATED_MAX, "#ff7f0e"),
-    ("exploding", ELEVATED_MAX, math.inf, "#d62728"),
-)
+BAND_COLOURS: dict[str, str] = {
+    "dead": "#d62728",
+    "weak": "#ffbf00",
+    "healthy": "#2ca02c",
+    "elevated": "#ff7f0e",
+    "exploding": "#d62728",
+}
+"""Shading of each health band in the lines plot (dead and exploding are the two alarms)."""
+BAND_ALPHA = 0.12
+"""Opacity of the band shading over the white axes."""
+MISSING_COLOUR = "#d9d9d9"
+"""Heatmap cells where a head logged nothing (white is taken by the band-edge lines)."""
 _FLOOR = 1e-6  # a zero norm drawn on a log scale
+
+
+def band_shades(bands: HealthBands) -> list[tuple[str, float, float]]:
+    """``(band, low, high)`` for the five bands of ``bands``, dead to exploding."""
+    dead, weak, healthy, elevated = bands.edges
+    return [
+        ("dead", 0.0, dead),
+        ("weak", dead, weak),
+        ("healthy", weak, healthy),
+        ("elevated", healthy, elevated),
+        ("exploding", elevated, math.inf),
+    ]
 
 
 def norm_matrix(history: RunHistory) -> tuple[list[str], list[int], np.ndarray]:
@@ -54,90 +78,132 @@ def _new_figure(width: float, height: float) -> Figure:
 
 
 def heatmap_figure(history: RunHistory) -> Figure:
-    """Per-head norm heatmap: heads x iterations, log colour scale, band edges as contours."""
+    """Per-head norm heatmap: heads x iterations, log colour scale, each row's own band edges as
+    white contours (a value head's at its value edges)."""
     heads, steps, matrix = norm_matrix(history)
-    figure = _new_figure(max(6.0, min(16.0, 0.25 * len(steps) + 4)), max(3.0, 0.45 * len(heads) + 1.5))
+    figure = _new_figure(max(6.0, min(16.0, 0.25 * len(steps) + 4)), max(3.0, 0.45 * len(heads) + 1.8))
     ax = figure.add_subplot()
+    ax.set_facecolor(MISSING_COLOUR)
     shown = np.where(np.isfinite(matrix), np.clip(matrix, _FLOOR, None), np.nan)
     finite = shown[np.isfinite(shown)]
-    vmax = max(float(finite.max()) if finite.size else 10.0, ELEVATED_MAX * 2)
+    action = history.bands.action
+    vmax = max(float(finite.max()) if finite.size else 10.0, action.elevated_max * 2)
+    vmin = min(action.dead_below / 10, float(finite.min()) if finite.size else 1.0)
     image = ax.imshow(
-        np.ma.masked_invalid(shown),
-        aspect="auto",
-        interpolation="nearest",
-        cmap="viridis",
-        norm=LogNorm(vmin=min(DEAD_BELOW / 10, float(finite.min()) if finite.size else 1.0), vmax=vmax),
+        np.ma.masked_invalid(shown), aspect="auto", interpolation="nearest", cmap="viridis", norm=LogNorm(vmin, vmax)
     )
-    # Band-edge contours row by row: interpolating *between* heads would draw edges that no head crossed.
-    levels = np.log10(BAND_EDGES)
-    for i in range(len(heads)):
+    # Band-edge contours row by row, at that head's own edges: interpolating *between* heads would
+    # draw edges that no head crossed, and one set of edges for all rows misjudges the value head.
+    for i, head in enumerate(heads):
         row = shown[i]
         ok = np.isfinite(row)
+        levels = np.log10(history.bands.for_head(head).edges)
         if ok.sum() < 2:
             continue
-        xs = np.arange(len(steps))[ok]
         z = np.log10(np.vstack([row[ok], row[ok]]))
         if z.min() < levels.max() and z.max() > levels.min():
             ax.contour(
-                xs, [i - 0.5, i + 0.5], z, levels=levels, colors="white", linewidths=1.2, negative_linestyles="solid"
+                np.arange(len(steps))[ok],
+                [i - 0.5, i + 0.5],
+                z,
+                levels=levels,
+                colors="white",
+                linewidths=1.2,
+                negative_linestyles="solid",
             )
+    start = 0
+    for _module, members in group_heads(heads)[:-1]:  # a black line between modules
+        start += len(members)
+        ax.axhline(start - 0.5, color="black", linewidth=2)
     ax.set_yticks(range(len(heads)), heads)
     ticks = np.linspace(0, len(steps) - 1, num=min(len(steps), 10), dtype=int) if steps else []
     ax.set_xticks(list(ticks), [str(steps[t]) for t in ticks])
     ax.set_xlabel("training iteration")
     ax.set_title(
-        "gradient L2 norm per head (before clipping)\nwhite lines: health-band edges 0.01 / 0.1 / 2 / 5", fontsize=10
+        "gradient L2 norm per head (before clipping)\nwhite lines: each head's band edges "
+        f"(action heads {band_edges_text(action)},\nvalue heads {band_edges_text(history.bands.value)}); "
+        "grey: not logged",
+        fontsize=10,
     )
     figure.colorbar(image, ax=ax, label="gradient norm (log)")
     return figure
 
 
-def lines_figure(history: RunHistory) -> Figure:
-    """One line per head over iterations on a log axis, health bands shaded behind."""
-    figure = _new_figure(10.0, 5.0)
-    ax = figure.add_subplot()
-    drawn = [DEAD_BELOW / 2, ELEVATED_MAX * 2]  # the y range always shows every band edge
-    for head in history.heads:
-        series = history.series.get(mn.head_metric(mn.HEAD_GRAD_NORM, head), {})
-        steps = sorted(series)
-        values = [max(series[s], _FLOOR) if math.isfinite(series[s]) else np.nan for s in steps]
-        ax.plot(steps, values, marker=".", label=head, linestyle="--" if head == "value" else "-")
+def _series(history: RunHistory, template: str, head: str) -> tuple[list[int], list[float]]:
+    series = history.series.get(mn.head_metric(template, head), {})
+    steps = sorted(series)
+    return steps, [series[s] for s in steps]
+
+
+def shaded_norm_axes(ax: Axes, history: RunHistory, heads: Sequence[str], bands: HealthBands, title: str) -> None:
+    """``heads``' norms over iterations on ``ax`` (log scale), shaded with ``bands``' five bands
+    and their edges dashed; the y range always shows every edge."""
+    drawn = [bands.dead_below / 2, bands.elevated_max * 2]
+    for head in heads:
+        steps, raw = _series(history, mn.HEAD_GRAD_NORM, head)
+        values = [max(v, _FLOOR) if math.isfinite(v) else np.nan for v in raw]
+        ax.plot(steps, values, marker=".", label=short_head(head), linestyle="--" if mn.is_value_head(head) else "-")
         drawn += [v for v in values if math.isfinite(v)]
     ax.set_yscale("log")
     bottom, top = min(drawn) / 2, max(drawn) * 2
     ax.set_ylim(bottom, top)
-    for _name, low, high, colour in BAND_SHADES:
-        ax.axhspan(max(low, bottom), min(high, top), color=colour, alpha=0.08, linewidth=0)
-    for edge in BAND_EDGES:
+    for band, low, high in band_shades(bands):
+        ax.axhspan(max(low, bottom), min(high, top), color=BAND_COLOURS[band], alpha=BAND_ALPHA, linewidth=0)
+    for edge in bands.edges:
         ax.axhline(edge, color="grey", linewidth=0.6, linestyle="--")
     ax.set_xlabel("training iteration")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("gradient L2 norm")
-    ax.set_title("per-head gradient norm; shading: dead, weak, healthy, elevated, exploding")
-    if history.heads:
+    ax.set_title(f"{title} (bands {band_edges_text(bands)})", fontsize=10)
+    if heads:
         ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+
+
+def lines_figure(history: RunHistory) -> Figure:
+    """Per module, its action heads' norms shaded with the action bands and its value head's
+    shaded with the value bands, side by side; one row per module."""
+    groups = group_heads(history.heads) or [(None, [])]
+    split = [
+        (module, [h for h in heads if not mn.is_value_head(h)], [h for h in heads if mn.is_value_head(h)])
+        for module, heads in groups
+    ]
+    with_value = any(value for _, _, value in split)
+    figure = _new_figure(13.0 if with_value else 10.0, 0.6 + 3.6 * len(split))
+    axes = figure.subplots(len(split), 2 if with_value else 1, squeeze=False, width_ratios=[3, 2][: 1 + with_value])
+    for row, (module, action, value) in zip(axes, split, strict=True):
+        prefix = f"module {module}: " if module is not None else ""
+        shaded_norm_axes(row[0], history, action, history.bands.action, f"{prefix}action heads")
+        if with_value:
+            shaded_norm_axes(row[1], history, value, history.bands.value, f"{prefix}value head")
+    figure.suptitle("per-head gradient L2 norm; shading: dead, weak, healthy, elevated, exploding by the head's edges")
     return figure
 
 
 def entropy_figure(history: RunHistory) -> Figure:
-    """Each policy head's normalised entropy (entropy / log actions) over iterations; a red x where
-    its collapse latch fired."""
-    figure = _new_figure(10.0, 4.0)
-    ax = figure.add_subplot()
-    for head in history.policy_heads:
-        series = history.series.get(mn.head_metric(mn.HEAD_ENTROPY_NORM, head), {})
-        steps = sorted(series)
-        (line,) = ax.plot(steps, [series[s] for s in steps], marker=".", label=head)
-        latch = history.series.get(mn.head_metric(mn.HEAD_COLLAPSE_LATCH, head), {})
-        fired = min((s for s, v in latch.items() if v > 0), default=None)
-        if fired is not None:
-            ax.plot([fired], [series.get(fired, 0.0)], marker="x", markersize=10, color="#d62728", linestyle="")
-            ax.annotate(f"{head} collapsed", (fired, series.get(fired, 0.0)), fontsize=7, color=line.get_color())
-    ax.set_ylim(-0.05, 1.05)
-    ax.set_xlabel("training iteration")
-    ax.set_ylabel("entropy / log(actions)")
-    ax.set_title("policy entropy per head (1 uniform, 0 one action); x: collapse latch fired")
-    if history.policy_heads:
-        ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    """Each policy head's normalised entropy (entropy / log actions) over iterations, one axes per
+    module; a red x where its collapse latch fired."""
+    groups = group_heads(history.policy_heads) or [(None, [])]
+    figure = _new_figure(10.0, 0.4 + 3.6 * len(groups))
+    for ax, (module, heads) in zip(figure.subplots(len(groups), 1, squeeze=False)[:, 0], groups, strict=True):
+        for head in heads:
+            steps, values = _series(history, mn.HEAD_ENTROPY_NORM, head)
+            series = dict(zip(steps, values, strict=True))
+            (line,) = ax.plot(steps, values, marker=".", label=short_head(head))
+            latch = history.series.get(mn.head_metric(mn.HEAD_COLLAPSE_LATCH, head), {})
+            fired = min((s for s, v in latch.items() if v > 0), default=None)
+            if fired is not None:
+                ax.plot([fired], [series.get(fired, 0.0)], marker="x", markersize=10, color="#d62728", linestyle="")
+                ax.annotate(
+                    f"{short_head(head)} collapsed", (fired, series.get(fired, 0.0)), fontsize=7, color=line.get_color()
+                )
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_xlabel("training iteration")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel("entropy / log(actions)")
+        prefix = f"module {module}: " if module is not None else ""
+        ax.set_title(f"{prefix}policy entropy per head (1 uniform, 0 one action); x: collapse latch fired")
+        if heads:
+            ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     return figure
 
 

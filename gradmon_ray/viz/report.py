@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.telemetry.bands import DEFAULT_BANDS, worst_head
+from gradmon_ray.telemetry.bands import worst_head
+from gradmon_ray.viz.layout import band_edges_text, group_heads, short_head
 from gradmon_ray.viz.plots import write_plots
 from gradmon_ray.viz.runs import ProbeView, RunHistory, head_band, latest_probe, load_history
 
@@ -43,17 +44,18 @@ def _first_latched(series: dict[int, float]) -> int | None:
     return min((step for step, value in series.items() if value > 0), default=None)
 
 
-def head_summaries(history: RunHistory) -> list[HeadSummary]:
-    """Per-head summary, worst head first (``worst_head``'s ordering applied repeatedly)."""
+def head_summaries(history: RunHistory, heads: list[str] | None = None) -> list[HeadSummary]:
+    """Per-head summary of ``heads`` (default: all), worst head first (``worst_head``'s ordering
+    applied repeatedly), each judged by its own edges (``history.bands``: a value head by the value edges)."""
     rows: dict[str, HeadSummary] = {}
-    for head in history.heads:
+    for head in history.heads if heads is None else heads:
         series = history.series.get(mn.head_metric(mn.HEAD_GRAD_NORM, head), {})
         if not series:
             continue
         values = [series[s] for s in sorted(series)]
         finite = [v for v in values if not math.isnan(v)]
         codes = history.series.get(mn.head_metric(mn.HEAD_GRAD_HEALTH, head), {})
-        bands = [head_band(codes.get(s), series[s], head) for s in sorted(series)]
+        bands = [head_band(codes.get(s), series[s], head, history.bands) for s in sorted(series)]
         rows[head] = HeadSummary(
             head=head,
             last=values[-1],
@@ -68,14 +70,14 @@ def head_summaries(history: RunHistory) -> list[HeadSummary]:
     ordered = []
     remaining = {h: r.last for h, r in rows.items()}
     while remaining:
-        head, _ = worst_head(remaining, bands=DEFAULT_BANDS)  # the value head by its own edges
+        head, _ = worst_head(remaining, bands=history.bands)  # a value head by its own edges
         ordered.append(rows[head])
         del remaining[head]
     return ordered
 
 
-def _range(history: RunHistory, name: str) -> tuple[float, float] | None:
-    values = [v for v in history.series.get(name, {}).values() if math.isfinite(v)]
+def _range(series: dict[int, float]) -> tuple[float, float] | None:
+    values = [v for v in series.values() if math.isfinite(v)]
     return (min(values), max(values)) if values else None
 
 
@@ -88,17 +90,19 @@ def summary_markdown(history: RunHistory, probe: ProbeView, run_name: str = "") 
     lines.append(f"- status: {history.tags.get(mn.TAG_STATUS, 'unknown')}")
     if reason := history.tags.get(mn.TAG_STOP_REASON):
         lines.append(f"- stopped by a health rule: {reason}")
+    groups = group_heads(history.heads)
+    several = len(groups) > 1
     lines += ["", "## Heads, worst first", ""]
-    lines.append("| head | last norm | band | min | max | dead iters | exploding iters | NaN latch | Inf latch |")
-    lines.append("|---|---:|---|---:|---:|---:|---:|---|---|")
-    summaries = head_summaries(history)
-    for r in summaries:
-        nan = f"iteration {r.nan_first}" if r.nan_first is not None else "—"
-        inf = f"iteration {r.inf_first}" if r.inf_first is not None else "—"
-        lines.append(
-            f"| {r.head} | {r.last:.4g} | {r.band} | {r.low:.4g} | {r.high:.4g} | {r.dead_iterations} "
-            f"| {r.exploding_iterations} | {nan} | {inf} |"
-        )
+    lines.append(
+        f"Bands: action heads {band_edges_text(history.bands.action)}, value heads "
+        f"({', '.join(mn.VALUE_HEAD_NAMES)}) {band_edges_text(history.bands.value)} (dead | weak | healthy | "
+        "elevated | exploding)."
+    )
+    summaries: list[HeadSummary] = []
+    for module, heads in groups:
+        rows = head_summaries(history, heads)
+        summaries += rows
+        lines += ["", *([f"### module {module}", ""] if several else []), *_head_table(rows)]
     latched = [r for r in summaries if r.nan_first is not None or r.inf_first is not None]
     lines += ["", "## Latched heads", ""]
     if latched:
@@ -110,15 +114,10 @@ def summary_markdown(history: RunHistory, probe: ProbeView, run_name: str = "") 
         lines.append("None: no head's log-probs were ever NaN or Inf.")
     lines += ["", "## Policy heads: entropy and collapse", ""]
     lines += _policy_lines(history)
-    lines += ["", "## VGS and noise scale", ""]
-    vgs = _range(history, mn.VGS_SCALING_FACTOR)
-    lines.append(f"- VGS scaling factor: {vgs[0]:.4g} .. {vgs[1]:.4g}" if vgs else "- VGS: not enabled in this run")
-    noise_series = history.series.get(mn.GLOBAL_NOISE_SCALE, {})
-    noise = [noise_series[s] for s in sorted(noise_series) if math.isfinite(noise_series[s])]
-    if noise:
-        lines.append(f"- gradient noise scale (global): median {statistics.median(noise):.4g}, last {noise[-1]:.4g}")
-    else:
-        lines.append("- gradient noise scale: not measured (needs two or more learners)")
+    lines += ["", "## VGS, noise scale, global norm, skipped updates", ""]
+    for module in [m for m, _ in groups] or [None]:
+        lines += [f"### module {module}", ""] if several else []
+        lines += [*_module_lines(history, module), *([""] if several else [])]
     lines += ["", "## Latest gradient probe", ""]
     if probe.norms:
         lines.append(f"Iteration {probe.step}; gradient norm per bucket and component (signed share):")
@@ -135,6 +134,42 @@ def summary_markdown(history: RunHistory, probe: ProbeView, run_name: str = "") 
     else:
         lines.append("No probe ran (probe.gradient_analysis_every: 0).")
     return "\n".join(lines) + "\n"
+
+
+def _head_table(rows: list[HeadSummary]) -> list[str]:
+    """The heads table (head names without their module: the section names it)."""
+    lines = [
+        "| head | last norm | band | min | max | dead iters | exploding iters | NaN latch | Inf latch |",
+        "|---|---:|---|---:|---:|---:|---:|---|---|",
+    ]
+    for r in rows:
+        nan = f"iteration {r.nan_first}" if r.nan_first is not None else "—"
+        inf = f"iteration {r.inf_first}" if r.inf_first is not None else "—"
+        lines.append(
+            f"| {short_head(r.head)} | {r.last:.4g} | {r.band} | {r.low:.4g} | {r.high:.4g} | {r.dead_iterations} "
+            f"| {r.exploding_iterations} | {nan} | {inf} |"
+        )
+    return lines
+
+
+def _module_lines(history: RunHistory, module: str | None) -> list[str]:
+    """One module's VGS scale range, gradient noise scale, global norm and skipped updates."""
+    lines = []
+    vgs = _range(history.module_series(mn.VGS_SCALING_FACTOR, module))
+    lines.append(f"- VGS scaling factor: {vgs[0]:.4g} .. {vgs[1]:.4g}" if vgs else "- VGS: not enabled in this run")
+    noise_series = history.module_series(mn.GLOBAL_NOISE_SCALE, module)
+    noise = [noise_series[s] for s in sorted(noise_series) if math.isfinite(noise_series[s])]
+    if noise:
+        lines.append(f"- gradient noise scale (global): median {statistics.median(noise):.4g}, last {noise[-1]:.4g}")
+    else:
+        lines.append("- gradient noise scale: not measured (needs two or more learners)")
+    norm = history.module_series(mn.GLOBAL_GRAD_NORM, module)
+    if norm:
+        low, high = _range(norm) or (math.nan, math.nan)
+        lines.append(f"- global gradient norm: last {norm[max(norm)]:.4g}, min {low:.4g}, max {high:.4g}")
+    skipped = history.module_series(mn.SKIPPED_UPDATES_TOTAL, module)
+    lines.append(f"- skipped updates: {int(skipped[max(skipped)])}" if skipped else "- skipped updates: not logged")
+    return lines
 
 
 def _policy_lines(history: RunHistory) -> list[str]:

@@ -14,7 +14,8 @@ from typing import Any
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray import metric_parsing as mp
-from gradmon_ray.telemetry.bands import DEFAULT_BANDS, classify_grad_norm
+from gradmon_ray.telemetry.bands import DEFAULT_BANDS, BandSet
+from gradmon_ray.viz.layout import modules_of, run_bands
 
 VALUE_HEAD = mn.VALUE_HEAD
 """The value head is reported next to the action heads (its own column, last)."""
@@ -76,15 +77,15 @@ def run_heads(metrics: Mapping[str, float], tags: Mapping[str, str]) -> list[str
 _BAND_OF_CODE = {code: band for band, code in mn.HEALTH_CODES.items()}
 
 
-def head_band(code: float | None, norm: float | None, head: str) -> str:
+def head_band(code: float | None, norm: float | None, head: str, bands: BandSet = DEFAULT_BANDS) -> str:
     """A head's health band as the learner logged it (``grad/head/<h>/health``: judged by the
-    run's configured edges, the value head by its own); a run without the code falls back to
-    the default edges for that head."""
+    run's configured edges, a value head by its own); a run without the code judges the norm by
+    ``bands.for_head(head)`` (a value head, ``metric_names.is_value_head``, by the value edges)."""
     if code is not None and math.isfinite(code) and int(code) in _BAND_OF_CODE:
         return _BAND_OF_CODE[int(code)]
     if norm is None:
         return "missing"
-    return classify_grad_norm(norm, bands=DEFAULT_BANDS.for_head(head))
+    return bands.for_head(head).classify(norm)
 
 
 def policy_heads(metrics: Mapping[str, float], order: Iterable[str] = ()) -> list[str]:
@@ -157,9 +158,16 @@ class RunSnapshot:
     probe: ProbeView
     policy_heads: list[str] = field(default_factory=list)
     """Heads with a policy entropy or collapse latch (``policy_heads``)."""
+    bands: BandSet = DEFAULT_BANDS
+    """The edges the run judged its heads by (``layout.run_bands``)."""
 
     def head_value(self, template: str, head: str) -> float | None:
+        """The latest value of the per-head ``template`` for ``head`` (a label), None if never logged."""
         return self.metrics.get(mn.head_metric(template, head))
+
+    def module_value(self, name: str, module: str | None) -> float | None:
+        """The latest value of ``module``'s ``name`` (``module/<id>/<name>``; plain for None)."""
+        return self.metrics.get(mn.module_metric(module, name))
 
 
 def snapshot(client: Any, run: Any) -> RunSnapshot:
@@ -185,6 +193,7 @@ def snapshot(client: Any, run: Any) -> RunSnapshot:
         iteration=iteration,
         probe=probe,
         policy_heads=policy_heads(metrics, heads),
+        bands=run_bands(run.data.params),
     )
 
 
@@ -199,9 +208,16 @@ class RunHistory:
     tags: dict[str, str]
     policy_heads: list[str] = field(default_factory=list)
     """Heads with a policy entropy or collapse latch, whose series are loaded too."""
+    bands: BandSet = DEFAULT_BANDS
+    """The edges the run judged its heads by (``layout.run_bands``)."""
 
     def steps(self, name: str) -> list[int]:
+        """The steps at which ``name`` was logged, ascending."""
         return sorted(self.series.get(name, {}))
+
+    def module_series(self, name: str, module: str | None) -> dict[int, float]:
+        """``module``'s history of ``name`` (``module/<id>/<name>``; plain for None)."""
+        return self.series.get(mn.module_metric(module, name), {})
 
     def head_steps(self) -> list[int]:
         """Every iteration at which any head's norm was logged."""
@@ -211,14 +227,15 @@ class RunHistory:
         return sorted(steps)
 
 
-HISTORY_SCALARS: tuple[str, ...] = (
+MODULE_SCALARS: tuple[str, ...] = (
     mn.VGS_SCALING_FACTOR,
     mn.GLOBAL_NOISE_SCALE,
-    mn.EPISODE_RETURN_MEAN,
     mn.SKIPPED_UPDATES_TOTAL,
     mn.GLOBAL_GRAD_NORM,
 )
-"""Run-level series the plots and the report read besides the per-head ones."""
+"""Per-module series (``module/<id>/<name>`` in a multi-module run) the panel, plots and report read."""
+HISTORY_SCALARS: tuple[str, ...] = (*MODULE_SCALARS, mn.EPISODE_RETURN_MEAN)
+"""Run-level series the plots and the report read besides the per-head ones (a one-module run's names)."""
 
 
 def load_history(client: Any, run_id: str, extra: Iterable[str] = ()) -> RunHistory:
@@ -235,11 +252,20 @@ def load_history(client: Any, run_id: str, extra: Iterable[str] = ()) -> RunHist
         ]
         policy = policy_heads(latest, heads)
         names += [mn.head_metric(t, h) for h in policy for t in (mn.HEAD_ENTROPY_NORM, mn.HEAD_COLLAPSE_LATCH)]
+        names += [mn.module_metric(m, name) for m in modules_of(heads) for name in MODULE_SCALARS]
         names += [*HISTORY_SCALARS, *extra]
         series = {}
-        for name in names:
+        for name in dict.fromkeys(names):
             if name in latest:
                 series[name] = {m.step: m.value for m in client.get_metric_history(run_id, name)}
     except Exception as exc:
         raise _unreachable(getattr(client, "tracking_uri", "MLflow"), exc) from None
-    return RunHistory(run_id=run_id, heads=heads, series=series, latest=latest, tags=tags, policy_heads=policy)
+    return RunHistory(
+        run_id=run_id,
+        heads=heads,
+        series=series,
+        latest=latest,
+        tags=tags,
+        policy_heads=policy,
+        bands=run_bands(run.data.params),
+    )

@@ -73,8 +73,9 @@ def make_known_run(
             mn.head_metric(mn.HEAD_GRAD_TREND, head),
             [float(mn.TREND_CODES[trend_arrow(p, c)]) for p, c in zip(prev, norms, strict=True)],
         )
-        put(mn.head_metric(mn.HEAD_NAN_LATCH, head), NAN_LATCH.get(head, [0.0] * 3))
-        put(mn.head_metric(mn.HEAD_INF_LATCH, head), INF_LATCH.get(head, [0.0] * 3))
+        if not mn.is_value_head(head):  # as the learner: the value head has no log-prob latch
+            put(mn.head_metric(mn.HEAD_NAN_LATCH, head), NAN_LATCH.get(head, [0.0] * 3))
+            put(mn.head_metric(mn.HEAD_INF_LATCH, head), INF_LATCH.get(head, [0.0] * 3))
     for head, values in NOISE.items():
         put(mn.head_metric(mn.HEAD_NOISE_SCALE, head), values)
     put(mn.head_metric(mn.HEAD_NAN_LATCH_FIRST_ITERATION, "a6"), [2.0], first_step=2)

@@ -67,4 +67,4 @@ def test_with_policy_heads_as_columns_the_table_has_entropy_and_collapse_rows(tm
     watch(client, run_id=run_id, once=True, console=console)
     rows = {line.split("│")[1].strip(): line for line in console.export_text().splitlines() if line.count("│") > 3}
     assert [c.strip() for c in rows["entropy norm"].split("│")[2:5]] == ["0.030", "0.600", "—"]
-    assert [c.strip() for c in rows["collapse"].split("│")[2:5]] == ["●", "○", "○"]
+    assert [c.strip() for c in rows["collapse"].split("│")[2:5]] == ["●", "○", "–"]  # value: no collapse latch

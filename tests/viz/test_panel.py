@@ -58,8 +58,8 @@ def test_every_head_has_a_column_with_its_values_arrows_states_and_latches(known
         "healthy",
         "healthy",
     ]
-    assert _row(text, "NaN latch") == ["○"] * 6 + ["●", "○", "○"]  # a6
-    assert _row(text, "Inf latch") == ["○"] * 7 + ["●", "○"]  # a7
+    assert _row(text, "NaN latch") == ["○"] * 6 + ["●", "○", "–"]  # a6; the value head has no latch
+    assert _row(text, "Inf latch") == ["○"] * 7 + ["●", "–"]  # a7
     assert _row(text, "noise scale") == ["12.5"] + ["—"] * 8
     assert _row(text, "log bar") == [mini_bar(v) for v in (0.7, 0.005, 7.0, 0.05, 3.0, None, 1.0, 1.5, 0.8)]
     assert "iteration 3" in text and "env steps 3072" in text and "return -0.250" in text
