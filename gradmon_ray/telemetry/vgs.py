@@ -7,9 +7,15 @@ bias-corrected as in Adam:
     a_i = EMA(|g_i|) / (1 - beta^t),   b_i = EMA(g_i^2) / (1 - beta^t)
     nv_i = max(b_i - a_i^2, 0) / (a_i^2 + eps)          (normalized temporal variance)
 
-``nv`` is aggregated to one number (``p90`` of the finite entries by default, ``mean``, or
-``weighted_mean``), capped at 1e6, and every gradient is multiplied by one global factor
-``clamp(1 / (1 + alpha * nv), 1e-4, 1)`` once ``warmup_steps`` steps have passed.  A
+``nv`` is aggregated to one number (``p90`` by default, ``mean``, or ``weighted_mean``), capped
+at 1e6, and every gradient is multiplied by one global factor ``clamp(1 / (1 + alpha * nv),
+1e-4, 1)`` once ``warmup_steps`` steps have passed.
+
+Undefined entries: an entry's ``nv`` above 1e6 (+Inf included) counts as 1e6; a NaN entry (an
+``inf - inf`` after an overflow, a NaN in a restored state) is ignored by every aggregation,
+as ``numpy.nanquantile`` / ``nanmean`` ignore it.  With no entry left, the aggregate is 1e6, the
+most cautious factor (``vgs_kernels.no_entry_fallback``), and the ``vgs/stochastic_var_*``
+metrics are NaN, so the fallback shows in MLflow.  A
 gradient that does not change over time has ``nv = 0`` however uneven it is across
 elements: unlike the seed's code, no spatial spread leaks into the temporal statistic.
 
@@ -40,7 +46,7 @@ from gradmon_ray.telemetry.vgs_checkpoint import (
     VGSCheckpoint,
     analytic_normalized_variance_of_abs,
 )
-from gradmon_ray.telemetry.vgs_kernels import GRAD_LIMIT, MAX_NORMALIZED_VARIANCE, MIN_SCALE
+from gradmon_ray.telemetry.vgs_kernels import GRAD_LIMIT, MIN_SCALE
 from gradmon_ray.telemetry.vgs_reporting import DEVICE_METRICS, HOST_METRICS, VGSReporting
 
 AGGREGATION_METHODS = ("p90", "mean", "weighted_mean")
@@ -286,8 +292,7 @@ class VarianceGradientScaler(VGSReporting, VGSCheckpoint):
                 value = (torch.where(finite, nv, 0.0) * w).sum() / (finite * w).sum()
             else:
                 value = self._per_tensor_means(nv).nanmean()
-        value = torch.nan_to_num(value, nan=0.0)
-        return torch.clamp(value, max=MAX_NORMALIZED_VARIANCE)
+        return kernels.no_entry_fallback(value)
 
     def _per_tensor_means(self, nv: torch.Tensor) -> torch.Tensor:
         """Each parameter tensor's mean finite entry (NaN for a tensor with none)."""

@@ -93,40 +93,51 @@ def fold_tensors(
 def normalized_entries(
     mean_ema: torch.Tensor, sq_ema: torch.Tensor, steps: torch.Tensor, beta: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    """Bias-corrected ``max(b - a^2, 0) / (a^2 + eps)`` per entry; non-finite entries as NaN,
-    all zeros before the first update (``steps == 0``)."""
+    """Bias-corrected ``max(b - a^2, 0) / (a^2 + eps)`` per entry, capped at
+    ``MAX_NORMALIZED_VARIANCE`` (+Inf included: the noisiest entry there is); NaN where it is
+    undefined (``inf - inf`` after an overflow, a NaN in a restored EMA); all zeros before the
+    first update (``steps == 0``)."""
     correction = 1.0 - torch.pow(beta, steps)
     a = mean_ema / correction
     b = sq_ema / correction
     a2 = a * a
     nv = torch.clamp(b - a2, min=0.0) / (a2 + eps)
-    nv = torch.where(torch.isfinite(nv), nv, torch.nan)
+    nv = nv.clamp(max=MAX_NORMALIZED_VARIANCE)  # NaN stays NaN
     return torch.where(steps > 0, nv, torch.zeros_like(nv))
 
 
 def quantiles(values: torch.Tensor, qs: tuple[float, ...]) -> torch.Tensor:
-    """``torch.quantile``'s linear interpolation, by selection (O(n)) instead of a sort.
+    """``numpy.nanquantile(values, qs)`` (linear interpolation), by selection (O(n)) instead of a
+    sort, with no host sync: NaN entries are ignored; NaN when every entry is NaN.
 
-    One ``kthvalue`` per quantile: its upper neighbour is the same value when enough entries
-    tie with it, else the smallest entry above it (two cheap reductions, not a second
-    selection).  A NaN entry is treated as +inf, so it can raise a high percentile but never
-    hide one.
+    Entries must be finite or NaN (``normalized_entries`` caps +Inf): the interpolation then
+    never meets ``inf - inf``.  The position among the ``m`` non-NaN entries depends on ``m``,
+    a device value, while ``kthvalue`` needs its rank ``k`` on the host: ``k`` is the rank
+    with no NaN at all, and ``k - lo`` of the NaN entries are moved below every value (the
+    others above), so that rank ``k`` of the whole is rank ``lo`` of the non-NaN entries.  Its
+    upper neighbour is the same value when enough entries tie with it, else the smallest entry
+    above it (two cheap reductions, not a second selection).
     """
     n = values.numel()
     if n == 0:
         return torch.zeros(len(qs), device=values.device)
-    values = torch.nan_to_num(values, nan=float("inf"))
+    nan = torch.isnan(values)
+    m = n - nan.sum()  # non-NaN entries, on the device
+    nan_rank = torch.cumsum(nan.int(), 0)  # 1, 2, ... over the NaN entries, in index order
     out = []
     for q in qs:
-        pos = q * (n - 1)
-        lo, frac = math.floor(pos), pos - math.floor(pos)
-        low = torch.kthvalue(values, lo + 1).values
-        if frac == 0.0 or lo + 2 > n:
-            out.append(low)
-            continue
-        above = torch.where(values > low, values, torch.full_like(values, float("inf"))).amin()
-        high = torch.where((values <= low).sum() >= lo + 2, low, above)
-        out.append(low + frac * (high - low))
+        k = math.floor(q * (n - 1))
+        pos = q * (m - 1).to(values.dtype)  # the position in the entries' own precision
+        lo = torch.floor(pos)
+        frac = pos - lo
+        below = nan & (nan_rank <= k - lo)  # the NaN entries that go under every value
+        filled = torch.where(nan, torch.where(below, -math.inf, math.inf), values)
+        low = torch.kthvalue(filled, k + 1).values
+        above = torch.where(filled > low, filled, math.inf).amin()
+        high = torch.where((filled <= low).sum() >= k + 2, low, above)
+        # frac == 0 exactly when low is the answer; high may then be +inf, and where() drops the NaN of 0 * inf
+        value = torch.where(frac > 0, low + frac * (high - low), low)
+        out.append(torch.where(m > 0, value, torch.nan))
     return torch.stack(out)
 
 
@@ -177,7 +188,7 @@ def element_step(
     sampled_means = torch.cat([means[i].reshape(-1)[index] for i, index in sample]).lerp(picked.abs(), weight)
     sampled_squares = torch.cat([squares[i].reshape(-1)[index] for i, index in sample]).lerp(picked * picked, weight)
     nv = normalized_entries(sampled_means, sampled_squares, stat_steps + keep, beta, eps)
-    value = torch.nan_to_num(quantiles(nv, (0.9,))[0], nan=0.0).clamp(max=MAX_NORMALIZED_VARIANCE)
+    value = no_entry_fallback(quantiles(nv, (0.9,))[0])
     factor = scaling_factor(value, alpha, active)
     fold_elements(grads, means, squares, weight, factor if scale_gradients else None)
     # The spatial statistics from the same sampled elements: their sums extrapolated to all
@@ -186,6 +197,14 @@ def element_step(
     sums = spatial_sums([picked], scale=numel / picked.numel())
     record_spatial(spatial_ema, spatial_steps, stat_steps, sums, keep, weight, numel)
     return factor
+
+
+def no_entry_fallback(value: torch.Tensor) -> torch.Tensor:
+    """The aggregated normalized variance to scale by: NaN (no entry was defined) becomes
+    ``MAX_NORMALIZED_VARIANCE``, the smallest factor: with no statistic to vouch for the
+    gradients' noise, VGS takes the most cautious step, and the ``vgs/stochastic_var_*``
+    metrics report NaN, never a silent factor of 1."""
+    return torch.nan_to_num(value, nan=MAX_NORMALIZED_VARIANCE).clamp(max=MAX_NORMALIZED_VARIANCE)
 
 
 def scaling_factor(value: torch.Tensor, alpha: float, active: torch.Tensor) -> torch.Tensor:
@@ -219,6 +238,7 @@ __all__ = [
     "fixed_sample",
     "fold_elements",
     "fold_tensors",
+    "no_entry_fallback",
     "normalized_entries",
     "quantiles",
     "record_spatial",

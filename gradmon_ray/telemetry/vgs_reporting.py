@@ -65,9 +65,8 @@ class VGSReporting:
         # order: norm, mean, var, max (the seed's metric order); scalar views, since a list
         # index is copied host->device first, which synchronises on CUDA
         spatial = torch.stack([spatial[2], spatial[0], spatial[1], spatial[3]])
-        head = torch.nan_to_num(torch.cat([quantiles, mean.reshape(1)]), nan=0.0).clamp(
-            max=kernels.MAX_NORMALIZED_VARIANCE
-        )
+        # NaN stays: it says no entry was defined (the factor then uses ``no_entry_fallback``)
+        head = torch.cat([quantiles, mean.reshape(1)]).clamp(max=kernels.MAX_NORMALIZED_VARIANCE)
         return torch.cat(
             [head, spatial, self.normalized_variance_tensor().reshape(1), self.scaling_factor_tensor().reshape(1)]
         ).float()
