@@ -37,9 +37,17 @@ def _no_root_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     monkeypatch.chdir(tmp_path)
 
 
-def _run(tmp_path: Path, root: Path, logged_through: int = 0) -> tuple[str, str]:
-    """A run in a sqlite store, tagged as ``train`` tags it, with ``update/trained`` logged up to ``logged_through``."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One sqlite MLflow store for the module (creating one costs seconds); every test makes its own runs."""
+    uri = f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}"
+    MlflowClient(uri).create_experiment("resume")
+    return uri
+
+
+def _run(store: str, root: Path, logged_through: int = 0) -> tuple[str, str]:
+    """A run in ``store``, tagged as ``train`` tags it, with ``update/trained`` logged up to ``logged_through``."""
+    uri = store
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name("resume") or client.get_experiment(client.create_experiment("resume"))
     run_id = client.create_run(exp.experiment_id, tags={mn.TAG_CHECKPOINT_DIR: str(root)}).info.run_id
@@ -52,12 +60,12 @@ def _checkpoint(learners: Learners, root: Path, run_id: str, iteration: int, whi
     CheckpointReporter(learners.cfg, lambda timeout_s: run_id, root=root)(iteration, {}, learners.at(which), None, None)
 
 
-def test_resume_point_carries_the_digest_written_with_the_checkpoint(learners: Learners, tmp_path: Path):
+def test_resume_point_carries_the_digest_written_with_the_checkpoint(store: str, learners: Learners, tmp_path: Path):
     """The guard the seeded bug disabled (the digest read under the wrong key, so nothing was
     compared): the point's digest is the learner's own at save time, restoring the point's
     algorithm gives it back, and the check passes only for that digest."""
     root = tmp_path / "gradmon-checkpoints"
-    uri, run_id = _run(tmp_path, root, logged_through=3)
+    uri, run_id = _run(store, root, logged_through=3)
     _checkpoint(learners, root, run_id, 2, "b")
     cfg, point = resume_point(uri, run_id)
     assert point.state_digest == learners.digest_b
@@ -72,11 +80,13 @@ def test_resume_point_carries_the_digest_written_with_the_checkpoint(learners: L
         verify_restored_state(None, restored, point.checkpoint_path)
 
 
-def test_a_checkpoint_whose_algorithm_is_from_another_save_fails_the_digest_check(learners: Learners, tmp_path: Path):
+def test_a_checkpoint_whose_algorithm_is_from_another_save_fails_the_digest_check(
+    store: str, learners: Learners, tmp_path: Path
+):
     """``algo/`` of the iteration-1 save under the iteration-2 resume file (two saves mixed by hand):
     the restored learner's digest is a's, the recorded one b's, and the check refuses it."""
     root = tmp_path / "gradmon-checkpoints"
-    uri, run_id = _run(tmp_path, root)
+    uri, run_id = _run(store, root)
     _checkpoint(learners, root, run_id, 1, "a")
     (first,) = (root / run_id).glob("ckpt-*")
     shutil.copytree(first / "algo", tmp_path / "algo-1")
@@ -96,9 +106,9 @@ def test_a_checkpoint_whose_algorithm_is_from_another_save_fails_the_digest_chec
         verify_restored_state(point.state_digest, restored, point.checkpoint_path)
 
 
-def test_a_checkpoint_without_a_digest_is_refused(learners: Learners, tmp_path: Path):
+def test_a_checkpoint_without_a_digest_is_refused(store: str, learners: Learners, tmp_path: Path):
     root = tmp_path / "gradmon-checkpoints"
-    uri, run_id = _run(tmp_path, root)
+    uri, run_id = _run(store, root)
     _checkpoint(learners, root, run_id, 1, "a")
     (version,) = (root / run_id).glob("ckpt-*")
     state = json.loads((version / RESUME_FILE).read_text())
@@ -107,11 +117,11 @@ def test_a_checkpoint_without_a_digest_is_refused(learners: Learners, tmp_path: 
         resume_point(uri, run_id)
 
 
-def test_a_checkpoint_naming_another_run_is_refused(learners: Learners, tmp_path: Path):
+def test_a_checkpoint_naming_another_run_is_refused(store: str, learners: Learners, tmp_path: Path):
     """The run's directory holds a checkpoint another run wrote (copied in by hand): refused,
     naming the run it belongs to."""
     root = tmp_path / "gradmon-checkpoints"
-    uri, run_id = _run(tmp_path, root)
+    uri, run_id = _run(store, root)
     other = "e" * 32
     _checkpoint(learners, root, other, 1, "a")
     (root / other).rename(root / run_id)
@@ -119,19 +129,19 @@ def test_a_checkpoint_naming_another_run_is_refused(learners: Learners, tmp_path
         resume_point(uri, run_id)
 
 
-def test_runs_sharing_a_root_each_resume_from_their_own(learners: Learners, tmp_path: Path):
+def test_runs_sharing_a_root_each_resume_from_their_own(store: str, learners: Learners, tmp_path: Path):
     root = tmp_path / "gradmon-checkpoints"
-    uri, first = _run(tmp_path, root)
-    _, second = _run(tmp_path, root)
+    uri, first = _run(store, root)
+    _, second = _run(store, root)
     _checkpoint(learners, root, first, 1, "a")
     _checkpoint(learners, root, second, 2, "b")
     assert resume_point(uri, first)[1].state_digest == learners.digest_a
     assert resume_point(uri, second)[1].state_digest == learners.digest_b
 
 
-def test_a_run_without_a_checkpoint_is_refused(learners: Learners, tmp_path: Path):
+def test_a_run_without_a_checkpoint_is_refused(store: str, learners: Learners, tmp_path: Path):
     root = tmp_path / "gradmon-checkpoints"
-    uri, run_id = _run(tmp_path, root)
+    uri, run_id = _run(store, root)
     with pytest.raises(ConfigError, match=f"no complete checkpoint of run {run_id}"):
         resume_point(uri, run_id)
 
@@ -144,20 +154,20 @@ def test_a_run_without_a_checkpoint_is_refused(learners: Learners, tmp_path: Pat
     ],
     ids=["outside", "dot-dot"],
 )
-def test_a_tag_pointing_outside_the_root_is_refused(learners: Learners, tmp_path: Path, tag: Any):
+def test_a_tag_pointing_outside_the_root_is_refused(store: str, learners: Learners, tmp_path: Path, tag: Any):
     """Anyone who can write a tag can point ``gradmon.checkpoint_dir`` at a pickle of theirs: a
     complete, valid-looking checkpoint there is still not loaded."""
     target = tag(tmp_path)
-    uri, run_id = _run(tmp_path, target)
+    uri, run_id = _run(store, target)
     _checkpoint(learners, (tmp_path / "elsewhere"), run_id, 1, "a")
     with pytest.raises(ConfigError, match=r"outside the allowed checkpoint root .*gradmon-checkpoints"):
         resume_point(uri, run_id)
     assert resume_point(uri, run_id, tmp_path / "elsewhere")[1].iterations_done == 1  # allowed when given
 
 
-def test_a_run_directory_symlinked_out_of_the_root_is_refused(learners: Learners, tmp_path: Path):
+def test_a_run_directory_symlinked_out_of_the_root_is_refused(store: str, learners: Learners, tmp_path: Path):
     root = tmp_path / "gradmon-checkpoints"
-    uri, run_id = _run(tmp_path, root)
+    uri, run_id = _run(store, root)
     _checkpoint(learners, tmp_path / "evil", run_id, 1, "a")
     root.mkdir()
     (root / run_id).symlink_to(tmp_path / "evil" / run_id, target_is_directory=True)
@@ -166,11 +176,13 @@ def test_a_run_directory_symlinked_out_of_the_root_is_refused(learners: Learners
 
 
 @pytest.mark.parametrize("given", ["root", "run-dir", "env", "dot-dot"])
-def test_the_root_or_the_runs_directory_can_be_given(learners: Learners, tmp_path: Path, monkeypatch, given: str):
+def test_the_root_or_the_runs_directory_can_be_given(
+    store: str, learners: Learners, tmp_path: Path, monkeypatch, given: str
+):
     """The checkpoint root may be given as the root, the run's own directory, the environment
     variable, or a path that resolves to the root; the run then renews its checkpoints there."""
     root = tmp_path / "store" / "ckpts"
-    uri, run_id = _run(tmp_path, root)
+    uri, run_id = _run(store, root)
     _checkpoint(learners, root, run_id, 1, "a")
     where: Path | None = {"root": root, "run-dir": root / run_id, "dot-dot": root / "x" / ".."}.get(given)
     if given == "env":
@@ -180,10 +192,12 @@ def test_the_root_or_the_runs_directory_can_be_given(learners: Learners, tmp_pat
     assert Path(point.checkpoint_root).resolve() == root.resolve()
 
 
-def test_a_checkpoint_in_the_layout_before_per_run_directories_still_resumes(learners: Learners, tmp_path: Path):
+def test_a_checkpoint_in_the_layout_before_per_run_directories_still_resumes(
+    store: str, learners: Learners, tmp_path: Path
+):
     """``<root>/latest/{algo, gradmon_resume.json}``, as the previous release wrote it."""
     root = tmp_path / "gradmon-checkpoints"
-    uri, run_id = _run(tmp_path, root)
+    uri, run_id = _run(store, root)
     _checkpoint(learners, root, run_id, 1, "a")
     (version,) = (root / run_id).glob("ckpt-*")
     state = json.loads((version / RESUME_FILE).read_text())
@@ -194,12 +208,12 @@ def test_a_checkpoint_in_the_layout_before_per_run_directories_still_resumes(lea
     assert point.checkpoint_path == str(root / "latest" / "algo") and point.state_digest == learners.digest_a
 
 
-def test_cli_resume_outside_the_root_exits_2_with_one_line(learners: Learners, tmp_path: Path, capsys):
+def test_cli_resume_outside_the_root_exits_2_with_one_line(store: str, learners: Learners, tmp_path: Path, capsys):
     """Through ``gradmon-ray train --resume``: exit 2, one line naming the root and how to allow
     the directory, no traceback, and no Ray started, nothing written to the run."""
     import ray
 
-    uri, run_id = _run(tmp_path, tmp_path / "elsewhere")
+    uri, run_id = _run(store, tmp_path / "elsewhere")
     _checkpoint(learners, tmp_path / "elsewhere", run_id, 1, "a")
     capsys.readouterr()  # MLflow's notes on creating the store above
     assert cli.main(["train", "--resume", run_id, "--mlflow-uri", uri]) == 2
