@@ -118,3 +118,4 @@ def test_a_request_that_fits_the_total_but_not_what_is_free_waits_then_gives_up(
         ray.kill(holder)
     assert f"this run asks for CPU 1; the cluster has CPU {total:g} in total, CPU 0 free" in str(failed.value)
     assert "can never start" not in caplog.text  # it fits the total: waited for, not refused
+    assert "still waiting for Ray to place the learners and EnvRunners after 2 s" in caplog.text
