@@ -251,7 +251,7 @@ class MlflowSink:
         if self._spill is not None:
             try:
                 self._spill.write_iterations(
-                    ((i.seq, i.step, i.timestamp_ms, i.metrics, i.tags) for i in items), self.run_id
+                    ((i.step, i.timestamp_ms, i.metrics, i.tags) for i in items), self.run_id, [i.seq for i in items]
                 )
                 for item in items:
                     item.spilled = True

@@ -37,8 +37,8 @@ from gradmon_ray.tracking.redact import MASK, redact_uri
 SPILL_FORMAT_VERSION = 1
 REPLAYED_SUFFIX = ".replayed"
 
-SpillItem = tuple[int, int, int, Mapping[str, float], Mapping[str, str]]
-"""``(seq, step, timestamp_ms, metrics, tags)``: one iteration as the sink hands it over."""
+SpillItem = tuple[int, int, Mapping[str, float], Mapping[str, str]]
+"""``(step, timestamp_ms, metrics, tags)``: one iteration as the sink hands it over."""
 
 
 def default_spill_path(directory: str | Path, run_name: str | None) -> Path:
@@ -113,24 +113,31 @@ class SpillWriter:
             if new:
                 _fsync_directory(self.path.parent)
 
-    def write_iterations(self, items: Iterable[SpillItem], run_id: str | None) -> int:
-        """Append ``(seq, step, timestamp_ms, metrics, tags)`` items; returns how many were written."""
+    def write_iterations(
+        self, items: Iterable[SpillItem], run_id: str | None, seqs: Iterable[int] | None = None
+    ) -> int:
+        """Append ``(step, timestamp_ms, metrics, tags)`` items; returns how many were written.
+
+        ``seqs``: the sink's number for each item, which ``mark_delivered`` refers to later."""
         records = [
             {
-                "seq": seq,
                 "step": step,
                 "timestamp_ms": ts,
                 "run_id": run_id,
                 "metrics": {k: _encode(v) for k, v in metrics.items()},
                 "tags": dict(tags),
             }
-            for seq, step, ts, metrics, tags in items
+            for step, ts, metrics, tags in items
         ]
+        if seqs is not None:
+            for record, seq in zip(records, seqs, strict=True):
+                record["seq"] = seq
         if not records:
             return 0
         self._append(records)
+        # Without a seq a record can never be marked delivered: a key of its own (negative) counts it.
+        self._spilled.update(r.get("seq", -(self.lines_written + i + 1)) for i, r in enumerate(records))
         self.lines_written += len(records)
-        self._spilled.update(r["seq"] for r in records)
         return len(records)
 
     def mark_delivered(self, seqs: Iterable[int]) -> None:
@@ -151,7 +158,12 @@ class SpillWriter:
                 self.path.unlink(missing_ok=True)
             self.lines_written = 0
             return
-        self._append([{"final": True, "run_id": run_id, "status": status}])
+        self.write_trailer(run_id, status)
+
+    def write_trailer(self, run_id: str | None, status: str | None) -> None:
+        """Record the run id and the status the run should end with (only if the file exists)."""
+        if self.path.exists():
+            self._append([{"final": True, "run_id": run_id, "status": status}])
 
 
 @dataclass
