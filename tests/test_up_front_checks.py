@@ -241,3 +241,14 @@ def test_the_request_is_rllibs_own_without_the_drivers_bundle(resources):
             rllib[key] = rllib.get(key, 0.0) + amount
     ours = {k: v for k, v in requested_resources(cfg).items() if v}
     assert ours == {k: v for k, v in rllib.items() if v}
+
+
+@pytest.mark.parametrize("command", [["report", "0123abcd"], ["watch", "--once", "--run-id", "0123abcd"]])
+def test_read_only_commands_mask_the_password_in_their_errors(command, empty_cwd, capsys):
+    """watch/report build their messages in viz with the URI as given; the CLI masks them on the way out."""
+    uri = f"http://alice:Zq9-not-shown@127.0.0.1:{free_port()}"
+    assert main([*command, "--tracking-uri", uri]) == 1  # unreachable: exit 1, as before
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gradmon-ray: cannot read MLflow at http://alice:***@127.0.0.1:"), err
+    assert "Zq9-not-shown" not in err and len(err.splitlines()) == 1
+    assert list(empty_cwd.iterdir()) == []
