@@ -6,15 +6,11 @@ call, MLflow's limit).  A slow or dead tracking server only delays that thread: 
 iterations wait in a bounded buffer, failed writes are retried with backoff, and nothing is
 ever raised into the caller.
 
-**Spill ahead.** From the first failed MLflow write to the end of the run, every iteration
-is also appended to the spill file (one write, one fsync) inside ``log_iteration``, before
-the next iteration starts; the iterations pending at that first failure are spilled at once.
-A SIGKILL or OOM kill then loses at most the iterations logged since the write that failed
-began (seconds), never a whole outage.  The sink keeps delivering from its buffer when the
-server comes back, and marks each spilled iteration it delivers in the spill file, so
-``gradmon-ray replay`` writes each iteration MLflow does not have exactly once (the rule is
-in ``spill``).  The buffer stays bounded: past ``max_pending`` the oldest leave memory (they
-are in the spill file already) and wait there for the replay.
+**Spill ahead.** From the first failed write to the end of the run, ``log_iteration`` also
+appends each iteration to the spill file (fsynced) before it returns; what was pending at that
+failure is spilled at once.  A SIGKILL then loses at most what was logged while the failing
+write was in flight, never an outage.  Delivery goes on when the server is back, each spilled
+iteration delivered is marked in the file, and replay writes the rest exactly once (``spill``).
 We write through ``MlflowClient`` rather than ``mlflow.log_*`` because the fluent API keeps
 a process-global active run, which a background writer must not share with user code.
 """
