@@ -81,7 +81,8 @@ def heatmap_figure(history: RunHistory) -> Figure:
     """Per-head norm heatmap: heads x iterations, log colour scale, each row's own band edges as
     white contours (a value head's at its value edges)."""
     heads, steps, matrix = norm_matrix(history)
-    figure = _new_figure(max(6.0, min(16.0, 0.25 * len(steps) + 4)), max(3.0, 0.45 * len(heads) + 1.8))
+    per_row = 0.45 if len(heads) <= 10 else 0.3  # two modules' 18 rows still fit a browser window
+    figure = _new_figure(max(6.0, min(16.0, 0.25 * len(steps) + 4)), max(3.0, per_row * len(heads) + 1.8))
     ax = figure.add_subplot()
     ax.set_facecolor(MISSING_COLOUR)
     shown = np.where(np.isfinite(matrix), np.clip(matrix, _FLOOR, None), np.nan)
