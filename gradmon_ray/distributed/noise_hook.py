@@ -69,7 +69,7 @@ class NoiseScaleHook:
         # `from __future__ import annotations` they would be strings.
         if self._enabled:
             self.add_local(bucket.parameters(), bucket.gradients())
-        return self._allreduce(None, bucket)
+        return self._allreduce(state, bucket)  # state: the DDP module's own process group
 
     def add_local(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
         """Add the squared norms of ``grads`` (the local gradients of ``params``) to the local lanes."""
@@ -130,7 +130,9 @@ class NoiseScaleHook:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         self._allreduce = allreduce_hook
-        module.register_comm_hook(state=None, hook=self.local_norm_hook)
+        # DDP's own all-reduce, on the module's own process group (not WORLD: with one group per
+        # module, modules' buckets must never meet in one communicator; see rllib.compat).
+        module.register_comm_hook(state=module.process_group, hook=self.local_norm_hook)
         self._enabled = True
         return True
 

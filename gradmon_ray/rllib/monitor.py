@@ -17,7 +17,10 @@ everything stays on the learner's device (nothing syncs with the host):
 
 Observe-only: with VGS off, a learner gets bit-for-bit the weights and optimizer state of
 ``learner_cls`` (``tests/peer/test_observe_only.py``), except that a non-finite minibatch
-under ``torch_skip_nan_gradients=True`` is skipped, where RLlib 2.60 still steps.
+under ``torch_skip_nan_gradients=True`` is skipped, where RLlib 2.60 still steps
+(``tests/peer/test_observe_only_differences.py``), and that with 2+ learners each module of a
+``MultiRLModule`` gets DDP on its own process group, where RLlib 2.60 can average one
+module's gradients with another's (``compat.PerModuleDDPGroups``).
 
 One telemetry step = ``report_every`` calls of ``Learner.update`` (default: 1, and for the
 IMPALA family ``config.broadcast_interval``, the number of updates between two reductions of
@@ -62,7 +65,7 @@ def global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-class GradmonMonitor(GradmonReporting):
+class GradmonMonitor(compat.PerModuleDDPGroups, GradmonReporting):
     """The telemetry half of a gradmon learner; ``with_gradmon`` puts it before a ``TorchLearner``."""
 
     gradmon_full_learner: ClassVar[bool] = False

@@ -54,8 +54,8 @@ def _record_noise_metrics(learner) -> int:
     learner._noise_logged = []
     inner = learner._noise_scale_metrics
 
-    def record(noise, minibatches):
-        out = inner(noise, minibatches)
+    def record(monitor, noise, minibatches):
+        out = inner(monitor, noise, minibatches)
         learner._noise_logged.append(dict(out))
         return out
 
