@@ -25,7 +25,7 @@ def preflight(cfg: GradmonConfig) -> None:
     """Check what can be checked before Ray or MLflow start: the local MLflow store, the GPUs
     a local Ray would need, the env (built on an RLlib EnvRunner, as training does), the
     model, and ``restore_from``."""
-    from gradmon_ray.rllib.standalone import env_spaces
+    from gradmon_ray.rllib.standalone import module_spaces
     from gradmon_ray.tracking.store_check import ephemeral_store_problem, local_store_problem
 
     uri = cfg.mlflow.tracking_uri
@@ -35,7 +35,7 @@ def preflight(cfg: GradmonConfig) -> None:
     check_local_gpus(cfg)
 
     try:
-        env_spaces(cfg)  # creates the env and the RLModule exactly as every EnvRunner will
+        module_spaces(cfg)  # creates the env and the RLModule(s) exactly as every EnvRunner will
     except (ConfigError, KeyboardInterrupt):
         raise
     except ModelConfigError as exc:
