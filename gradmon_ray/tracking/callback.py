@@ -32,7 +32,7 @@ from ray.rllib.callbacks.callbacks import RLlibCallback
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import MlflowSection
 from gradmon_ray.tracking.mlflow_sink import MlflowSink, PlotFn
-from gradmon_ray.tracking.redact import redact_uri
+from gradmon_ray.tracking.redact import redact_text, redact_uri
 from gradmon_ray.tracking.results import DEFAULT_MODULE_ID, latch_tags, result_to_metrics
 from gradmon_ray.tracking.spill import default_spill_path
 from gradmon_ray.tracking.store_check import local_store_problem
@@ -64,8 +64,9 @@ class CallbackSettings:
     """Extra run params (on top of the algorithm config's scalar settings, see ``log_config``)."""
     log_config: bool = True
     """Log the scalar top-level settings of ``algorithm.config`` (lr, gamma, ...) as run params."""
-    module_id: str = DEFAULT_MODULE_ID
-    """The RLModule whose learner results are read (``result["learners"][module_id]``)."""
+    module_id: str | None = None
+    """The RLModule whose learner results are read (``result["learners"][module_id]``); None: every
+    module with gradmon telemetry (several modules: ``module/<id>/<name>`` metrics, as the CLI writes)."""
     plots_every: int = 0
     """Draw the plots every this many iterations and at the end (0: never); needs ``plot_fn``."""
     plot_fn: PlotFn | None = None
@@ -160,17 +161,30 @@ def create_sqlite_store(uri: str) -> None:
 
         MlflowClient(uri).search_experiments(max_results=1)
     except Exception as exc:
-        logger.warning("gradmon callback: could not create the MLflow store %s (%s: %s)", uri, type(exc).__name__, exc)
+        logger.warning(
+            "gradmon callback: could not create the MLflow store %s (%s: %s)",
+            redact_uri(uri),
+            type(exc).__name__,
+            redact_text(str(exc)),
+        )
 
 
-def module_head_order(algorithm: Any, module_id: str) -> tuple[str, ...]:
+def module_head_order(algorithm: Any, module_id: str | None) -> tuple[str, ...]:
     """The module's action heads in its action-space order, for the ``gradmon.head_names`` tag.
+
+    ``module_id`` None: every policy of the algorithm, each head as ``<module>/<head>`` when
+    there are several (``metric_names.head_label``), one module's plain names otherwise.
 
     Asked of the module itself (``FactoredActorCritic.head_names`` is ``resolve_heads``' order,
     what ``gradmon-ray train`` tags), else the keys of ``learner_config_dict["gradmon"]["heads"]``;
     duck-typed, so tracking imports nothing from gradmon_ray.rllib.  Empty when neither is known:
     ``order_heads`` then sorts the action heads, ``value`` last.
     """
+    if module_id is None:
+        policies = list(getattr(algorithm.config, "policies", None) or [DEFAULT_MODULE_ID])
+        if len(policies) > 1:
+            return tuple(mn.head_label(str(p), h) for p in policies for h in module_head_order(algorithm, str(p)))
+        module_id = str(policies[0])
     try:
         names = getattr(algorithm.get_module(module_id), "head_names", None)
         if names:
@@ -252,7 +266,7 @@ class GradmonMLflowCallback(RLlibCallback, metaclass=_PinnedWhenShipped):
             self.sink = self._open_sink(algorithm)  # last: nothing after it can leave a run open
             self._announce_run(self.sink)
         except Exception as exc:  # an observer: training goes on without it
-            logger.warning("gradmon callback: MLflow logging off (%s: %s)", type(exc).__name__, exc)
+            logger.warning("gradmon callback: MLflow logging off (%s: %s)", type(exc).__name__, redact_text(str(exc)))
             self.sink = None
 
     def on_train_result(self, *, algorithm: Any, metrics_logger: Any = None, result: dict, **kwargs: Any) -> None:
@@ -266,7 +280,7 @@ class GradmonMLflowCallback(RLlibCallback, metaclass=_PinnedWhenShipped):
             self.sink.log_iteration(step, metrics, tags)  # non-blocking
             self._last_step = step
         except Exception as exc:
-            logger.warning("gradmon callback: iteration not logged (%s: %s)", type(exc).__name__, exc)
+            logger.warning("gradmon callback: iteration not logged (%s: %s)", type(exc).__name__, redact_text(str(exc)))
 
     # --- the run's end ----------------------------------------------------------------------
     def close(self) -> bool:
@@ -282,7 +296,7 @@ class GradmonMLflowCallback(RLlibCallback, metaclass=_PinnedWhenShipped):
         if not complete:
             logger.warning(
                 "gradmon callback: MLflow at %s did not receive everything (%d iterations kept in %s, %d lost; %s)",
-                self.sink.tracking_uri,
+                redact_uri(self.sink.tracking_uri),
                 self.sink.spilled_iterations,
                 self.sink.spill_path,
                 self.sink.dropped_iterations,
