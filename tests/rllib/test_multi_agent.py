@@ -1,0 +1,173 @@
+"""``with_gradmon`` on a ``MultiRLModule``, in-process: per-module numbers against autograd of the
+stock learner's loss, ONE packed reduction and host copy per step for 8 modules, per-module state,
+``modules`` / ``per_module`` settings, shared parameters, and build errors before any thread."""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import pytest
+import torch
+from ray.rllib.algorithms.appo.torch.appo_torch_learner import APPOTorchLearner
+from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
+from ray.rllib.core.rl_module.multi_rl_module import MultiRLModule, MultiRLModuleSpec
+from ray.rllib.core.rl_module.rl_module import RLModuleSpec
+
+import gradmon_ray.distributed.collective as collective_module
+from gradmon_ray import metric_names as mn
+from gradmon_ray.rllib import with_gradmon
+from gradmon_ray.rllib.reporting import TELEMETRY_STATE_KEY
+from tests.peer.pairs import build_pair, cartpole_config, sample_batch, spaces_of
+from tests.rllib.user_module import TinyActorCritic
+
+HEADS = {"pi": r"^pi\.", "vf": r"^vf\."}
+
+
+def _stock_head_norms(stock: Any, batch: Any, module_id: str, prefixes: dict[str, str]) -> dict[str, float]:
+    """Norms of d(stock PPO loss of ``module_id``)/d(parameters named like each head), float64."""
+    tensors = dict(stock._convert_batch_type(batch).policy_batches[module_id])
+    module = stock.module[module_id].unwrapped()
+    loss = stock.compute_loss_for_module(
+        module_id=module_id,
+        config=stock.config.get_config_for_module(module_id),
+        batch=tensors,
+        fwd_out=module.forward_train(tensors),
+    )
+    named = dict(module.named_parameters())
+    out = {}
+    for head, prefix in prefixes.items():
+        params = [p for n, p in named.items() if n.startswith(prefix)]
+        grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+        out[head] = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads if g is not None))
+    return out
+
+
+def _update(learner: Any, batch: Any) -> dict[str, dict[str, float]]:
+    results = learner.update(batch=batch, timesteps={}, num_epochs=1, minibatch_size=None)
+    return {mid: {k: float(v.peek()) for k, v in res.items() if hasattr(v, "peek")} for mid, res in results.items()}
+
+
+@pytest.fixture(scope="module")
+def eight_modules():
+    """Stock and wrapped PPO learners on 8-agent CartPole (one module per agent), same weights, one batch."""
+    stock_config = cartpole_config("ppo", PPOTorchLearner, agents=8, training={"grad_clip": None})
+    wrapped_config = cartpole_config("ppo", with_gradmon(PPOTorchLearner), agents=8, gradmon={"heads": HEADS})
+    wrapped_config.training(grad_clip=None)
+    stock, wrapped = build_pair(stock_config, wrapped_config)
+    batch = sample_batch(stock_config, stock, num_timesteps=256)
+    yield stock, wrapped, batch
+    stock.shutdown()
+    wrapped.shutdown()
+
+
+def test_eight_modules_one_packed_reduction_and_per_module_norms(eight_modules, monkeypatch):
+    stock, wrapped, batch = eight_modules
+    expected = {mid: _stock_head_norms(stock, batch, mid, {"pi": "pi.", "vf": "vf."}) for mid in batch.policy_batches}
+    copies = []
+    inner = collective_module.reduce_and_copy
+    monkeypatch.setattr(collective_module, "reduce_and_copy", lambda *a, **k: copies.append(1) or inner(*a, **k))
+    logged = _update(wrapped, batch)
+    assert len(copies) == 1, "one packed reduction and host copy for all 8 modules"
+    assert sorted(wrapped.gradmon_modules) == [f"p{i}" for i in range(8)]
+    for mid, heads in expected.items():
+        for head, norm in heads.items():
+            assert logged[mid][mn.head_metric(mn.HEAD_GRAD_NORM, head)] == pytest.approx(norm, rel=1e-4), (mid, head)
+    # different agents' data: different gradients, reported under their own module
+    assert len({round(logged[m][mn.head_metric(mn.HEAD_GRAD_NORM, "vf")], 6) for m in expected}) > 1
+
+
+def test_per_module_state_round_trips_and_old_single_module_state_loads(eight_modules):
+    _, wrapped, batch = eight_modules
+    _update(wrapped, batch)
+    state = wrapped.get_state()
+    assert sorted(state[TELEMETRY_STATE_KEY]) == sorted(wrapped.gradmon_modules)
+    config = cartpole_config("ppo", with_gradmon(PPOTorchLearner), agents=8, gradmon={"heads": HEADS})
+    restored = config.build_learner(spaces=spaces_of(config))
+    try:
+        restored.set_state(state)
+        for mid, monitor in wrapped.gradmon_modules.items():
+            assert restored.gradmon_modules[mid].tracker.state_dict() == monitor.tracker.state_dict(), mid
+        assert restored.gradmon_iteration == wrapped.gradmon_iteration >= 1
+        with pytest.raises(ValueError, match="not by the modules"):  # a one-module state cannot be split
+            restored.set_state({TELEMETRY_STATE_KEY: state[TELEMETRY_STATE_KEY]["p0"]})
+    finally:
+        restored.shutdown()
+
+
+def test_modules_and_per_module_settings():
+    gradmon = {
+        "heads": HEADS,
+        "modules": ["p0", "p2"],
+        "per_module": {"p2": {"heads": {"actor": r"^pi\.", "critic": r"^vf\."}}},
+    }
+    config = cartpole_config("ppo", with_gradmon(PPOTorchLearner), agents=3, gradmon=gradmon)
+    learner = config.build_learner(spaces=spaces_of(config))
+    try:
+        batch = sample_batch(config, learner, num_timesteps=128)
+        logged = _update(learner, batch)
+        assert list(learner.gradmon_modules) == ["p0", "p2"]
+        assert learner.gradmon_modules["p0"].head_names == ("pi", "vf")
+        assert learner.gradmon_modules["p2"].head_names == ("actor", "critic")
+        assert not any(k.startswith("grad/") for k in logged.get("p1", {})), "p1 is not monitored"
+        assert mn.head_metric(mn.HEAD_GRAD_NORM, "critic") in logged["p2"]
+    finally:
+        learner.shutdown()
+    bad = cartpole_config("ppo", with_gradmon(PPOTorchLearner), agents=2, gradmon={"modules": ["p0", "p9"]})
+    with pytest.raises(ValueError, match="p9"):
+        bad.build_learner(spaces=spaces_of(bad))
+
+
+class SharedBodyMultiRLModule(MultiRLModule):
+    """Two TinyActorCritic modules whose ``body`` is ONE shared encoder (p1 uses p0's)."""
+
+    def setup(self) -> None:
+        super().setup()
+        self._rl_modules["p1"].body = self._rl_modules["p0"].body
+
+
+def test_shared_encoder_counts_in_each_modules_global_norm():
+    """A parameter two modules share is in both modules' global norms, with the gradient autograd
+    gives it: the sum over both modules' losses (one backward of their sum, as RLlib does)."""
+    specs = {mid: RLModuleSpec(module_class=TinyActorCritic, model_config={"hidden": 8}) for mid in ("p0", "p1")}
+    spec = MultiRLModuleSpec(multi_rl_module_class=SharedBodyMultiRLModule, rl_module_specs=specs)
+    gradmon = {"heads": {"actor": r"^policy_out\.", "critic": r"^value_out\."}}
+    config = cartpole_config(
+        "ppo", with_gradmon(PPOTorchLearner), agents=2, gradmon=gradmon, training={"grad_clip": None}
+    )
+    config.rl_module(rl_module_spec=spec)
+    learner = config.build_learner(spaces=spaces_of(config))
+    try:
+        modules = {mid: learner.module[mid].unwrapped() for mid in ("p0", "p1")}
+        assert modules["p0"].body is modules["p1"].body
+        batch = sample_batch(config, learner, num_timesteps=128)
+        tensors = learner._convert_batch_type(batch).policy_batches
+        total = sum(
+            learner.compute_loss_for_module(
+                module_id=mid,
+                config=learner.config.get_config_for_module(mid),
+                batch=dict(tensors[mid]),
+                fwd_out=modules[mid].forward_train(dict(tensors[mid])),
+            )
+            for mid in ("p0", "p1")
+        )
+        expected = {}
+        for mid, module in modules.items():
+            params = list(module.parameters())
+            grads = torch.autograd.grad(total, params, retain_graph=True, allow_unused=True)
+            expected[mid] = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads if g is not None))
+        logged = _update(learner, batch)
+        for mid in ("p0", "p1"):
+            assert logged[mid][mn.GLOBAL_GRAD_NORM] == pytest.approx(expected[mid], rel=1e-4), mid
+    finally:
+        learner.shutdown()
+
+
+def test_appo_bad_head_fails_before_the_learner_thread_starts(ray_session):
+    before = {t.ident for t in threading.enumerate()}
+    config = cartpole_config("appo", with_gradmon(APPOTorchLearner), agents=2, gradmon={"heads": {"pi": "^nope"}})
+    with pytest.raises(ValueError, match=r"module 'p[01]'.*'pi'.*matches no"):
+        config.build_learner(spaces=spaces_of(config))
+    started = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    assert started == [], f"threads left running after a failed build: {started}"
