@@ -4,7 +4,8 @@
     python docs/make_screenshots.py     # ~2 min on 2 CPU cores
 
 Writes docs/img/: the ``gradmon-ray watch`` panel (rich's SVG export converted to PNG, plus the
-plain-text frame), the three plots and the report's summary.md, all from one run.
+plain-text frame, and the frame at 80 columns: the compact table with abbreviated head names), the
+plots and the report's summary.md, all from one run.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def main() -> None:
         console = Console(record=True, width=150, color_system="truecolor", force_terminal=True)
         watch(client, run_id=outcome.run_id, once=True, console=console)
         (OUT / "watch_panel.txt").write_text(console.export_text(clear=False))
+        narrow = Console(record=True, width=80, color_system=None, force_terminal=False)
+        watch(client, run_id=outcome.run_id, once=True, console=narrow)
+        (OUT / "watch_panel_80.txt").write_text(narrow.export_text())
         svg = console.export_svg(title="gradmon-ray watch --once")
         # Rich's SVG asks for Fira Code; render with DejaVu Sans Mono, which every matplotlib
         # install has and whose box-drawing and arrow glyphs share one cell width.

@@ -117,7 +117,7 @@ def heatmap_figure(history: RunHistory) -> Figure:
         start += len(members)
         ax.axhline(start - 0.5, color="black", linewidth=2)
     ax.set_yticks(range(len(heads)), heads)
-    ticks = np.linspace(0, len(steps) - 1, num=min(len(steps), 10), dtype=int) if steps else []
+    ticks = range(0, len(steps), max(1, math.ceil(len(steps) / 10)))  # evenly spaced, at most 10
     ax.set_xticks(list(ticks), [str(steps[t]) for t in ticks])
     ax.set_xlabel("training iteration")
     ax.set_title(

@@ -7,6 +7,7 @@ import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from mlflow.entities import Metric, RunTag
 from mlflow.tracking import MlflowClient
@@ -39,6 +40,12 @@ PROBE = {
 PROBE_SHARES = {"bucket_1": {"task": 0.9, "entropy": 0.1}, "bucket_2": {"task": 0.8, "entropy": 0.2}}
 
 
+def artifacts_beside(tracking_uri: str) -> str:
+    """An artifact folder next to the sqlite store: MLflow's default, ``./mlruns``, is the working
+    directory's (the repository's when pytest runs there)."""
+    return str(Path(tracking_uri.removeprefix("sqlite:///")).parent / "artifacts")
+
+
 @dataclass
 class KnownRun:
     tracking_uri: str
@@ -57,7 +64,10 @@ def make_known_run(
     ``head_names_tag``: the ``gradmon.head_names`` tag's heads (None: no tag, as in an old run)."""
     client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
-    exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
+    if exp is None:
+        exp_id = client.create_experiment(experiment, artifact_location=artifacts_beside(tracking_uri))
+    else:
+        exp_id = exp.experiment_id
     run = client.create_run(exp_id, run_name="known")
     run_id = run.info.run_id
     metrics: list[Metric] = []

@@ -16,7 +16,7 @@ from gradmon_ray.tracking import MlflowSink
 from gradmon_ray.viz.plots import HEATMAP_FILE, LINES_FILE, PROBE_FILE, heatmap_figure, norm_matrix, write_plots
 from gradmon_ray.viz.report import SUMMARY_FILE, head_summaries, log_plots, summary_markdown
 from gradmon_ray.viz.runs import latest_probe, load_history
-from tests.viz.known_run import HEADS, NORMS, make_known_run, shuffled_known_runs
+from tests.viz.known_run import HEADS, NORMS, artifacts_beside, make_known_run, shuffled_known_runs
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -118,6 +118,7 @@ def test_log_plots_puts_them_in_the_runs_artifacts(known):
 
 def test_sink_draws_plots_every_n_iterations_and_at_close(tmp_path):
     uri = f"sqlite:///{tmp_path / 'sink.db'}"
+    MlflowClient(uri).create_experiment("sink", artifact_location=artifacts_beside(uri))
     sink = MlflowSink(uri, "sink", plots_every=2, plot_fn=log_plots)
     for step in (1, 2, 3):
         sink.log_iteration(step, {mn.head_metric(mn.HEAD_GRAD_NORM, h): 0.5 * step for h in ("op", "value")})
