@@ -17,9 +17,6 @@ from gradmon_ray import metric_parsing as mp
 from gradmon_ray.telemetry.bands import DEFAULT_BANDS, BandSet
 from gradmon_ray.viz.layout import modules_of, run_bands
 
-VALUE_HEAD = mn.VALUE_HEAD
-"""The value head is reported next to the action heads (its own column, last)."""
-
 
 class RunLookupError(Exception):
     """A run or experiment that does not exist (``unreachable`` False), or a tracking server
@@ -63,9 +60,10 @@ def resolve_run(client: Any, *, run_id: str | None = None, experiment: str | Non
 
 
 def run_heads(metrics: Mapping[str, float], tags: Mapping[str, str]) -> list[str]:
-    """Reported heads in the ``gradmon.head_names`` tag's order (action-space order), value head last.
+    """Reported heads in the ``gradmon.head_names`` tag's order, each module's value head
+    (``metric_names.is_value_head``) last.
 
-    A run without the tag gets sorted action heads, then ``value``: never the order of the
+    A run without the tag gets sorted action heads, then the value head: never the order of the
     metric keys, which MLflow and RLlib do not keep stable.
     """
     from gradmon_ray.tracking.results import heads_in, order_heads  # imports torch: not at CLI start-up

@@ -17,7 +17,9 @@ from rich.console import Console
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.envs import HEAD_NAMES
-from gradmon_ray.viz.panel import watch
+from gradmon_ray.viz.head_table import short_number
+from gradmon_ray.viz.panel import render_panel, watch
+from gradmon_ray.viz.runs import ProbeView, RunSnapshot
 from tests.viz.module_runs import log_run
 
 DECLARED = [*HEAD_NAMES, "value"]
@@ -196,3 +198,43 @@ def test_the_runs_own_edges_judge_the_value_head(tmp_path):
 def mn_edges() -> tuple[str, ...]:
     """The band edge names, in ``HealthBands`` order."""
     return ("dead_below", "weak_below", "healthy_max", "elevated_max")
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (None, "—"),
+        (float("nan"), "nan"),
+        (float("inf"), "inf"),
+        (0.0, "0"),
+        (0.004999, "5e-03"),
+        (0.01, "0.010"),
+        (0.35449, "0.354"),
+        (9.9994, "9.999"),
+        (9.9996, "10.00"),  # would round to 10.000 (6 characters) as .3f
+        (12.345, "12.35"),
+        (99.996, "100.0"),
+        (999.94, "999.9"),
+        (999.96, "1e+03"),
+        (23456.0, "2e+04"),
+    ],
+)
+def test_compact_numbers_are_at_most_5_characters(value, text):
+    assert short_number(value) == text and len(text) <= 5
+
+
+def test_more_heads_than_fit_wrap_into_further_tables_with_the_same_rows():
+    """13 heads at 80 columns: 9 (8-character label column, 8 per head) then 4, every head once."""
+    heads = [f"h{i:02d}" for i in range(12)] + ["value"]
+    metrics = {mn.head_metric(mn.HEAD_GRAD_NORM, h): 0.5 for h in heads}
+    metrics |= {mn.head_metric(mn.HEAD_NAN_LATCH, h): 0.0 for h in heads[:-1]}
+    snap = RunSnapshot("r", "many", "FINISHED", metrics, {}, heads, 1, ProbeView(None))
+    console = Console(record=True, width=80, color_system=None, force_terminal=False)
+    console.print(render_panel(snap, 80))
+    text = console.export_text()
+    first, second = compact_tables(text)
+    assert first[""] == heads[:9] and second[""] == heads[9:]
+    assert list(first) == list(second) == ["", "norm", "bar", "state", "NaN", "Inf"]
+    assert second["NaN"] == ["○", "○", "○", "–"]
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "heads:" not in text  # every name fits: nothing to explain
