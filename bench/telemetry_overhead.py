@@ -32,7 +32,11 @@ with stock RLlib (the two differ in the telemetry, gradmon's loss code path and 
 skip-on-NaN decision is made, not in the optimizer); ``gradmon/stock`` mixes in the
 optimizer.  Usage:
 
-    python bench/telemetry_overhead.py [--rounds 25] [--repeats 5] [--trunk 128 128] [--device cpu|cuda]
+    python bench/telemetry_overhead.py [--rounds 25] [--repeats 5] [--trunk 128 128] [--device cpu|cuda] [--agents N]
+
+``--agents N`` trains the multi-agent variant (``gradmon/FactoredOpsMultiAgent-v0``, one module per
+agent: N modules in every arm, all of them monitored in ``gradmon``); its lines read
+``ratio gradmon/off agents=N median ...``.
 
 ``--trunk 400 400 400 400`` is 0.99M parameters (policy and value trunks), ``--trunk 1290 1290 1290 1290``
 10.08M.
@@ -49,7 +53,6 @@ from typing import Any
 
 import torch
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
-from ray.rllib.core import DEFAULT_MODULE_ID
 
 from gradmon_ray.config import GradmonConfig
 from gradmon_ray.rllib.standalone import build_local_learner, sample_episodes, train_batch, update
@@ -90,9 +93,9 @@ def build_arms(cfg: GradmonConfig, twin: bool, order: random.Random) -> dict[str
         builders["gradmon-twin"] = lambda: build_local_learner(cfg)
     built = {name: builders[name]() for name in order.sample(list(builders), len(builders))}
     learners = {name: built[name] for name in builders}  # report in the usual order
-    weights = learners["gradmon"].module[DEFAULT_MODULE_ID].get_state()
+    weights = learners["gradmon"].module.get_state()  # every module (one, or one per agent)
     for learner in learners.values():
-        learner.module[DEFAULT_MODULE_ID].set_state(weights)
+        learner.module.set_state(weights)
     return learners
 
 
@@ -103,6 +106,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--trunk", type=int, nargs="+", default=None, help="trunk widths (default: the config's)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--agents", type=int, default=0, help="multi-agent variant with this many modules (0: off)")
     parser.add_argument(
         "--no-twin", dest="twin", action="store_false", help="leave out the A/A arm (a second, identical gradmon)"
     )
@@ -120,6 +124,9 @@ def main() -> None:
         cfg.model.trunk_hiddens = list(args.trunk)
     if args.device == "cuda":
         cfg.resources.num_gpus_per_learner = 1.0
+    if args.agents:
+        cfg.env.id = "gradmon/FactoredOpsMultiAgent-v0"
+        cfg.env.config = {"num_agents": args.agents}
     order = random.Random(0)
     learners = build_arms(cfg, args.twin, order)
     batch = train_batch(learners["gradmon"], sample_episodes(cfg, learners["gradmon"], cfg.ppo.train_batch_size))
@@ -162,10 +169,12 @@ def main() -> None:
             {(a, b): statistics.median(x / y for x, y in zip(times[a], times[b], strict=True)) for a, b in ratios}
         )
 
-    minibatches = learners["gradmon"].last_telemetry.minibatches
-    params = sum(p.numel() for p in learners["gradmon"].module[DEFAULT_MODULE_ID].parameters())
+    modules = learners["gradmon"].gradmon_modules
+    minibatches = next(iter(modules.values())).last_telemetry.minibatches
+    params = sum(p.numel() for mid in modules for p in learners["gradmon"].module[mid].parameters())
+    label = f" agents={args.agents}" if args.agents else ""
     print(
-        f"device={args.device} torch={torch.__version__} threads={torch.get_num_threads()} "
+        f"device={args.device} torch={torch.__version__} threads={torch.get_num_threads()} modules={len(modules)} "
         f"params={params / 1e6:.3f}M trunk={cfg.model.trunk_hiddens} minibatches/update={minibatches} "
         f"repeats={args.repeats} x rounds={args.rounds} fresh_learners_per_repeat={args.fresh}"
     )
@@ -185,7 +194,7 @@ def main() -> None:
     for a, b in ratios:
         values = [r[(a, b)] for r in pair_ratios]
         print(
-            f"ratio {a}/{b} median {statistics.median(values):.3f} min {min(values):.3f} max {max(values):.3f}",
+            f"ratio {a}/{b}{label} median {statistics.median(values):.3f} min {min(values):.3f} max {max(values):.3f}",
             flush=True,
         )
     if args.twin:
