@@ -279,13 +279,24 @@ def run_training(
 
 
 def reported_head_order(action_space: Any, head_names: Sequence[str] | None = None) -> tuple[str, ...]:
-    """The heads the learner reports, in gradmon's order: the action heads as ``resolve_heads``
-    gives them (the action space's order: a ``Dict``'s sorted keys, else ``model.head_names``),
-    then ``value``.  The ``gradmon.head_names`` tag holds this; watch, the plots and the report
-    follow the tag."""
+    """The heads the learner reports, in display order: ``head_names`` (the environment's declared
+    order; checked against the space by ``resolve_heads``) when given, else the action space's
+    order (a ``Dict``'s sorted keys), then ``value``.  The ``gradmon.head_names`` tag holds this;
+    watch, the plots and the report follow the tag.  Only the display order: the logits stay in
+    dm-tree's sorted-key order."""
     from gradmon_ray.rllib.module import VALUE_HEAD, resolve_heads
 
-    return (*resolve_heads(action_space, head_names).names, VALUE_HEAD)
+    layout = resolve_heads(action_space, head_names)
+    return (*(tuple(head_names) if head_names is not None else layout.names), VALUE_HEAD)
+
+
+def declared_head_names(cfg: GradmonConfig) -> Sequence[str] | None:
+    """``model.head_names``, else the built-in environments' own order (``op`` first), else None."""
+    from gradmon_ray.envs import BUILTIN_ENV_IDS, HEAD_NAMES
+
+    if cfg.model.head_names is not None:
+        return cfg.model.head_names
+    return HEAD_NAMES if cfg.env.id in BUILTIN_ENV_IDS else None
 
 
 def _head_order(algo: Any, cfg: GradmonConfig) -> tuple[str, ...]:
@@ -311,7 +322,7 @@ def _head_order(algo: Any, cfg: GradmonConfig) -> tuple[str, ...]:
         return tuple(
             head_label(module_id if several else None, head)
             for module_id, (_, action_space) in spaces.items()
-            for head in reported_head_order(action_space, cfg.model.head_names)
+            for head in reported_head_order(action_space, declared_head_names(cfg))
         )
     except Exception as exc:  # only the tag's order depends on it: sorted heads, then value
         logger.warning("could not work out the head order (%s: %s); heads are tagged sorted", type(exc).__name__, exc)

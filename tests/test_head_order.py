@@ -94,7 +94,17 @@ def test_order_heads_puts_unknown_heads_sorted_after_the_known_ones_and_value_la
 
 def test_the_driver_takes_the_order_from_the_modules_action_space_and_config():
     algo = SimpleNamespace(spaces={"default_policy": (gym.spaces.Box(0, 1, (3,)), MD_SPACE)})
-    cfg = SimpleNamespace(model=SimpleNamespace(head_names=MD_NAMES))
+    cfg = SimpleNamespace(model=SimpleNamespace(head_names=MD_NAMES), env=SimpleNamespace(id="x"))
     assert list(_head_order(algo, cfg)) == MD_ORDER
     algo.spaces["default_policy"] = (None, DICT_SPACE)
-    assert list(_head_order(algo, SimpleNamespace(model=SimpleNamespace(head_names=None)))) == DICT_ORDER
+    plain = SimpleNamespace(model=SimpleNamespace(head_names=None), env=SimpleNamespace(id="x"))
+    assert list(_head_order(algo, plain)) == DICT_ORDER
+
+
+def test_the_built_in_env_is_shown_in_its_declared_order_op_first():
+    from gradmon_ray.envs import BUILTIN_ENV_ID, FactoredOpsEnv
+
+    algo = SimpleNamespace(spaces={"default_policy": (None, FactoredOpsEnv().action_space)})
+    cfg = SimpleNamespace(model=SimpleNamespace(head_names=None), env=SimpleNamespace(id=BUILTIN_ENV_ID))
+    expected = ["op", "slot", "blueprint", "style", "tempo", "alpha_target", "alpha_speed", "alpha_curve", "value"]
+    assert list(_head_order(algo, cfg)) == expected

@@ -63,7 +63,9 @@ class ModelSection(ConfigModel):
         description="Multiply a head's logits, e.g. {op: 100.0} (diagnostics: provokes an exploding head).",
     )
     head_names: Union[list[Text], None] = Field(
-        None, description="Head names for MultiDiscrete/Discrete spaces (Dict spaces use their keys)."
+        None,
+        description="Head names for MultiDiscrete/Discrete spaces; for a Dict space, its keys in the order "
+        "watch, the plots and the report show them (the built-in envs: op first).",
     )
 
     @field_validator("head_names")
