@@ -126,5 +126,6 @@ def test_cli_run_logs_module_prefixed_names_and_head_labels(ray_session, tmp_pat
         assert f"module/{mid}/grad/global_norm" in metrics
     assert not any(k.startswith("grad/") for k in metrics), "no unprefixed per-module metric in a multi-module run"
     tagged = run.data.tags[mn.TAG_HEAD_NAMES].split(",")
-    assert tagged[0] == "agent_0/op" and tagged[8] == "agent_0/value" and tagged[-1] == "agent_1/value"  # declared order
+    # the declared order, op first, module by module
+    assert tagged[0] == "agent_0/op" and tagged[8] == "agent_0/value" and tagged[-1] == "agent_1/value"
     assert len(tagged) == 18
