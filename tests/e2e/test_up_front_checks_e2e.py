@@ -15,8 +15,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gradmon_ray.config import config_from_dict
-from gradmon_ray.resource_wait import ResourceWaitTimeout
 from tests.e2e.processes import clean_env, free_port
 
 pytestmark = pytest.mark.e2e
@@ -86,36 +84,3 @@ def test_a_sweep_whose_trials_a_local_ray_can_never_place(tmp_path):
     # RLlib's own request for a trial: one CPU for the trial's process, one per EnvRunner.
     assert "resources: this run asks for CPU 4 but this Ray has CPU 2 in total" in err, err
     assert list(run_dir.iterdir()) == []
-
-
-def test_a_request_that_fits_the_total_but_not_what_is_free_waits_then_gives_up(ray_session, tmp_path, caplog):
-    """On a Ray this run did not start (here the test session's, 4 CPUs), all CPUs held by another
-    actor: the run fits the total, so it is not refused; it waits, says so, and gives up in time."""
-    from gradmon_ray.train import run_training
-
-    ray = ray_session
-    total = ray.cluster_resources()["CPU"]
-
-    @ray.remote(num_cpus=total)
-    class Holder:
-        def ready(self) -> bool:
-            return True
-
-    holder = Holder.remote()
-    ray.get(holder.ready.remote())
-    try:
-        cfg = config_from_dict(
-            {
-                "iterations": 1,
-                "ppo": {"train_batch_size": 128, "minibatch_size": 64, "num_epochs": 1},
-                "resources": {"num_env_runners": 1, "wait_for_resources_s": 4},
-                "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "wait"},
-            }
-        )
-        with caplog.at_level("WARNING"), pytest.raises(ResourceWaitTimeout) as failed:
-            run_training(cfg, progress=None)
-    finally:
-        ray.kill(holder)
-    assert f"this run asks for CPU 1; the cluster has CPU {total:g} in total, CPU 0 free" in str(failed.value)
-    assert "can never start" not in caplog.text  # it fits the total: waited for, not refused
-    assert "still waiting for Ray to place the learners and EnvRunners after 2 s" in caplog.text
