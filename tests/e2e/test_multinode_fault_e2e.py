@@ -342,6 +342,7 @@ def test_losing_a_learners_node_resumes_the_trial_from_its_checkpoint(faulted_sw
     busy = sorted(step for step, value in trained.items() if value == 1.0)
     # Telemetry at every trained iteration, its own clock counting updates straight through the restart.
     assert history(mn.TELEMETRY_ITERATION) == {step: float(i) for i, step in enumerate(busy, 1)}
-    assert gradmon_state["gradmon_telemetry"]["iteration"] == sum(1 for s in busy if s <= resumed_from)
+    telemetry = gradmon_state["gradmon_telemetry"]["default_policy"]  # keyed by module
+    assert telemetry["iteration"] == sum(1 for s in busy if s <= resumed_from)
     for head in ("op", "value"):
         assert sorted(history(mn.head_metric(mn.HEAD_GRAD_NORM, head))) == busy, head

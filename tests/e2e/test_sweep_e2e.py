@@ -231,7 +231,7 @@ def test_a_killed_learner_actor_resumes_byte_equal_and_mlflow_has_each_iteration
     gradmon_state = {k: v for k, v in on_disk.items() if k in GRADMON_STATE_KEYS}
     assert {"gradmon_telemetry", "gradmon_vgs", "gradmon_probe"} <= set(gradmon_state)
     assert run.data.tags[mn.TAG_RESUMED_STATE_DIGEST] == state_digest(gradmon_state)
-    telemetry = gradmon_state["gradmon_telemetry"]
+    telemetry = gradmon_state["gradmon_telemetry"]["default_policy"]  # keyed by module
     assert gradmon_state["gradmon_probe"]["iterations_done"] == resumed_from
 
     def history(name: str) -> dict[int, float]:
@@ -251,7 +251,7 @@ def test_a_killed_learner_actor_resumes_byte_equal_and_mlflow_has_each_iteration
     # The checkpointed VGS step count is where the resumed attempt continued from.
     vgs_steps = history(mn.VGS_STEP_COUNT)
     assert all(vgs_steps[i + 1] > vgs_steps[i] for i in range(1, KILL_ITERATIONS))
-    assert int(gradmon_state["gradmon_vgs"]["step_count"]) == vgs_steps[resumed_from]
+    assert int(gradmon_state["gradmon_vgs"]["default_policy"]["step_count"]) == vgs_steps[resumed_from]
     assert telemetry["iteration"] == resumed_from
     if resumed_from == 3:  # the usual case: iteration 4 (at least) was logged by the killed attempt
         recomputed = run.data.tags[mn.TAG_RECOMPUTED_ITERATIONS]
