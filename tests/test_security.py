@@ -94,7 +94,7 @@ def test_the_only_code_loaded_from_config_is_a_regularizer_or_env_import_path():
         ("gradmon_ray/import_paths.py", "module_name"),  # regularizers[].fn: "pkg.module:function"
         ("gradmon_ray/rllib/__init__.py", "_EXPORTS[name]"),  # fixed table of our own modules (lazy exports)
         ("gradmon_ray/rllib/config.py", "module_name"),  # env.id: "pkg.module:Class"
+        ("gradmon_ray/tracking/__init__.py", "_EXPORTS[name]"),  # fixed table of our own modules (lazy exports)
         # unpickling a callback class pinned on the driver: the class pickle named (no new trust)
         ("gradmon_ray/tracking/callback.py", "module"),
-        ("gradmon_ray/tracking/__init__.py", "_EXPORTS[name]"),  # fixed table of our own modules (lazy exports)
     ]

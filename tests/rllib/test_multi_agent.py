@@ -107,7 +107,7 @@ def test_modules_and_per_module_settings():
     try:
         batch = sample_batch(config, learner, num_timesteps=128)
         logged = _update(learner, batch)
-        assert list(learner.gradmon_modules) == ["p0", "p2"]
+        assert sorted(learner.gradmon_modules) == ["p0", "p2"]  # RLlib orders the modules from a set
         assert learner.gradmon_modules["p0"].head_names == ("pi", "vf")
         assert learner.gradmon_modules["p2"].head_names == ("actor", "critic")
         assert not any(k.startswith("grad/") for k in logged.get("p1", {})), "p1 is not monitored"
