@@ -8,8 +8,6 @@ Everything runs in-process (no Ray cluster): one update on one batch, one miniba
 
 from __future__ import annotations
 
-import math
-
 import gymnasium as gym
 import pytest
 import torch
@@ -26,6 +24,7 @@ from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
 from gradmon_ray.rllib import compat, with_gradmon
+from tests.rllib.stock_oracle import stock_head_norms
 from tests.rllib.user_module import TinyActorCritic, default_ppo_module
 
 HEADS = {"pi": r"^pi\.", "vf": r"^vf\."}
@@ -56,22 +55,7 @@ def _expected_norms(algo, batch, state, heads, module_spec=None) -> dict[str, fl
     stock = _config(algo, ALGOS[algo][1], module_spec=module_spec).build_learner(spaces=SPACES)
     try:
         stock.module[MID].set_state(state)
-        tensors = dict(stock._convert_batch_type(batch).policy_batches[MID])
-        module = stock.module[MID].unwrapped()
-        loss = stock.compute_loss_for_module(
-            module_id=MID,
-            config=stock.config.get_config_for_module(MID),
-            batch=tensors,
-            fwd_out=module.forward_train(tensors),
-        )
-        named = dict(module.named_parameters())
-        out = {}
-        for head, prefix in heads.items():
-            params = [p for n, p in named.items() if n.startswith(prefix)]
-            assert params, prefix
-            grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-            out[head] = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads if g is not None))
-        return out
+        return stock_head_norms(stock, batch, MID, heads)
     finally:
         stock.shutdown()
 

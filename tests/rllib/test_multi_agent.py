@@ -20,28 +20,10 @@ from gradmon_ray import metric_names as mn
 from gradmon_ray.rllib import with_gradmon
 from gradmon_ray.rllib.reporting import TELEMETRY_STATE_KEY
 from tests.peer.pairs import build_pair, cartpole_config, sample_batch, spaces_of
+from tests.rllib.stock_oracle import stock_head_norms
 from tests.rllib.user_module import TinyActorCritic
 
 HEADS = {"pi": r"^pi\.", "vf": r"^vf\."}
-
-
-def _stock_head_norms(stock: Any, batch: Any, module_id: str, prefixes: dict[str, str]) -> dict[str, float]:
-    """Norms of d(stock PPO loss of ``module_id``)/d(parameters named like each head), float64."""
-    tensors = dict(stock._convert_batch_type(batch).policy_batches[module_id])
-    module = stock.module[module_id].unwrapped()
-    loss = stock.compute_loss_for_module(
-        module_id=module_id,
-        config=stock.config.get_config_for_module(module_id),
-        batch=tensors,
-        fwd_out=module.forward_train(tensors),
-    )
-    named = dict(module.named_parameters())
-    out = {}
-    for head, prefix in prefixes.items():
-        params = [p for n, p in named.items() if n.startswith(prefix)]
-        grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-        out[head] = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads if g is not None))
-    return out
 
 
 def _update(learner: Any, batch: Any) -> dict[str, dict[str, float]]:
@@ -64,7 +46,7 @@ def eight_modules():
 
 def test_eight_modules_one_packed_reduction_and_per_module_norms(eight_modules, monkeypatch):
     stock, wrapped, batch = eight_modules
-    expected = {mid: _stock_head_norms(stock, batch, mid, {"pi": "pi.", "vf": "vf."}) for mid in batch.policy_batches}
+    expected = {mid: stock_head_norms(stock, batch, mid, {"pi": "pi.", "vf": "vf."}) for mid in batch.policy_batches}
     copies = []
     inner = collective_module.reduce_and_copy
     monkeypatch.setattr(collective_module, "reduce_and_copy", lambda *a, **k: copies.append(1) or inner(*a, **k))
