@@ -191,7 +191,7 @@ def main() -> None:
 
 def handoff_cost(batch_size: int, rounds: int, repeats: int) -> None:
     """Part 2: the learner-side cost of the hand-off (snapshot, host copy, send), and of the probe drained."""
-    from gradmon_ray.rllib.standalone import build_local_learner, sample_episodes, train_batch, update
+    from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch, update
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     per_repeat: list[dict[str, float]] = []

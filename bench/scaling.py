@@ -64,7 +64,7 @@ from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 from ray.rllib.core import DEFAULT_MODULE_ID
 
 from gradmon_ray.config import config_from_dict
-from gradmon_ray.rllib.standalone import build_local_learner, env_spaces, sample_episodes, train_batch, update
+from gradmon_ray.rllib.local_learner import build_local_learner, env_spaces, sample_episodes, train_batch, update
 from gradmon_ray.telemetry import GradientNormPlan
 
 NHEADS_ENV_ID = "gradmon-bench/NHeads-v0"

@@ -55,7 +55,7 @@ import torch
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 
 from gradmon_ray.config import GradmonConfig
-from gradmon_ray.rllib.standalone import build_local_learner, sample_episodes, train_batch, update
+from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch, update
 
 RATIOS = [("gradmon", "off"), ("gradmon", "stock"), ("gradmon", "stock-fused")]
 

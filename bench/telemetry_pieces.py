@@ -34,9 +34,11 @@ from typing import Any
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
 from gradmon_ray.config import GradmonConfig
-from gradmon_ray.rllib import head_health, module_telemetry, reporting
-from gradmon_ray.rllib.standalone import build_local_learner, sample_episodes, train_batch, update
-from gradmon_ray.telemetry import accumulator, summary
+from gradmon_ray.rllib import head_health, module_telemetry
+from gradmon_ray.rllib import monitor_step as reporting
+from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch, update
+from gradmon_ray.telemetry import accumulator
+from gradmon_ray.telemetry import tracker as summary
 
 # (owner, method, label, per): "update" pieces run once per update, "minibatch" ones per minibatch.
 PIECES = [

@@ -2,7 +2,7 @@
 
 The one place a regularizer named in a config (``regularizers[].fn``) is imported.  It
 needs neither torch nor Ray, so config validation resolves ``fn`` here, before anything
-starts, without importing torch or RLlib; ``gradmon_ray.rllib.regularizers`` maps the names
+starts, without importing torch or RLlib; ``gradmon_ray.losses.regularizers`` maps the names
 resolved here to its functions.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 BUILTIN_REGULARIZER_NAMES = ("logit_l2", "uniform_prior_kl", "weight_l2")
-"""The built-in regularizers (their functions live in ``gradmon_ray.rllib.regularizers``)."""
+"""The built-in regularizers (their functions live in ``gradmon_ray.losses.regularizers``)."""
 
 
 def import_path(target: str) -> Any:

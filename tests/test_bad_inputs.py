@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from gradmon_ray.cli import main
+from gradmon_ray.app.cli import main
 from gradmon_ray.config import ConfigError, config_from_dict
 from gradmon_ray.rllib import build_ppo_config
 from gradmon_ray.rllib.preflight import LEARNER_SUBDIR, check_restore_point
@@ -365,7 +365,7 @@ def test_restore_from_continues_the_checkpointed_run(checkpoints, tmp_path):
     from mlflow.tracking import MlflowClient
 
     from gradmon_ray import metric_names as mn
-    from gradmon_ray.train import run_training
+    from gradmon_ray.app.train import run_training
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = config_from_dict(

@@ -141,7 +141,7 @@ def test_bad_files(tmp_path, text, fragment):
 
 def test_every_field_has_a_doc():
     """Every field of every section, from the JSON schema (what docs and editors read)."""
-    from gradmon_ray.sweep import SweepConfig
+    from gradmon_ray.app.sweep import SweepConfig
 
     for model in (GradmonConfig, SweepConfig):
         schema = model.model_json_schema()
@@ -249,7 +249,7 @@ def test_config_validation_imports_neither_the_probe_nor_torch_nor_ray():
 
 def test_builtin_regularizer_names_match_the_probe_table():
     from gradmon_ray.import_paths import BUILTIN_REGULARIZER_NAMES
-    from gradmon_ray.probe.regularizers import BUILTIN_REGULARIZERS
+    from gradmon_ray.losses.regularizers import BUILTIN_REGULARIZERS
 
     assert tuple(BUILTIN_REGULARIZERS) == BUILTIN_REGULARIZER_NAMES
 

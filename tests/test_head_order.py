@@ -14,11 +14,11 @@ import gymnasium as gym
 import pytest
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray.app.train import _head_order, reported_head_order
 from gradmon_ray.envs import HEAD_NAMES, HEAD_SIZES
 from gradmon_ray.rllib.module import resolve_heads
-from gradmon_ray.tracking.results import heads_in, order_heads
-from gradmon_ray.tracking.results import latch_tags as _latch_tags
-from gradmon_ray.train import _head_order, reported_head_order
+from gradmon_ray.tracking.result_metrics import heads_in, order_heads
+from gradmon_ray.tracking.result_metrics import latch_tags as _latch_tags
 from gradmon_ray.viz.runs import run_heads
 
 DICT_SPACE = gym.spaces.Dict({h: gym.spaces.Discrete(HEAD_SIZES[h]) for h in HEAD_NAMES})

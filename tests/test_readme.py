@@ -12,7 +12,7 @@ import shlex
 from pathlib import Path
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.cli import build_parser
+from gradmon_ray.app.cli import build_parser
 from gradmon_ray.viz.plots import ENTROPY_FILE, HEATMAP_FILE, LINES_FILE, PROBE_FILE
 from gradmon_ray.viz.report import PLOTS_ARTIFACT_DIR
 
@@ -46,7 +46,7 @@ def test_ci_runs_exactly_the_readme_install_and_test_commands():
 def test_readme_train_command_is_the_console_script():
     assert _readme_command("train").split()[0] == "gradmon-ray"
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert 'gradmon-ray = "gradmon_ray.cli:main"' in pyproject
+    assert 'gradmon-ray = "gradmon_ray.app.cli:main"' in pyproject
 
 
 def _documented_form(template: str) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gradmon_ray.cli import main
+from gradmon_ray.app.cli import main
 from tests.e2e.processes import free_port
 
 SWEEP = str(Path(__file__).resolve().parents[1] / "tune_configs" / "vgs_sweep.yaml")
@@ -68,7 +68,7 @@ def test_offline_ok_trains_anyway_and_says_where_the_metrics_are(empty_cwd, caps
     took ends with the replay command, not with 'MLflow run None' and a useless UI hint."""
     from types import SimpleNamespace
 
-    import gradmon_ray.train
+    import gradmon_ray.app.train
 
     seen = {}
 
@@ -76,7 +76,7 @@ def test_offline_ok_trains_anyway_and_says_where_the_metrics_are(empty_cwd, caps
         seen["uri"] = cfg.mlflow.tracking_uri
         return SimpleNamespace(run_id=None, mlflow_complete=False, checkpoint_path=None, spill_path="s.jsonl")
 
-    monkeypatch.setattr(gradmon_ray.train, "run_training", fake_run_training)
+    monkeypatch.setattr(gradmon_ray.app.train, "run_training", fake_run_training)
     uri = f"http://alice:Zq9-not-shown@127.0.0.1:{free_port()}"
     assert main(["train", *TINY, "--mlflow-uri", uri, "--set", "mlflow.offline_ok=true"]) == 0
     out, err = capsys.readouterr()
@@ -166,7 +166,7 @@ def test_search_space_values_are_each_checked_against_a_valid_base(tmp_path, emp
     ],
 )
 def test_where_a_ray_address_connects(address, target):
-    from gradmon_ray.resource_wait import _host_port
+    from gradmon_ray.app.resource_wait import _host_port
 
     assert _host_port(address) == target
 
@@ -175,7 +175,7 @@ def test_a_ray_address_nothing_answers_at_is_refused_at_once():
     import socket
     import time
 
-    from gradmon_ray.resource_wait import ray_address_problem
+    from gradmon_ray.app.resource_wait import ray_address_problem
 
     port = free_port()
     start = time.monotonic()
@@ -193,8 +193,8 @@ def test_a_ray_address_nothing_answers_at_is_refused_at_once():
 
 
 def test_a_request_over_the_total_and_one_that_fits():
+    from gradmon_ray.app.resource_wait import over_total_problem, requested_resources
     from gradmon_ray.config import config_from_dict
-    from gradmon_ray.resource_wait import over_total_problem, requested_resources
 
     eight = requested_resources(config_from_dict({"resources": {"num_env_runners": 8}}))
     assert eight == {"CPU": 8.0}
@@ -229,8 +229,8 @@ def test_the_request_is_rllibs_own_without_the_drivers_bundle(resources):
     driver's process, which ``gradmon-ray train`` is (it places no actor there)."""
     from ray.rllib.algorithms.ppo import PPO
 
+    from gradmon_ray.app.resource_wait import requested_resources
     from gradmon_ray.config import config_from_dict
-    from gradmon_ray.resource_wait import requested_resources
     from gradmon_ray.rllib.config import build_ppo_config
 
     cfg = config_from_dict({"resources": resources})

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from gradmon_ray import compat
 from gradmon_ray.telemetry.head_norms import HeadPart, ParamRows
 from gradmon_ray.telemetry.noise_scale import noise_lane_count
 
@@ -79,7 +80,7 @@ class NoiseScaleHook:
             layout = self._layout(params)
             self._index_cache[key] = layout
         grads = list(grads)
-        squares = torch.stack(torch._foreach_norm(grads)).double() ** 2
+        squares = torch.stack(compat.foreach_norm(grads)).double() ** 2
         scale = self._scale() if self._scale is not None else None
         if scale is not None:
             squares = squares / scale.double() ** 2
@@ -131,7 +132,7 @@ class NoiseScaleHook:
 
         self._allreduce = allreduce_hook
         # DDP's own all-reduce, on the module's own process group (not WORLD: with one group per
-        # module, modules' buckets must never meet in one communicator; see rllib.compat).
+        # module, modules' buckets must never meet in one communicator; see gradmon_ray.compat).
         module.register_comm_hook(state=module.process_group, hook=self.local_norm_hook)
         self._enabled = True
         return True

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
+from gradmon_ray import compat
 from gradmon_ray.optim.upgd import UPGD
 
 
@@ -64,7 +65,7 @@ class UpdateScaler:
         if self._params:
             if self._snapshots is None:
                 self._snapshots = [torch.empty_like(p) for p in self._params]
-            torch._foreach_copy_(self._snapshots, [p.detach() for p in self._params])
+            compat.foreach_copy_(self._snapshots, [p.detach() for p in self._params])
         for opt in self._by_lr:
             for group in opt.param_groups:
                 lr = group["lr"]
@@ -83,6 +84,6 @@ class UpdateScaler:
         if self._params:
             params = [p.detach() for p in self._params]
             # theta_after + (1 - f) * (theta_before - theta_after); snapshots become scratch.
-            torch._foreach_sub_(self._snapshots, params)
-            torch._foreach_mul_(self._snapshots, 1.0 - factor)
-            torch._foreach_add_(params, self._snapshots)
+            compat.foreach_sub_(self._snapshots, params)
+            compat.foreach_mul_(self._snapshots, 1.0 - factor)
+            compat.foreach_add_(params, self._snapshots)

@@ -1,10 +1,10 @@
 """The gradient probe: non-destructive per-component, per-bucket gradient analysis."""
 
+from gradmon_ray.losses.regularizers import BUILTIN_REGULARIZERS, RegularizerSpec, resolve_regularizer
 from gradmon_ray.probe.actor import GradientProbe, start_probe_actor
 from gradmon_ray.probe.analysis import analyse_batch, episodes_from_batch
+from gradmon_ray.probe.client import LossSettings, ProbeClient, ProbeOutcome, ProbeRequest
 from gradmon_ray.probe.components import COMPONENTS, ComponentReport, component_gradients
-from gradmon_ray.rllib.probe_client import LossSettings, ProbeClient, ProbeOutcome, ProbeRequest
-from gradmon_ray.rllib.regularizers import BUILTIN_REGULARIZERS, RegularizerSpec, resolve_regularizer
 
 __all__ = [
     "BUILTIN_REGULARIZERS",

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray.losses.regularizers import RegularizerSpec, resolve_regularizer
 from gradmon_ray.probe.analysis import TooFewGroupsError, analyse_batch
-from gradmon_ray.rllib.probe_client import PROBE_ACTOR_PREFIX, ProbeOutcome, ProbeRequest, probe_actor_name
-from gradmon_ray.rllib.regularizers import RegularizerSpec, resolve_regularizer
+from gradmon_ray.probe.client import PROBE_ACTOR_PREFIX, ProbeOutcome, ProbeRequest, probe_actor_name
 from gradmon_ray.tracking.mlflow_sink import MlflowSink
 
 logger = logging.getLogger(__name__)

@@ -22,10 +22,10 @@ import tree  # dm-tree, an RLlib dependency: the actions column is nested for Di
 from ray.rllib.core.columns import Columns
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray.losses.regularizers import RegularizerSpec
+from gradmon_ray.probe.client import LossSettings
 from gradmon_ray.probe.components import component_gradients
-from gradmon_ray.rllib.connectors import EPISODE_COLUMN, GROUP_ID_COLUMN, NO_GROUP
-from gradmon_ray.rllib.probe_client import LossSettings
-from gradmon_ray.rllib.regularizers import RegularizerSpec
+from gradmon_ray.probe.connectors import EPISODE_COLUMN, GROUP_ID_COLUMN, NO_GROUP
 from gradmon_ray.telemetry.buckets import bucket_names, group_reward_stds, split_into_buckets
 
 __all__ = ["EpisodeTable", "LossSettings", "TooFewGroupsError", "analyse_batch", "episodes_from_batch"]

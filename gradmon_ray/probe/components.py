@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from gradmon_ray.rllib.ppo_loss import ppo_loss_from_batch
-from gradmon_ray.rllib.regularizers import RegularizerSpec
+from gradmon_ray.losses.ppo import ppo_loss_from_batch
+from gradmon_ray.losses.regularizers import RegularizerSpec
 from gradmon_ray.telemetry.shares import cosine_similarities, signed_shares
 
 COMPONENTS = ("task", "entropy", "kl", "value")

@@ -13,7 +13,7 @@ from typing import Any
 _EXPORTS = {
     "build_ppo_config": "gradmon_ray.rllib.config",
     "resolve_env": "gradmon_ray.rllib.config",
-    "FactoredCategorical": "gradmon_ray.rllib.distribution",
+    "FactoredCategorical": "gradmon_ray.losses.distribution",
     "GradmonPPOTorchLearner": "gradmon_ray.rllib.learner",
     "GradmonSettings": "gradmon_ray.rllib.settings",
     "VALUE_HEAD": "gradmon_ray.rllib.module",

@@ -14,10 +14,10 @@ from ray.rllib.env.multi_agent_env import MultiAgentEnv
 from gradmon_ray.config import ConfigError, GradmonConfig
 from gradmon_ray.distributed import new_group_name
 from gradmon_ray.envs import BUILTIN_ENV_IDS, BUILTIN_MULTI_AGENT_ENV_ID, register_builtin_env
-from gradmon_ray.rllib.connectors import AddGroupIdsToTrainBatch
+from gradmon_ray.probe.client import probe_actor_name
+from gradmon_ray.probe.connectors import AddGroupIdsToTrainBatch
 from gradmon_ray.rllib.learner import GradmonPPOTorchLearner
 from gradmon_ray.rllib.module import FactoredActorCritic
-from gradmon_ray.rllib.probe_client import probe_actor_name
 from gradmon_ray.rllib.settings import LEARNER_CONFIG_KEY
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import gymnasium as gym
 import torch
 
-from gradmon_ray.rllib.distribution import FactoredCategorical
+from gradmon_ray.losses.distribution import FactoredCategorical
 from gradmon_ray.telemetry.head_entropy import empty_head_health_lanes, head_health_lanes
 
 

@@ -35,9 +35,9 @@ import tree  # dm-tree, an RLlib dependency
 from ray.rllib.core.distribution.torch.torch_distribution import TorchMultiCategorical, TorchMultiDistribution
 from ray.rllib.core.models.torch.heads import TorchFreeLogStdMLPHead, TorchMLPHead
 
+from gradmon_ray import compat
+from gradmon_ray.losses.distribution import FactoredCategorical
 from gradmon_ray.metric_names import VALUE_HEAD_NAMES, is_value_head
-from gradmon_ray.rllib import compat
-from gradmon_ray.rllib.distribution import FactoredCategorical
 from gradmon_ray.telemetry.head_norms import HeadPart, ParamRows
 
 POLICY_LATCH = "policy"

@@ -30,8 +30,11 @@ from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.utils.annotations import override
 from ray.rllib.utils.typing import ModuleID, StateDict, TensorType
 
+from gradmon_ray import compat
+from gradmon_ray.losses.ppo import explained_variance, ppo_loss_from_batch
+from gradmon_ray.losses.regularizers import resolve_regularizer
 from gradmon_ray.optim import UPGD
-from gradmon_ray.rllib import compat
+from gradmon_ray.probe.client import LossSettings, ProbeClient, ProbeRequest
 from gradmon_ray.rllib.fault_injection import with_nan_head
 from gradmon_ray.rllib.monitor import (
     GRADMON_STATE_KEYS,
@@ -42,10 +45,7 @@ from gradmon_ray.rllib.monitor import (
     global_rank,
     with_gradmon,
 )
-from gradmon_ray.rllib.ppo_loss import explained_variance, ppo_loss_from_batch
-from gradmon_ray.rllib.probe_client import LossSettings, ProbeClient, ProbeRequest
-from gradmon_ray.rllib.regularizers import resolve_regularizer
-from gradmon_ray.rllib.reporting import GradmonReporting
+from gradmon_ray.rllib.monitor_step import GradmonReporting
 from gradmon_ray.rllib.settings import LEARNER_CONFIG_KEY
 
 logger = logging.getLogger(__name__)

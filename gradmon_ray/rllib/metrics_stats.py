@@ -26,7 +26,7 @@ from typing import Any
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 from ray.rllib.utils.metrics.stats.mean import MeanStats
 
-from gradmon_ray.rllib import compat
+from gradmon_ray import compat
 
 GRADMON_REDUCE = "gradmon_mean"
 """The ``reduce=`` name gradmon's metrics are logged with (``GradmonMeanStats``)."""
@@ -56,9 +56,7 @@ class GradmonMeanStats(MeanStats):
         # What ``self.clone()`` builds (same settings, fresh timers) holding the value; a leaf's
         # attributes are all settings, so a copy of them is that clone for a third of the cost
         # (tests/rllib/test_metrics_stats.py compares the two attribute by attribute).
-        reduced = object.__new__(type(self))
-        reduced.__dict__.update(self.__dict__)
-        compat.reset_timers(reduced)
+        reduced = compat.copy_stats(self)
         reduced.values = [value]
         return reduced
 

@@ -16,8 +16,8 @@ from ray.rllib.core.rl_module.torch import TorchRLModule
 from ray.rllib.utils.annotations import override
 from torch import nn
 
+from gradmon_ray.losses.distribution import ActionFormat, FactoredCategorical
 from gradmon_ray.metric_names import VALUE_HEAD
-from gradmon_ray.rllib.distribution import ActionFormat, FactoredCategorical
 
 
 class ModelConfigError(ValueError):

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
+from gradmon_ray import compat
 from gradmon_ray.distributed import NoiseScaleHook
 from gradmon_ray.optim.scaled_step import UpdateScaler
-from gradmon_ray.rllib import compat
 from gradmon_ray.rllib.head_health import HeadHealthRecorder, head_sizes
 from gradmon_ray.rllib.heads import action_heads, head_parameter_groups
 from gradmon_ray.rllib.settings import GradmonSettings, VGSSettings

@@ -42,11 +42,11 @@ from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 from ray.rllib.utils.annotations import override
 from ray.rllib.utils.typing import ModuleID, ParamDict
 
+from gradmon_ray import compat
 from gradmon_ray.distributed import LearnerCollective
-from gradmon_ray.rllib import compat
 from gradmon_ray.rllib.heads import latch_heads, per_head_logp
 from gradmon_ray.rllib.module_telemetry import FoundInfFlags, ModuleTelemetry, resolve_module
-from gradmon_ray.rllib.reporting import (
+from gradmon_ray.rllib.monitor_step import (
     GRADMON_STATE_KEYS,
     NOISE_STATE_KEY,
     PROBE_STATE_KEY,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from gradmon_ray.config import ConfigError, GradmonConfig
 from gradmon_ray.rllib.module import ModelConfigError
-from gradmon_ray.telemetry.vgs import OLD_CHECKPOINT_WARNING
+from gradmon_ray.vgs.scaler import OLD_CHECKPOINT_WARNING
 
 LEARNER_SUBDIR = Path("learner_group") / "learner"
 """Where an RLlib Algorithm checkpoint keeps the learner's state."""
@@ -25,7 +25,7 @@ def preflight(cfg: GradmonConfig) -> None:
     """Check what can be checked before Ray or MLflow start: the local MLflow store, the GPUs
     a local Ray would need, the env (built on an RLlib EnvRunner, as training does), the
     model, and ``restore_from``."""
-    from gradmon_ray.rllib.standalone import module_spaces
+    from gradmon_ray.rllib.local_learner import module_spaces
     from gradmon_ray.tracking.store_check import ephemeral_store_problem, local_store_problem
 
     uri = cfg.mlflow.tracking_uri
@@ -80,7 +80,7 @@ def check_restore_point(cfg: GradmonConfig) -> None:
     An old (spatial) VGS state is refused unless ``vgs.accept_old_checkpoint``: it would
     silently restart the VGS statistics of a run the user means to continue.
     """
-    from gradmon_ray.rllib.standalone import build_local_learner
+    from gradmon_ray.rllib.local_learner import build_local_learner
 
     path = Path(cfg.restore_from or "")
     if not path.is_dir():

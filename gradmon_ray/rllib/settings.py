@@ -21,7 +21,7 @@ from gradmon_ray.config import RegularizerEntry
 from gradmon_ray.optim.upgd import UPGD
 from gradmon_ray.rllib.fault_injection import FaultInjection
 from gradmon_ray.telemetry.bands import BandSet, CollapseBand, HealthBands
-from gradmon_ray.telemetry.vgs import VarianceGradientScaler
+from gradmon_ray.vgs.scaler import VarianceGradientScaler
 
 LEARNER_CONFIG_KEY = "gradmon"
 """Key in ``AlgorithmConfig.learner_config_dict`` holding the gradmon learner settings."""

@@ -15,9 +15,9 @@ from gradmon_ray.telemetry.head_norms import GradientNormPlan, GradientNorms, He
 from gradmon_ray.telemetry.latches import HeadLatches, logp_nonfinite_flags, logp_sums
 from gradmon_ray.telemetry.noise_scale import NoiseScaleTracker, gradient_noise_terms
 from gradmon_ray.telemetry.shares import cosine_similarities, signed_shares
-from gradmon_ray.telemetry.summary import IterationTelemetry, TelemetryTracker
+from gradmon_ray.telemetry.tracker import IterationTelemetry, TelemetryTracker
 from gradmon_ray.telemetry.trends import coefficient_of_variation, trend_arrow
-from gradmon_ray.telemetry.vgs import VarianceGradientScaler
+from gradmon_ray.vgs.scaler import VarianceGradientScaler
 
 __all__ = [
     "ACTION_BANDS",

@@ -18,9 +18,10 @@ from typing import NamedTuple
 
 import torch
 
+from gradmon_ray import compat
+from gradmon_ray.compile_on_demand import Kernel, wants_compile
 from gradmon_ray.telemetry import bands as _bands
 from gradmon_ray.telemetry import trends as _trends
-from gradmon_ray.telemetry.compiled import Kernel, wants_compile
 
 # The band edges, ``classify_grad_norm`` and ``worst_head`` live in the torch-free ``bands``
 # module, the trend arrow and the CV in the torch-free ``trends`` module; these names stay
@@ -233,7 +234,7 @@ class GradientNormPlan:
             squares, nan_count, inf_count = self._fused(grads)
             head_norms, global_norm = self._head_and_global(squares, index)
             return GradientNorms(head_norms, global_norm, nan_count, inf_count)
-        norms = torch.stack(torch._foreach_norm(grads)).float()
+        norms = torch.stack(compat.foreach_norm(grads)).float()
         head_norms, global_norm = self._head_and_global(norms * norms, index)
         if on_cpu:
             # On the CPU a tensor is host memory, so testing it is no device sync. A finite

@@ -14,10 +14,10 @@ _EXPORTS = {
     "CallbackSettings": "gradmon_ray.tracking.callback",
     "GradmonMLflowCallback": "gradmon_ray.tracking.callback",
     "MlflowSink": "gradmon_ray.tracking.mlflow_sink",
-    "heads_in": "gradmon_ray.tracking.results",
-    "latched_heads": "gradmon_ray.tracking.results",
-    "progress_line": "gradmon_ray.tracking.results",
-    "result_to_metrics": "gradmon_ray.tracking.results",
+    "heads_in": "gradmon_ray.tracking.result_metrics",
+    "latched_heads": "gradmon_ray.tracking.result_metrics",
+    "progress_line": "gradmon_ray.tracking.result_metrics",
+    "result_to_metrics": "gradmon_ray.tracking.result_metrics",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -29,11 +29,12 @@ from typing import Any, ClassVar
 
 from ray.rllib.callbacks.callbacks import RLlibCallback
 
+from gradmon_ray import compat
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import MlflowSection
 from gradmon_ray.tracking.mlflow_sink import MlflowSink, PlotFn
 from gradmon_ray.tracking.redact import redact_text, redact_uri
-from gradmon_ray.tracking.results import DEFAULT_MODULE_ID, latch_tags, result_to_metrics
+from gradmon_ray.tracking.result_metrics import DEFAULT_MODULE_ID, latch_tags, result_to_metrics
 from gradmon_ray.tracking.spill import default_spill_path
 from gradmon_ray.tracking.store_check import local_store_problem
 
@@ -212,8 +213,7 @@ def tune_trial_dir_name(algorithm: Any) -> str | None:
     so those say "default" in a trial too.  Private Ray API (``Trainable._storage``, set by Tune
     only), read defensively: without it the run is simply not named after the trial.
     """
-    name = getattr(getattr(algorithm, "_storage", None), "trial_dir_name", None)
-    return str(name) if name else None
+    return compat.tune_trial_dir_name(algorithm)
 
 
 class GradmonMLflowCallback(RLlibCallback, metaclass=_PinnedWhenShipped):

@@ -66,7 +66,7 @@ def run_heads(metrics: Mapping[str, float], tags: Mapping[str, str]) -> list[str
     A run without the tag gets sorted action heads, then the value head: never the order of the
     metric keys, which MLflow and RLlib do not keep stable.
     """
-    from gradmon_ray.tracking.results import heads_in, order_heads  # imports torch: not at CLI start-up
+    from gradmon_ray.tracking.result_metrics import heads_in, order_heads  # imports torch: not at CLI start-up
 
     tagged = [h for h in tags.get(mn.TAG_HEAD_NAMES, "").split(",") if h]
     return order_heads(tagged, tagged) if tagged else heads_in(metrics)

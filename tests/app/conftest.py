@@ -80,7 +80,7 @@ class Learners:
 
 @pytest.fixture(scope="session")
 def learners(tmp_path_factory: pytest.TempPathFactory) -> Learners:
-    from gradmon_ray.rllib.standalone import build_local_learner, sample_episodes, train_batch, update
+    from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch, update
 
     cfg = tiny_config(tmp_path_factory.mktemp("learners"))
     learner = build_local_learner(cfg)

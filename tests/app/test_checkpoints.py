@@ -1,4 +1,4 @@
-"""Resumable checkpoints on disk (``gradmon_ray.checkpointing``), without Ray: written by the real
+"""Resumable checkpoints on disk (``gradmon_ray.app.checkpointing``), without Ray: written by the real
 ``CheckpointReporter`` from a real learner, read back by the real reader, restored into another
 learner whose gradmon state digest (read off that learner) must be the one recorded.
 
@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from gradmon_ray import checkpointing
-from gradmon_ray.checkpointing import (
+from gradmon_ray.app import checkpointing
+from gradmon_ray.app.checkpointing import (
     LATEST,
     RESUME_FILE,
     CheckpointReporter,
@@ -27,7 +27,7 @@ from gradmon_ray.checkpointing import (
     save_checkpoint,
     versions,
 )
-from gradmon_ray.resume import find_checkpoint
+from gradmon_ray.app.resume import find_checkpoint
 from tests.app.conftest import Learners
 
 RUN = "0123456789abcdef0123456789abcdef"

@@ -18,16 +18,16 @@ from typing import Any
 import pytest
 from mlflow.tracking import MlflowClient
 
-from gradmon_ray import cli
 from gradmon_ray import metric_names as mn
-from gradmon_ray.checkpointing import (
+from gradmon_ray.app import cli
+from gradmon_ray.app.checkpointing import (
     RESUME_FILE,
     CheckpointReporter,
     CheckpointStateMismatchError,
     verify_restored_state,
 )
+from gradmon_ray.app.resume import CHECKPOINT_ROOT_ENV, resume_point
 from gradmon_ray.config import ConfigError
-from gradmon_ray.resume import CHECKPOINT_ROOT_ENV, resume_point
 from tests.app.conftest import Learners
 
 

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 from mlflow.tracking import MlflowClient
 
-from gradmon_ray import checkpointing
+from gradmon_ray.app import checkpointing
+from gradmon_ray.app.resume import resume_point
+from gradmon_ray.app.train import run_training
 from gradmon_ray.config import ConfigError
-from gradmon_ray.resume import resume_point
 from gradmon_ray.tracking import MlflowSink
-from gradmon_ray.train import run_training
 from tests.e2e.resumable_runs import newest_state, resumable_config
 
 pytestmark = pytest.mark.e2e

@@ -20,11 +20,11 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray.app.train import run_training
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.envs import FactoredOpsEnv
 from gradmon_ray.rllib.module import resolve_heads
 from gradmon_ray.telemetry.health_stop import STOP_REASON_CODES
-from gradmon_ray.train import run_training
 
 pytestmark = pytest.mark.e2e
 

@@ -16,11 +16,11 @@ from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.cli import main
+from gradmon_ray.app.cli import main
+from gradmon_ray.app.train import run_training
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.tracking import MlflowSink
 from gradmon_ray.tracking.spill import read_spill
-from gradmon_ray.train import run_training
 from tests.e2e.processes import BIN, SMALL_TRAIN_ARGS, clean_env, free_port, kill_group, wait_http
 
 pytestmark = pytest.mark.e2e

@@ -12,9 +12,9 @@ from ray.rllib.algorithms.appo.torch.appo_torch_learner import APPOTorchLearner
 from ray.rllib.examples.envs.classes.multi_agent import MultiAgentCartPole
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray.app.train import run_training
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.rllib import build_ppo_config, with_gradmon
-from gradmon_ray.train import run_training
 
 pytestmark = pytest.mark.e2e
 

@@ -11,7 +11,7 @@ from ray.rllib.core.columns import Columns
 
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.rllib import build_ppo_config
-from gradmon_ray.rllib.standalone import build_local_learner, env_spaces, sample_episodes, train_batch
+from gradmon_ray.rllib.local_learner import build_local_learner, env_spaces, sample_episodes, train_batch
 
 pytestmark = pytest.mark.e2e
 

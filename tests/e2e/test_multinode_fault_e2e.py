@@ -22,7 +22,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.sweep import PARENT_RUN_TAG, TRIAL_STATE_FILE, SweepConfig, run_sweep
+from gradmon_ray.app.sweep import PARENT_RUN_TAG, TRIAL_STATE_FILE, SweepConfig, run_sweep
 from tests.e2e.processes import free_port
 
 pytestmark = pytest.mark.e2e

@@ -10,9 +10,9 @@ import ray
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray.app.train import run_training
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.probe.actor import PROBE_ACTOR_PREFIX
-from gradmon_ray.train import run_training
 
 pytestmark = pytest.mark.e2e
 

@@ -6,7 +6,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.sweep import PARENT_RUN_TAG, SweepConfig, run_sweep
+from gradmon_ray.app.sweep import PARENT_RUN_TAG, SweepConfig, run_sweep
 from tests.fixtures.user_envs import CRASH_ONCE_COUNTDOWN
 
 pytestmark = pytest.mark.e2e
@@ -207,8 +207,8 @@ def test_a_killed_learner_actor_resumes_byte_equal_and_mlflow_has_each_iteration
     import json
     import pickle
 
+    from gradmon_ray.app.sweep import TRIAL_STATE_FILE
     from gradmon_ray.rllib.learner import GRADMON_STATE_KEYS
-    from gradmon_ray.sweep import TRIAL_STATE_FILE
     from gradmon_ray.telemetry.state_digest import state_digest
 
     base, outcome, killed, storage = killed_learner_sweep

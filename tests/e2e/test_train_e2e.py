@@ -15,9 +15,9 @@ from mlflow.tracking import MlflowClient
 from rich.console import Console
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray.app.train import run_training
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.envs import HEAD_NAMES, FactoredOpsEnv
-from gradmon_ray.train import run_training
 from gradmon_ray.viz.panel import watch
 from gradmon_ray.viz.plots import ENTROPY_FILE, HEATMAP_FILE, LINES_FILE, norm_matrix
 from gradmon_ray.viz.report import PLOTS_ARTIFACT_DIR
@@ -118,7 +118,7 @@ def test_cli_train_on_embedded_defaults(tmp_path):
     """The README's run command, exactly, in a fresh directory: local Ray, built-in env, sqlite MLflow."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run(
-        [sys.executable, "-m", "gradmon_ray.cli", "train", "--iterations", "3"],
+        [sys.executable, "-m", "gradmon_ray.app.cli", "train", "--iterations", "3"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -143,7 +143,7 @@ def _train_until_then_ctrl_c(tmp_path, args: list[str], progress_prefix: str) ->
     starts with ``progress_prefix``; returns (exit code, stderr)."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gradmon_ray.cli", "train", *args],
+        [sys.executable, "-m", "gradmon_ray.app.cli", "train", *args],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
@@ -207,7 +207,7 @@ def test_an_interrupted_run_resumes_in_the_same_mlflow_run(tmp_path):
     same MLflow run continues from the iteration-2 checkpoint to the end, FINISHED, every
     iteration logged exactly once (iteration 3 is trained again, not logged again)."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    base = [sys.executable, "-m", "gradmon_ray.cli", "train"]
+    base = [sys.executable, "-m", "gradmon_ray.app.cli", "train"]
     args = ["--iterations", "5", "--num-env-runners", "0", "--set", "checkpoint_every=2"]
     returncode, _ = _train_until_then_ctrl_c(tmp_path, args, "iter 3/5")
     assert returncode == 130

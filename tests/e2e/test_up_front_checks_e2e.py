@@ -30,7 +30,7 @@ def _sweep_file(directory: Path, **base: object) -> str:
 
 def _refused(argv: list[str], cwd: Path, **env: str) -> str:
     proc = subprocess.run(
-        [sys.executable, "-m", "gradmon_ray.cli", *argv],
+        [sys.executable, "-m", "gradmon_ray.app.cli", *argv],
         cwd=cwd,
         env=clean_env(**env),
         capture_output=True,

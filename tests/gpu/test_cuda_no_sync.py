@@ -53,7 +53,7 @@ def test_norms_flags_accumulate_and_fused_skip_do_not_sync():
 
 def test_learner_update_on_cuda_reports_finite_telemetry():
     from gradmon_ray.config import config_from_dict
-    from gradmon_ray.rllib.standalone import build_local_learner, sample_episodes, train_batch, update
+    from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch, update
 
     cfg = config_from_dict(
         {
@@ -157,7 +157,7 @@ def _warm_cuda_learner(minibatch_size: int, *, vgs: bool, scaler: bool):
     from ray.rllib.core import DEFAULT_MODULE_ID
 
     from gradmon_ray.config import config_from_dict
-    from gradmon_ray.rllib.standalone import env_spaces, local_ppo_config, sample_episodes, train_batch, update
+    from gradmon_ray.rllib.local_learner import env_spaces, local_ppo_config, sample_episodes, train_batch, update
 
     cfg = config_from_dict(
         {
@@ -181,7 +181,7 @@ def _warm_cuda_learner(minibatch_size: int, *, vgs: bool, scaler: bool):
 def test_gradmon_adds_no_host_sync_per_minibatch_to_a_learner_update(features):
     from collections import Counter
 
-    from gradmon_ray.rllib.standalone import update
+    from gradmon_ray.rllib.local_learner import update
 
     def gradmon_syncs(minibatch_size: int) -> tuple[Counter, int]:
         learner, batch, cfg = _warm_cuda_learner(minibatch_size, vgs="vgs" in features, scaler="scaler" in features)
@@ -212,7 +212,7 @@ def test_cuda_and_cpu_learners_report_the_same_norms_for_the_same_step():
 
     from gradmon_ray import metric_names as mn
     from gradmon_ray.config import config_from_dict
-    from gradmon_ray.rllib.standalone import build_local_learner, sample_episodes, train_batch
+    from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch
 
     data = {"seed": 3, "ppo": {"train_batch_size": 256, "minibatch_size": 256, "num_epochs": 1}}
     cpu = build_local_learner(config_from_dict(data))
@@ -241,7 +241,7 @@ def test_gradient_hooks_of_a_real_update_run_under_sync_debug_error(scaler):
     ``apply_gradients`` (fused skip-on-NaN step, accumulator) are gradmon's code from end to end,
     so any synchronising call in them raises and fails the update.
     """
-    from gradmon_ray.rllib.standalone import update
+    from gradmon_ray.rllib.local_learner import update
 
     learner, batch, cfg = _warm_cuda_learner(64, vgs=True, scaler=scaler)
     calls = {"postprocess_gradients_for_module": 0, "apply_gradients": 0}

@@ -13,9 +13,9 @@ import copy
 import pytest
 import torch
 
+from gradmon_ray import compat
 from gradmon_ray.optim import UPGD
 from gradmon_ray.optim.scaled_step import UpdateScaler, takes_tensor_lr
-from gradmon_ray.rllib import compat
 
 OPTIMIZERS = {
     "adam-fused": (lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True), "lr"),

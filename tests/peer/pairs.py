@@ -31,7 +31,8 @@ from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
 from ray.rllib.examples.envs.classes.multi_agent import MultiAgentCartPole
 from ray.rllib.utils.metrics import NUM_ENV_STEPS_SAMPLED_LIFETIME, NUM_ENV_STEPS_TRAINED_LIFETIME
 
-from gradmon_ray.rllib import compat, with_gradmon
+from gradmon_ray import compat
+from gradmon_ray.rllib import with_gradmon
 
 ALGOS: dict[str, tuple[type[AlgorithmConfig], type]] = {
     "ppo": (PPOConfig, PPOTorchLearner),

@@ -15,7 +15,7 @@ from ray.rllib.core import DEFAULT_MODULE_ID as MID
 from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
 
 from gradmon_ray.rllib import with_gradmon
-from gradmon_ray.rllib.reporting import TELEMETRY_STATE_KEY
+from gradmon_ray.rllib.monitor_step import TELEMETRY_STATE_KEY
 from tests.peer.pairs import (
     HEADS,
     build_pair,

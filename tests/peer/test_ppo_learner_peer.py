@@ -26,7 +26,7 @@ from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.utils.test_utils import check
 
 from gradmon_ray.rllib import with_gradmon
-from gradmon_ray.rllib.reporting import TELEMETRY_STATE_KEY
+from gradmon_ray.rllib.monitor_step import TELEMETRY_STATE_KEY
 from tests.peer.pairs import (
     HEADS,
     build_pair,

@@ -20,7 +20,7 @@ from gradmon_ray import metric_names as mn
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.probe import ProbeClient, ProbeRequest, start_probe_actor
 from gradmon_ray.probe.analysis import LossSettings
-from gradmon_ray.rllib.standalone import build_local_learner, sample_episodes, train_batch, update
+from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch, update
 
 LOSS = LossSettings(
     clip_param=0.2, vf_clip_param=10.0, vf_loss_coeff=0.5, entropy_coeff=0.01, kl_coeff=0.2, use_kl_loss=False
@@ -145,7 +145,7 @@ def test_client_survives_a_killed_actor_warns_once_and_resumes_after_restart(ray
     )
     client = ProbeClient(name, every=1)
     try:
-        with caplog.at_level(logging.WARNING, logger="gradmon_ray.rllib.probe_client"):
+        with caplog.at_level(logging.WARNING, logger="gradmon_ray.probe.client"):
             client.submit(request_template)
             time.sleep(0.3)  # the probe is inside its slow regularizer now
             ray.kill(probe, no_restart=False)  # dies with our request; Ray restarts it
@@ -241,7 +241,7 @@ def test_end_of_run_flush_counts_the_probe_that_finishes_after_the_last_iteratio
     """`probe/completed` ended at 1 when 2 probes ran: the last probe finished after the last
     iteration's metrics were logged. The driver's final flush waits for it and returns the
     counters it logs at the last step."""
-    from gradmon_ray.probe_lifecycle import flush_probe
+    from gradmon_ray.probe.lifecycle import flush_probe
 
     name = _name()
     probe = start_probe_actor(

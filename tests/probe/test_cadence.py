@@ -9,7 +9,7 @@ from ray.rllib.core import DEFAULT_MODULE_ID
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.probe import ProbeClient
-from gradmon_ray.rllib.standalone import build_local_learner, sample_episodes, train_batch, update
+from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch, update
 
 EVERY = 2
 

@@ -16,9 +16,9 @@ from ray.rllib.evaluation.postprocessing import Postprocessing
 from torch.distributions import Categorical
 
 from gradmon_ray.config import config_from_dict
+from gradmon_ray.losses.regularizers import BUILTIN_REGULARIZERS, RegularizerSpec, resolve_regularizer
 from gradmon_ray.probe.components import component_gradients
-from gradmon_ray.probe.regularizers import BUILTIN_REGULARIZERS, RegularizerSpec, resolve_regularizer
-from gradmon_ray.rllib.standalone import build_local_learner, sample_episodes, train_batch, update
+from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch, update
 
 COEFFS = {
     "clip_param": 0.2,

@@ -25,10 +25,10 @@ from torch.distributions import Categorical, kl_divergence
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import config_from_dict
+from gradmon_ray.losses.regularizers import resolve_regularizer
 from gradmon_ray.probe.analysis import LossSettings, analyse_batch
-from gradmon_ray.probe.regularizers import resolve_regularizer
-from gradmon_ray.rllib.connectors import EPISODE_COLUMN, GROUP_ID_COLUMN
-from gradmon_ray.rllib.standalone import build_local_learner, sample_episodes, train_batch, update
+from gradmon_ray.probe.connectors import EPISODE_COLUMN, GROUP_ID_COLUMN
+from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch, update
 
 LOSS = LossSettings(
     clip_param=0.2, vf_clip_param=10.0, vf_loss_coeff=0.5, entropy_coeff=0.05, kl_coeff=0.3, use_kl_loss=True

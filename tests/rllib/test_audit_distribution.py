@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch.distributions import Categorical
 
-from gradmon_ray.rllib.distribution import FactoredCategorical
+from gradmon_ray.losses.distribution import FactoredCategorical
 
 SIZES = (3, 5, 2)
 

@@ -17,7 +17,7 @@ from gradmon_ray import metric_names as mn
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.distributed import ReplicaDivergenceError
 from gradmon_ray.rllib.learner import PROBE_STATE_KEY, TELEMETRY_STATE_KEY
-from gradmon_ray.rllib.standalone import build_local_learner, sample_episodes, train_batch
+from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch
 
 MID = DEFAULT_MODULE_ID
 

@@ -16,7 +16,7 @@ from ray.rllib.core import DEFAULT_MODULE_ID
 
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.rllib.learner import TELEMETRY_STATE_KEY, VGS_STATE_KEY
-from gradmon_ray.rllib.standalone import build_local_learner, sample_episodes, train_batch, update
+from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch, update
 
 N = 3
 

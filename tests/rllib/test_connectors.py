@@ -7,8 +7,8 @@ from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.columns import Columns
 
 from gradmon_ray.config import config_from_dict
-from gradmon_ray.rllib.connectors import EPISODE_COLUMN, GROUP_ID_COLUMN, NO_GROUP, _as_int
-from gradmon_ray.rllib.standalone import build_local_learner, sample_episodes, train_batch, update
+from gradmon_ray.probe.connectors import EPISODE_COLUMN, GROUP_ID_COLUMN, NO_GROUP, _as_int
+from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch, update
 
 
 def _batch(env_id: str = "gradmon/FactoredOps-v0"):

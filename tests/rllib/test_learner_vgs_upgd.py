@@ -12,7 +12,7 @@ from gradmon_ray import metric_names as mn
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.optim import UPGD
 from gradmon_ray.rllib.learner import VGS_STATE_KEY
-from gradmon_ray.rllib.standalone import build_local_learner, sample_episodes, train_batch, update
+from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch, update
 
 
 def _cfg(**over):

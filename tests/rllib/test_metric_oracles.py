@@ -18,7 +18,7 @@ from ray.rllib.core.columns import Columns
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import config_from_dict
-from gradmon_ray.rllib.standalone import build_local_learner, sample_episodes, train_batch, update
+from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch, update
 from tests.telemetry.vgs_oracle import assert_vgs_metrics_close, numpy_vgs_metrics
 
 MID = DEFAULT_MODULE_ID

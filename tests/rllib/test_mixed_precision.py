@@ -18,7 +18,7 @@ from ray.rllib.core import DEFAULT_MODULE_ID
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import config_from_dict
-from gradmon_ray.rllib.standalone import env_spaces, local_ppo_config, sample_episodes, train_batch
+from gradmon_ray.rllib.local_learner import env_spaces, local_ppo_config, sample_episodes, train_batch
 
 CFG_DATA = {
     "seed": 4,

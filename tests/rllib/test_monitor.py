@@ -23,7 +23,8 @@ from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
-from gradmon_ray.rllib import compat, with_gradmon
+from gradmon_ray import compat
+from gradmon_ray.rllib import with_gradmon
 from tests.rllib.stock_oracle import stock_head_norms
 from tests.rllib.user_module import TinyActorCritic, default_ppo_module
 

@@ -18,7 +18,7 @@ from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 import gradmon_ray.distributed.collective as collective_module
 from gradmon_ray import metric_names as mn
 from gradmon_ray.rllib import with_gradmon
-from gradmon_ray.rllib.reporting import TELEMETRY_STATE_KEY
+from gradmon_ray.rllib.monitor_step import TELEMETRY_STATE_KEY
 from tests.peer.pairs import build_pair, cartpole_config, sample_batch, spaces_of
 from tests.rllib.stock_oracle import stock_head_norms
 from tests.rllib.user_module import TinyActorCritic

@@ -12,8 +12,8 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.core.distribution.torch.torch_distribution import TorchMultiCategorical
 from ray.rllib.evaluation.postprocessing import Postprocessing
 
+from gradmon_ray.losses.ppo import masked_mean, ppo_loss_terms
 from gradmon_ray.rllib import FactoredCategorical
-from gradmon_ray.rllib.ppo_loss import masked_mean, ppo_loss_terms
 
 SIZES = (3, 2, 4)
 B = 16
@@ -102,7 +102,7 @@ def test_masked_mean_worked_answer():
 def test_explained_variance_matches_rllib():
     from ray.rllib.utils.torch_utils import explained_variance as rllib_ev
 
-    from gradmon_ray.rllib.ppo_loss import explained_variance
+    from gradmon_ray.losses.ppo import explained_variance
 
     g = torch.Generator().manual_seed(3)
     y = torch.randn(32, generator=g)

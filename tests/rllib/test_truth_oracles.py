@@ -26,7 +26,7 @@ from ray.rllib.utils.torch_utils import clip_gradients
 
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.rllib.learner import GradmonPPOTorchLearner
-from gradmon_ray.rllib.standalone import build_local_learner, env_spaces, sample_episodes, train_batch
+from gradmon_ray.rllib.local_learner import build_local_learner, env_spaces, sample_episodes, train_batch
 
 MID = DEFAULT_MODULE_ID
 

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from gradmon_ray.config import config_from_dict
-from gradmon_ray.rllib.standalone import build_local_learner, sample_episodes, train_batch, update
+from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch, update
 
 
 @pytest.mark.parametrize(

@@ -218,7 +218,7 @@ def _numpy_squares_and_counts(grads: list[torch.Tensor]) -> tuple[np.ndarray, in
 def test_squares_and_counts_against_numpy(compiled: bool):
     """The accelerator path's fused reduction (one read per gradient when compiled): per-tensor
     sums of squares and exact NaN/Inf counts, checked against numpy in float64."""
-    from gradmon_ray.telemetry.compiled import Kernel
+    from gradmon_ray.compile_on_demand import Kernel
     from gradmon_ray.telemetry.head_norms import squares_and_counts
 
     gen = torch.Generator().manual_seed(3)

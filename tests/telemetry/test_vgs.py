@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.telemetry import VarianceGradientScaler
-from gradmon_ray.telemetry import vgs_kernels as kernels
-from gradmon_ray.telemetry.vgs import DEVICE_METRICS, OLD_CHECKPOINT_WARNING, analytic_normalized_variance_of_abs
+from gradmon_ray.vgs import kernels
+from gradmon_ray.vgs.scaler import DEVICE_METRICS, OLD_CHECKPOINT_WARNING, analytic_normalized_variance_of_abs
 from tests.telemetry.vgs_oracle import assert_vgs_metrics_close, numpy_vgs_metrics
 
 ROOT = Path(__file__).resolve().parents[2]

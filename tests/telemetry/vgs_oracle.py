@@ -1,6 +1,6 @@
 """A numpy re-implementation of the VGS formulas, for oracle tests (not a test module).
 
-Written from the formulas in ``gradmon_ray/telemetry/vgs.py``'s docstring and seed 002, with
+Written from the formulas in ``gradmon_ray/vgs/scaler.py``'s docstring and seed 002, with
 the seed's known flaws fixed as ``/work/shared/seeds/README.md`` asks (statistics per element
 and over TIME, never the spread within a tensor), in float64 and with plain loops, sharing no
 code with the product:

@@ -26,16 +26,16 @@ from mlflow.tracking import MlflowClient
 from ray import cloudpickle as ray_cloudpickle
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.cli import main as cli_main
+from gradmon_ray.app.cli import main as cli_main
+from gradmon_ray.app.train import reported_head_order
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.rllib.config import build_ppo_config
 from gradmon_ray.tracking import GradmonMLflowCallback
 from gradmon_ray.tracking.callback import TAG_TRIAL_DIR, CallbackSettings, absolute_tracking_uri
 from gradmon_ray.tracking.mlflow_io import mlflow_value
-from gradmon_ray.tracking.results import result_to_metrics
+from gradmon_ray.tracking.result_metrics import result_to_metrics
 from gradmon_ray.tracking.spill import read_spill, replay_spill
 from gradmon_ray.tracking.store_check import local_store_problem
-from gradmon_ray.train import reported_head_order
 from gradmon_ray.viz.report import log_plots
 from tests.fixtures.user_envs import MatchTwoEnv
 

@@ -30,7 +30,7 @@ from ray.tune.result import TIME_THIS_ITER_S
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import config_from_dict
-from gradmon_ray.rllib.standalone import build_local_learner, sample_episodes, train_batch
+from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch
 from gradmon_ray.tracking import result_to_metrics
 
 MID = DEFAULT_MODULE_ID

@@ -14,7 +14,7 @@ from gradmon_ray import metric_names as mn
 from gradmon_ray import metric_parsing as mp
 from gradmon_ray.telemetry.bands import DEFAULT_BANDS
 from gradmon_ray.telemetry.health_stop import HealthStopMonitor, HealthStopRules
-from gradmon_ray.tracking.results import order_heads, progress_line, result_to_metrics
+from gradmon_ray.tracking.result_metrics import order_heads, progress_line, result_to_metrics
 
 
 def _learner(op_norm: float, vf_norm: float, loss: float) -> dict[str, float]:

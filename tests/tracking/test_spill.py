@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from mlflow.tracking import MlflowClient
 
-from gradmon_ray.cli import main
+from gradmon_ray.app.cli import main
 from gradmon_ray.tracking import MlflowSink
 from gradmon_ray.tracking.spill import REPLAYED_SUFFIX, SpillFormatError, read_spill, replay_spill
 

@@ -9,7 +9,7 @@ from mlflow.tracking import MlflowClient
 from rich.console import Console
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.cli import main
+from gradmon_ray.app.cli import main
 from gradmon_ray.viz.panel import BAR_WIDTH, mini_bar, watch
 from tests.e2e.processes import free_port
 from tests.viz.known_run import HEADS, make_known_run, shuffled_known_runs

@@ -11,7 +11,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.cli import main
+from gradmon_ray.app.cli import main
 from gradmon_ray.tracking import MlflowSink
 from gradmon_ray.viz.plots import HEATMAP_FILE, LINES_FILE, PROBE_FILE, heatmap_figure, norm_matrix, write_plots
 from gradmon_ray.viz.report import SUMMARY_FILE, head_summaries, log_plots, summary_markdown

@@ -40,14 +40,15 @@ from collections.abc import Iterable
 
 import torch
 
-from gradmon_ray.telemetry import vgs_kernels as kernels
-from gradmon_ray.telemetry.vgs_checkpoint import (
+from gradmon_ray import compat
+from gradmon_ray.vgs import kernels
+from gradmon_ray.vgs.checkpoint import (
     OLD_CHECKPOINT_WARNING,
     VGSCheckpoint,
     analytic_normalized_variance_of_abs,
 )
-from gradmon_ray.telemetry.vgs_kernels import GRAD_LIMIT, MIN_SCALE
-from gradmon_ray.telemetry.vgs_reporting import DEVICE_METRICS, HOST_METRICS, VGSReporting
+from gradmon_ray.vgs.kernels import GRAD_LIMIT, MIN_SCALE
+from gradmon_ray.vgs.reporting import DEVICE_METRICS, HOST_METRICS, VGSReporting
 
 AGGREGATION_METHODS = ("p90", "mean", "weighted_mean")
 GRANULARITIES = ("element", "tensor")
@@ -262,7 +263,7 @@ class VarianceGradientScaler(VGSReporting, VGSCheckpoint):
         self._record(keep, weight, self._fold(grads, weight))
         factor = self.scaling_factor_tensor()
         if scale_gradients and not self.warmup_active:
-            torch._foreach_mul_([p.grad for p in self._parameters if p.grad is not None], factor)
+            compat.foreach_mul_([p.grad for p in self._parameters if p.grad is not None], factor)
         return factor
 
     def _normalized_entries(self, index: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,6 +14,7 @@ from ray.rllib.core.learner.learner import Learner
 from ray.rllib.utils.annotations import override
 from ray.rllib.utils.typing import StateDict
 
+from gradmon_ray import compat
 from gradmon_ray import metric_names as mn
 from gradmon_ray.distributed import (
     ModuleLanes,
@@ -23,7 +24,6 @@ from gradmon_ray.distributed import (
     parameter_checksum,
     reduce_modules,
 )
-from gradmon_ray.rllib import compat
 from gradmon_ray.rllib.metrics_stats import log_step_metrics
 from gradmon_ray.rllib.module_telemetry import ModuleTelemetry
 from gradmon_ray.telemetry.noise_scale import noise_scales

@@ -19,8 +19,8 @@ from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
 from ray.rllib.policy.sample_batch import MultiAgentBatch
 from ray.rllib.utils.metrics import NUM_ENV_STEPS_SAMPLED_LIFETIME
 
+from gradmon_ray import compat
 from gradmon_ray.config import GradmonConfig
-from gradmon_ray.rllib import compat
 from gradmon_ray.rllib.config import build_ppo_config
 
 

@@ -19,7 +19,7 @@ import torch
 from ray.rllib.core.columns import Columns
 
 from gradmon_ray.import_paths import resolve_regularizer_fn
-from gradmon_ray.rllib.ppo_loss import masked_mean
+from gradmon_ray.losses.ppo import masked_mean
 
 RegularizerFn = Callable[[torch.nn.Module, Mapping[str, Any], Mapping[str, Any]], torch.Tensor]
 

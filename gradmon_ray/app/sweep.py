@@ -1,6 +1,6 @@
 """Ray Tune sweeps over any config field, one MLflow child run per trial.
 
-The sweep file, its validation and its search space: ``gradmon_ray.sweep_config`` (re-exported
+The sweep file, its validation and its search space: ``gradmon_ray.app.sweep_config`` (re-exported
 here).  Each trial runs ``run_training`` (so the telemetry, the probe and the
 ``health_stop`` rules are the same as ``gradmon-ray train``), writes an MLflow run nested
 under the sweep's parent run, reports every iteration to Tune, and checkpoints the
@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray.app.sweep_config import SweepConfig, tune_search_space
+from gradmon_ray.app.sweep_config import load_sweep as load_sweep  # re-exported: the CLI and tests import it from here
 from gradmon_ray.config import GradmonConfig, apply_overrides, config_from_dict
-from gradmon_ray.sweep_config import SweepConfig, tune_search_space
-from gradmon_ray.sweep_config import load_sweep as load_sweep  # re-exported: the CLI and tests import it from here
 from gradmon_ray.tracking.mlflow_io import mlflow_value
 from gradmon_ray.tracking.redact import redact_uri
 
@@ -72,10 +72,10 @@ def run_sweep(sweep: SweepConfig, base: dict[str, Any], *, progress: Any = print
     from mlflow.tracking import MlflowClient
     from ray import tune
 
-    from gradmon_ray.resource_wait import check_fits
+    from gradmon_ray.app.resource_wait import check_fits
+    from gradmon_ray.app.train import ensure_ray, ray_address_of
     from gradmon_ray.rllib.config import build_ppo_config
     from gradmon_ray.rllib.preflight import preflight
-    from gradmon_ray.train import ensure_ray, ray_address_of
 
     base_cfg = config_from_dict(copy.deepcopy(base))
     preflight(base_cfg)  # env, model, restore_from: refused before Ray starts or any run exists
@@ -230,10 +230,10 @@ def _trial(params: dict[str, Any], tracking_uri: str) -> None:
     """
     from ray import tune
 
-    from gradmon_ray.checkpointing import RUN_ID_WAIT_S, resume_state
+    from gradmon_ray.app.checkpointing import RUN_ID_WAIT_S, resume_state
+    from gradmon_ray.app.train import ResumePoint, last_logged_iteration, mlflow_params, plotter, run_training
     from gradmon_ray.tracking import MlflowSink
     from gradmon_ray.tracking.spill import default_spill_path
-    from gradmon_ray.train import ResumePoint, last_logged_iteration, mlflow_params, plotter, run_training
 
     meta = params["__gradmon__"]
     overrides = {k: v for k, v in params.items() if k != "__gradmon__"}

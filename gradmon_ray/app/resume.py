@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.checkpointing import DEFAULT_CHECKPOINT_DIR, versions
+from gradmon_ray.app.checkpointing import DEFAULT_CHECKPOINT_DIR, versions
+from gradmon_ray.app.train import ResumePoint, last_logged_iteration
 from gradmon_ray.config import ConfigError, GradmonConfig, config_from_dict
-from gradmon_ray.train import ResumePoint, last_logged_iteration
 
 CHECKPOINT_ROOT_ENV = "GRADMON_CHECKPOINT_DIR"
 """Environment variable naming the checkpoint root ``--resume`` may load from."""

@@ -1,6 +1,6 @@
 """The Variance Gradient Scaler's checkpoints: the seed's state-dict format, old (spatial) ones included.
 
-``VGSCheckpoint`` is the checkpoint half of ``gradmon_ray.telemetry.vgs.VarianceGradientScaler``;
+``VGSCheckpoint`` is the checkpoint half of ``gradmon_ray.vgs.scaler.VarianceGradientScaler``;
 ``analytic_normalized_variance_of_abs`` is the closed form the VGS tests check against.
 """
 

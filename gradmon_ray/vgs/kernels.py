@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 # The lazy compile with an eager fallback serves the norm plan too: it lives in ``compiled``.
-from gradmon_ray.telemetry.compiled import AUTO_COMPILE_MIN_PARAMETERS, COMPILE_MODES, Kernel, wants_compile
+from gradmon_ray.compile_on_demand import AUTO_COMPILE_MIN_PARAMETERS, COMPILE_MODES, Kernel, wants_compile
 
 GRAD_LIMIT = 1e18
 """Gradients are clamped to +-1e18 (NaN -> 0) before entering the EMAs: then g^2 <= 1e36 stays

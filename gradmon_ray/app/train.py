@@ -9,22 +9,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.checkpointing import (
+from gradmon_ray.app.checkpointing import (
     CheckpointReporter,
     CheckpointStateMismatchError,  # noqa: F401  (re-exported: callers catch it from train)
     checkpoint_root,
     learner_state_digest,
     verify_restored_state,
 )
+from gradmon_ray.app.resource_wait import ResourceWait, check_fits, ray_address_problem, requested_resources
 from gradmon_ray.config import ConfigError, GradmonConfig
-from gradmon_ray.probe_lifecycle import flush_probe, start_probe, stop_probe
-from gradmon_ray.resource_wait import ResourceWait, check_fits, ray_address_problem, requested_resources
+from gradmon_ray.probe.lifecycle import flush_probe, start_probe, stop_probe
 from gradmon_ray.telemetry.bands import BandSet
 from gradmon_ray.telemetry.health_stop import HealthStopMonitor, HealthStopRules
 from gradmon_ray.tracking import MlflowSink, progress_line, result_to_metrics
 from gradmon_ray.tracking.mlflow_sink import PlotFn
 from gradmon_ray.tracking.redact import redact_text, redact_uri
-from gradmon_ray.tracking.results import latch_tags
+from gradmon_ray.tracking.result_metrics import latch_tags
 from gradmon_ray.tracking.spill import default_spill_path
 
 logger = logging.getLogger(__name__)
@@ -315,7 +315,7 @@ def _head_order(algo: Any, cfg: GradmonConfig) -> tuple[str, ...]:
         known = dict(getattr(algo, "spaces", None) or {})
         spaces = {mid: s for mid, s in known.items() if not str(mid).startswith("__") and s[1] is not None}
         if not spaces:
-            from gradmon_ray.rllib.standalone import module_spaces
+            from gradmon_ray.rllib.local_learner import module_spaces
 
             spaces = module_spaces(cfg)
         several = len(spaces) > 1

@@ -1,10 +1,12 @@
-"""Every private RLlib / torch API gradmon's learners use, in one place, for one Ray version.
+"""Every private RLlib / Ray / torch API gradmon uses, in one place, for one Ray version.
 
 RLlib's ``Learner`` exposes no public hook for several things the monitor needs (the
 whole postprocessed train batch, the grad scaler);
 torch's ``GradScaler`` and fused Adam communicate through private names.  Each use is a
-small function below; nothing else in ``gradmon_ray`` touches a private RLlib name, so an
-RLlib upgrade breaks here, loudly, and nowhere else.  ``check_ray_version()`` runs when a
+small function below; nothing else in ``gradmon_ray`` touches a private RLlib, Ray or torch
+name (``tests/test_architecture.py`` checks that on the syntax tree), so an upgrade breaks
+here, loudly, and nowhere else.  This module imports nothing from ``gradmon_ray`` (it is in
+the bottom layer, so the pure layers may use it too).  ``check_ray_version()`` runs when a
 gradmon learner is built.
 
 Private uses kept here (Ray 2.60 / torch 2.x):
@@ -18,7 +20,14 @@ Private uses kept here (Ray 2.60 / torch 2.x):
 - the ``optimizer.found_inf`` attribute fused Adam reads (``set_found_inf``)
 - ``TorchMultiCategorical._cats``, ``TorchMultiDistribution._flat_child_distributions``
   (``child_distributions``)
-- ``StatsBase._start_times`` (``reset_timers``)
+- ``StatsBase._start_times`` and a ``Stats`` leaf's attribute dict (``reset_timers``, ``copy_stats``)
+- ``Trainable._storage`` (``tune_trial_dir_name``)
+- Ray's ``ActorUnavailableError`` wording "actor is restarting" (``refused_while_restarting``)
+- ``torch._foreach_norm``, ``torch._foreach_mul_``, ``_foreach_copy_``, ``_foreach_sub_``,
+  ``_foreach_add_`` (the ``foreach_*`` functions): torch has no public per-tensor norm list or
+  in-place list ops; ``clip_grad_norm_`` uses the same kernels.  ``clip_grads_with_norm_`` is
+  public but multiplies by ``max_norm / (total_norm + 1e-6)``, which is not a given factor bit
+  for bit, so it does not replace ``_foreach_mul_`` here.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ RAY_VERSION = "2.60"
 
 
 class RayVersionError(RuntimeError):
-    """The installed Ray is not the version ``gradmon_ray.rllib.compat`` was written for."""
+    """The installed Ray is not the version ``gradmon_ray.compat`` was written for."""
 
 
 def check_ray_version(version: str | None = None) -> None:
@@ -44,8 +53,8 @@ def check_ray_version(version: str | None = None) -> None:
     minor = ".".join(version.split(".")[:2])
     if minor != RAY_VERSION:
         raise RayVersionError(
-            f"gradmon_ray.rllib.compat was written for Ray {RAY_VERSION}.x and uses private RLlib APIs; "
-            f"Ray {version} is installed: check every function in gradmon_ray/rllib/compat.py, then update RAY_VERSION"
+            f"gradmon_ray.compat was written for Ray {RAY_VERSION}.x and uses private RLlib APIs; "
+            f"Ray {version} is installed: check every function in gradmon_ray/compat.py, then update RAY_VERSION"
         )
 
 
@@ -169,3 +178,52 @@ def child_distributions(dist: Any) -> list[Any]:
 def reset_timers(stats: Any) -> None:
     """Give a copied ``Stats`` its own, empty timer table (what ``StatsBase.__init__`` starts with)."""
     stats._start_times = {}
+
+
+def copy_stats(stats: Any) -> Any:
+    """A new ``Stats`` leaf with ``stats``'s settings (its attribute dict) and its own empty timers."""
+    copied = object.__new__(type(stats))
+    copied.__dict__.update(stats.__dict__)
+    reset_timers(copied)
+    return copied
+
+
+def tune_trial_dir_name(algorithm: Any) -> str | None:
+    """The Tune trial directory name of ``algorithm`` (``Trainable._storage``, set by Tune only); None outside Tune."""
+    name = getattr(getattr(algorithm, "_storage", None), "trial_dir_name", None)
+    return str(name) if name else None
+
+
+def refused_while_restarting(exc: BaseException) -> bool:
+    """Whether Ray refused an actor call because the actor was restarting (so the call never ran).
+
+    Ray raises ``ActorUnavailableError`` both for a call sent while the actor restarts ("The
+    actor is restarting") and for one it was running when it died ("The actor was restarted");
+    only the wording tells them apart in Ray 2.60.
+    """
+    return "actor is restarting" in str(exc)
+
+
+def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's 2-norm, as one fused kernel per device and dtype (what ``clip_grad_norm_`` runs)."""
+    return list(torch._foreach_norm(tensors))
+
+
+def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor | float) -> None:
+    """Multiply every tensor in place by ``factor`` (a 0-d tensor stays on the device: no host sync)."""
+    torch._foreach_mul_(tensors, factor)
+
+
+def foreach_copy_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Copy ``sources`` into ``targets`` in place, pairwise."""
+    torch._foreach_copy_(targets, sources)
+
+
+def foreach_sub_(targets: list[torch.Tensor], others: list[torch.Tensor]) -> None:
+    """``targets[i] -= others[i]`` in place."""
+    torch._foreach_sub_(targets, others)
+
+
+def foreach_add_(targets: list[torch.Tensor], others: list[torch.Tensor]) -> None:
+    """``targets[i] += others[i]`` in place."""
+    torch._foreach_add_(targets, others)

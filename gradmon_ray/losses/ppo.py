@@ -20,7 +20,7 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.utils.numpy import SMALL_NUMBER
 
-from gradmon_ray.rllib.distribution import FactoredCategorical
+from gradmon_ray.losses.distribution import FactoredCategorical
 
 
 @dataclass

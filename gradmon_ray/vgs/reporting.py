@@ -1,6 +1,6 @@
 """The Variance Gradient Scaler's reporting half: its metrics, read on demand (these synchronise).
 
-``VGSReporting`` is a mixin of ``gradmon_ray.telemetry.vgs.VarianceGradientScaler``; it reads the
+``VGSReporting`` is a mixin of ``gradmon_ray.vgs.scaler.VarianceGradientScaler``; it reads the
 scaler's state and never changes it.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.telemetry import vgs_kernels as kernels
+from gradmon_ray.vgs import kernels
 
 # Order of ``metrics_tensor()``; ``vgs/step_count`` and ``vgs/warmup_active`` are host values.
 DEVICE_METRICS = mn.VGS_DEVICE_METRICS

@@ -1,0 +1,102 @@
+"""What every ``gradmon-ray`` command shares: exit codes, ``--set`` flags, the tracking URI's
+masking and up-front check, Ray's and MLflow's start-up noise."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+from gradmon_ray.config import ConfigError, GradmonConfig, config_advisories, load_yaml
+from gradmon_ray.tracking.redact import OUTPUT_REDACTOR, uri_secrets
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def add_set_flag(parser: argparse.ArgumentParser, help_text: str) -> None:
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help=f"{help_text} (VALUE is parsed as YAML)"
+    )
+
+
+def set_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` flags as dotted overrides (values parsed as YAML)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError("--set", f"expected KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = load_yaml(raw)
+        except yaml.YAMLError:
+            raise ConfigError(key, f"value {raw!r} is not valid YAML") from None
+    return out
+
+
+def use_uri(uri: str) -> None:
+    """Mask ``uri``'s credentials in this process's output from now on.  MLflow itself prints a
+    run's URL, with them, to stdout when the run ends (``_log_url``): off for such a URI (the CLI
+    prints its own, masked); set before Ray starts, so that a local Ray's workers inherit it."""
+    OUTPUT_REDACTOR.add_uri(uri)
+    if uri_secrets(uri):
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
+
+
+def check_tracking_server(cfg: GradmonConfig) -> None:
+    """A tracking server that does not answer now is refused before anything starts (one bounded
+    request), unless ``mlflow.offline_ok``: then the run buffers, spills and is replayed later."""
+    from gradmon_ray.tracking.store_check import tracking_server_problem
+
+    problem = tracking_server_problem(cfg.mlflow.tracking_uri, offline_ok=cfg.mlflow.offline_ok)
+    if problem:
+        raise ConfigError("mlflow.tracking_uri", problem)
+
+
+def fail_fast_mlflow_http(timeout_s: int) -> None:
+    """MLflow's REST client retries 7 times with backoff (minutes per call). ``watch``/``report``
+    should fail in seconds; the training sink retries with its own backoff and spills what it
+    cannot deliver, so MLflow's retries would only delay it. A user's own settings win."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(timeout_s))
+
+
+_STARTUP_NOISE = (
+    "Token authentication is enabled for this Ray cluster",  # and how to opt out of it: never do that
+    "Started a local Ray instance",
+    "You are running PPO on the new API stack",
+    "Install gputil for GPU system monitoring",
+    "Creating initial MLflow database tables",
+    "Updating database tables",
+    "DeprecationWarning: `RLModule(config=[RLModuleConfig object])` has been deprecated",  # RLlib's own call
+)
+
+
+class StartupNoiseFilter(logging.Filter):
+    """Drops Ray's and MLflow's start-up notices that ask nothing of the user (``--debug`` keeps them)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(noise in message for noise in _STARTUP_NOISE)
+
+
+def filter_startup_noise() -> None:
+    import warnings
+
+    import mlflow  # noqa: F401  (the imports set up these loggers' own handlers)
+    import ray.rllib  # noqa: F401
+
+    for name in ("ray", "ray.rllib", "mlflow"):
+        for handler in logging.getLogger(name).handlers:
+            handler.addFilter(StartupNoiseFilter())
+    # RLlib re-registers its own env wrapper on every EnvRunner build.
+    warnings.filterwarnings("ignore", message=".*Overriding environment rllib-single-agent-env.*")
+
+
+def print_advisories(cfg: Any) -> None:
+    for line in config_advisories(cfg):
+        print(f"gradmon-ray: warning: {line}", file=sys.stderr, flush=True)

@@ -1,0 +1,59 @@
+"""The commands that read a run back: ``watch``, ``report`` and ``replay`` (spill file into MLflow)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from gradmon_ray.app.cli_common import EXIT_OK
+from gradmon_ray.config import ConfigError
+
+
+def add_tracking_uri_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)"
+    )
+
+
+def read_client(args: argparse.Namespace) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    from gradmon_ray.config import default_tracking_uri
+    from gradmon_ray.tracking.store_check import local_store_problem
+
+    uri = args.tracking_uri or default_tracking_uri()
+    problem = local_store_problem(uri, must_exist=True)  # a read-only command never creates a store
+    if problem:
+        raise ConfigError("--tracking-uri", problem)
+    return MlflowClient(tracking_uri=uri)
+
+
+def watch_command(args: argparse.Namespace) -> int:
+    from gradmon_ray.viz.panel import watch
+
+    if args.interval <= 0:
+        raise ConfigError("--interval", f"must be > 0 seconds, got {args.interval}")
+    watch(read_client(args), run_id=args.run_id, experiment=args.experiment, interval_s=args.interval, once=args.once)
+    return EXIT_OK
+
+
+def report_command(args: argparse.Namespace) -> int:
+    from gradmon_ray.viz.report import write_report
+
+    out = args.out or f"gradmon-report-{args.run_id}"
+    files = write_report(read_client(args), args.run_id, out)
+    print(f"gradmon-ray: wrote {len(files)} files to {out}: " + ", ".join(f.name for f in files), flush=True)
+    return EXIT_OK
+
+
+def replay_command(args: argparse.Namespace) -> int:
+    from gradmon_ray.tracking.spill import replay_spill
+
+    result = replay_spill(args.spill_file, args.tracking_uri)
+    made = "created run" if result.created_run else "run"
+    print(
+        f"gradmon-ray: replayed {result.iterations} iterations ({result.metrics} metric points) into {made} "
+        f"{result.run_id}" + (f", ended {result.status}" if result.status else ""),
+        flush=True,
+    )
+    return EXIT_OK

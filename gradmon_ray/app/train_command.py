@@ -1,0 +1,130 @@
+"""``gradmon-ray train``: a new run (checked up front, then ``run_training``) or ``--resume RUN_ID``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from gradmon_ray.app.cli_common import (
+    EXIT_OK,
+    add_set_flag,
+    check_tracking_server,
+    filter_startup_noise,
+    print_advisories,
+    set_overrides,
+    use_uri,
+)
+from gradmon_ray.config import ConfigError, load_config
+from gradmon_ray.tracking.redact import redact_uri
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``gradmon-ray train``."""
+    parser.add_argument("--config", help="YAML run config (see tune_configs/default.yaml); defaults when omitted")
+    parser.add_argument("--iterations", type=int, help="training iterations (config: iterations)")
+    parser.add_argument("--num-learners", type=int, help="remote learner actors (config: resources.num_learners)")
+    parser.add_argument("--num-env-runners", type=int, help="EnvRunner actors (config: resources.num_env_runners)")
+    parser.add_argument(
+        "--mlflow-uri", help="MLflow tracking URI (config: mlflow.tracking_uri; default $MLFLOW_TRACKING_URI)"
+    )
+    parser.add_argument("--experiment", help="MLflow experiment (config: mlflow.experiment)")
+    parser.add_argument("--run-name", help="MLflow run name (config: mlflow.run_name)")
+    parser.add_argument("--seed", type=int, help="seed (config: seed)")
+    parser.add_argument("--ray-address", help="Ray cluster address (config: resources.ray_address)")
+    add_set_flag(parser, "override any config field, e.g. --set ppo.lr=1e-3")
+    parser.add_argument(
+        "--resume",
+        metavar="RUN_ID",
+        help="continue this interrupted MLflow run from its last checkpoint (trained with checkpoint_every > 0), "
+        "with its own config; --iterations may extend it",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and Ray's logs")
+
+
+def train_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    flags = {
+        "iterations": args.iterations,
+        "resources.num_learners": args.num_learners,
+        "resources.num_env_runners": args.num_env_runners,
+        "mlflow.tracking_uri": args.mlflow_uri,
+        "mlflow.experiment": args.experiment,
+        "mlflow.run_name": args.run_name,
+        "seed": args.seed,
+        "resources.ray_address": args.ray_address,
+    }
+    return {**{k: v for k, v in flags.items() if v is not None}, **set_overrides(args.set)}
+
+
+def resume_command(args: argparse.Namespace) -> int:
+    from gradmon_ray.app.resume import resume_point
+    from gradmon_ray.app.train import plotter, run_training
+    from gradmon_ray.config import default_tracking_uri
+    from gradmon_ray.tracking import MlflowSink
+    from gradmon_ray.tracking.spill import default_spill_path
+    from gradmon_ray.tracking.store_check import uri_scheme_problem
+
+    others = {k: v for k, v in vars(args).items() if k in ("config", "num_learners", "num_env_runners", "seed")}
+    if any(v is not None for v in others.values()) or args.set:
+        raise ConfigError("--resume", "takes the run's own config; only --iterations and --mlflow-uri may be given")
+    uri = args.mlflow_uri or default_tracking_uri()
+    use_uri(uri)
+    problem = uri_scheme_problem(uri)
+    if problem:
+        raise ConfigError("--mlflow-uri", problem)
+    cfg, point = resume_point(uri, args.resume)
+    cfg.mlflow.tracking_uri = uri
+    if args.iterations is not None:
+        cfg.iterations = args.iterations
+    print(
+        f"gradmon-ray: resuming run {args.resume} after iteration {point.iterations_done} of {cfg.iterations}",
+        flush=True,
+    )
+    sink = MlflowSink(
+        uri,
+        cfg.mlflow.experiment,
+        params=None,
+        max_pending=cfg.mlflow.queue_size,
+        plots_every=cfg.mlflow.plots_every,
+        plot_fn=plotter(cfg.mlflow.plots_every),
+        spill_path=default_spill_path(cfg.mlflow.spill_dir, args.resume),
+        run_id=args.resume,
+        end_run=True,
+    )
+    outcome = run_training(cfg, progress=lambda line: print(line, flush=True), sink=sink, resume=point)
+    print(f"gradmon-ray: done. MLflow run {outcome.run_id} (resumed)", flush=True)
+    return EXIT_OK
+
+
+def train_command(args: argparse.Namespace) -> int:
+    if args.resume:
+        return resume_command(args)
+    cfg = load_config(args.config, train_overrides(args))
+    use_uri(cfg.mlflow.tracking_uri)  # the config file may hold it too
+    from gradmon_ray.app.train import run_training
+    from gradmon_ray.rllib.preflight import preflight
+
+    if not args.debug:
+        filter_startup_noise()
+    preflight(cfg)  # store, GPUs, env, model, restore point: before the banner, Ray or MLflow
+    check_tracking_server(cfg)
+    print_advisories(cfg)
+    shown = redact_uri(cfg.mlflow.tracking_uri)
+    print(f"gradmon-ray: training {cfg.iterations} iterations on {cfg.env.id}; MLflow: {shown}", flush=True)
+    outcome = run_training(cfg, progress=lambda line: print(line, flush=True), checked=True)
+    if outcome.run_id is None:  # MLflow never answered (mlflow.offline_ok): everything is in the spill file
+        where = f"; replay it with: gradmon-ray replay {outcome.spill_path}" if outcome.spill_path else ""
+        print(f"gradmon-ray: done, but MLflow at {shown} never took the run{where}", flush=True)
+        return EXIT_OK
+    print(
+        f"gradmon-ray: done. MLflow run {outcome.run_id} in experiment '{cfg.mlflow.experiment}'"
+        + ("" if outcome.mlflow_complete else " (MLflow did not receive everything; see warnings)")
+        + (f"; checkpoint {outcome.checkpoint_path}" if outcome.checkpoint_path else ""),
+        flush=True,
+    )
+    hint = (
+        f"open {shown} in a browser"
+        if shown.startswith(("http://", "https://"))
+        else f"mlflow ui --backend-store-uri {shown}"
+    )
+    print(f"gradmon-ray: view it with: {hint}", flush=True)
+    return EXIT_OK

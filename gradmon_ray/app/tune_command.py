@@ -1,0 +1,50 @@
+"""``gradmon-ray tune``: a Ray Tune sweep from a sweep file, one MLflow child run per trial."""
+
+from __future__ import annotations
+
+import argparse
+
+from gradmon_ray.app.cli_common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    add_set_flag,
+    check_tracking_server,
+    filter_startup_noise,
+    print_advisories,
+    set_overrides,
+    use_uri,
+)
+
+
+def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``gradmon-ray tune``."""
+    parser.add_argument("sweep_file", help="sweep YAML: base_config/base, search_space, num_samples, ...")
+    parser.add_argument("--mlflow-uri", help="MLflow tracking URI for the parent and trial runs")
+    parser.add_argument("--ray-address", help="Ray cluster address (default: local Ray or RAY_ADDRESS)")
+    parser.add_argument("--iterations", type=int, help="training iterations per trial (base config: iterations)")
+    add_set_flag(parser, "override a base config field for every trial, e.g. --set ppo.train_batch_size=512")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def tune_command(args: argparse.Namespace) -> int:
+    from gradmon_ray.app.sweep import load_sweep, run_sweep
+    from gradmon_ray.config import apply_overrides, config_from_dict
+
+    sweep, base = load_sweep(args.sweep_file)
+    flags = {
+        "mlflow.tracking_uri": args.mlflow_uri,
+        "resources.ray_address": args.ray_address,
+        "iterations": args.iterations,
+    }
+    base = apply_overrides(base, {**{k: v for k, v in flags.items() if v is not None}, **set_overrides(args.set)})
+    cfg = config_from_dict(dict(base))  # the flags too are validated before Ray starts
+    use_uri(cfg.mlflow.tracking_uri)
+    if not args.debug:
+        filter_startup_noise()
+    check_tracking_server(cfg)
+    print_advisories(cfg)
+    print(f"gradmon-ray: sweep '{sweep.name}' over {', '.join(sweep.search_space)}", flush=True)
+    outcome = run_sweep(sweep, base, progress=lambda line: print(line, flush=True))
+    best = f"best run {outcome.best.run_id} ({sweep.metric} {outcome.best.metric:.4g})" if outcome.best else "no best"
+    print(f"gradmon-ray: sweep done; MLflow parent run {outcome.parent_run_id}; {best}", flush=True)
+    return EXIT_OK if any(t.status != "failed" for t in outcome.trials) else EXIT_FAILED
