@@ -11,9 +11,10 @@ from gradmon_ray.telemetry.bands import (
     worst_head,
 )
 from gradmon_ray.telemetry.buckets import bucket_names, group_reward_stds, split_into_buckets
-from gradmon_ray.telemetry.head_norms import GradientNormPlan, GradientNorms, HeadPart, ParamRows, per_head_grad_norms
+from gradmon_ray.telemetry.head_norms import HeadPart, ParamRows, per_head_grad_norms
 from gradmon_ray.telemetry.latches import HeadLatches, logp_nonfinite_flags, logp_sums
 from gradmon_ray.telemetry.noise_scale import NoiseScaleTracker, gradient_noise_terms
+from gradmon_ray.telemetry.norm_plan import GradientNormPlan, GradientNorms
 from gradmon_ray.telemetry.shares import cosine_similarities, signed_shares
 from gradmon_ray.telemetry.tracker import IterationTelemetry, TelemetryTracker
 from gradmon_ray.telemetry.trends import coefficient_of_variation, trend_arrow

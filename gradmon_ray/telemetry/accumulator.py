@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gradmon_ray.telemetry.head_norms import GradientNorms
+from gradmon_ray.telemetry.norm_plan import GradientNorms
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import torch
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.telemetry import IterationAccumulator, TelemetryTracker
-from gradmon_ray.telemetry.head_norms import GradientNorms
+from gradmon_ray.telemetry.norm_plan import GradientNorms
 
 REPORTED = ("op", "slot", "value")
 ACTION = ("op", "slot")

@@ -219,7 +219,7 @@ def test_squares_and_counts_against_numpy(compiled: bool):
     """The accelerator path's fused reduction (one read per gradient when compiled): per-tensor
     sums of squares and exact NaN/Inf counts, checked against numpy in float64."""
     from gradmon_ray.compile_on_demand import Kernel
-    from gradmon_ray.telemetry.head_norms import squares_and_counts
+    from gradmon_ray.telemetry.norm_plan import squares_and_counts
 
     gen = torch.Generator().manual_seed(3)
     grads = [torch.randn(shape, generator=gen) for shape in [(7, 5), (5,), (3, 4, 2), (1,)]]

@@ -5,8 +5,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from gradmon_ray.telemetry import bands, head_norms, trends
-
 TELEMETRY = Path(__file__).resolve().parents[2] / "gradmon_ray" / "telemetry"
 
 
@@ -19,10 +17,3 @@ def test_the_trends_module_does_not_import_torch():
         for a in n.names
     ]
     assert not [m for m in imported if m and m.split(".")[0] in ("torch", "numpy", "ray")], imported
-
-
-def test_head_norms_still_exports_the_host_side_functions():
-    assert head_norms.trend_arrow is trends.trend_arrow
-    assert head_norms.coefficient_of_variation is trends.coefficient_of_variation
-    assert head_norms.TREND_DELTA == trends.TREND_DELTA == 0.01
-    assert head_norms.worst_head is bands.worst_head

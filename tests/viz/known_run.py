@@ -13,7 +13,7 @@ from mlflow.entities import Metric, RunTag
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.telemetry.head_norms import trend_arrow
+from gradmon_ray.telemetry.trends import trend_arrow
 
 NAN = float("nan")
 NORMS: dict[str, list[float]] = {
