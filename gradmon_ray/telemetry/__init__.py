@@ -1,6 +1,6 @@
 """Pure-PyTorch telemetry formulas: no Ray, no MLflow, no host synchronisation on hot paths."""
 
-from gradmon_ray.telemetry.accumulator import IterationAccumulator, TelemetryLayout
+from gradmon_ray.telemetry.accumulator import IterationAccumulator
 from gradmon_ray.telemetry.bands import (
     ACTION_BANDS,
     HEALTH_BANDS,
@@ -12,6 +12,7 @@ from gradmon_ray.telemetry.bands import (
 )
 from gradmon_ray.telemetry.buckets import bucket_names, group_reward_stds, split_into_buckets
 from gradmon_ray.telemetry.head_norms import HeadPart, ParamRows, per_head_grad_norms
+from gradmon_ray.telemetry.lane_layout import TelemetryLayout
 from gradmon_ray.telemetry.latches import HeadLatches, logp_nonfinite_flags, logp_sums
 from gradmon_ray.telemetry.noise_scale import NoiseScaleTracker, gradient_noise_terms
 from gradmon_ray.telemetry.norm_plan import GradientNormPlan, GradientNorms

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.telemetry.accumulator import TelemetryLayout
 from gradmon_ray.telemetry.bands import BandSet, HealthBands, classify_grad_norm, worst_head
 from gradmon_ray.telemetry.head_entropy import head_health_lane_count, normalised_entropy
+from gradmon_ray.telemetry.lane_layout import TelemetryLayout
 from gradmon_ray.telemetry.latches import CollapseLatches, HeadLatches
 from gradmon_ray.telemetry.trends import coefficient_of_variation, trend_arrow
 

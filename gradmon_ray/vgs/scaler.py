@@ -14,7 +14,7 @@ at 1e6, and every gradient is multiplied by one global factor ``clamp(1 / (1 + a
 Undefined entries: an entry's ``nv`` above 1e6 (+Inf included) counts as 1e6; a NaN entry (an
 ``inf - inf`` after an overflow, a NaN in a restored state) is ignored by every aggregation,
 as ``numpy.nanquantile`` / ``nanmean`` ignore it.  With no entry left, the aggregate is 1e6, the
-most cautious factor (``vgs_kernels.no_entry_fallback``), and the ``vgs/stochastic_var_*``
+most cautious factor (``vgs.kernels.no_entry_fallback``), and the ``vgs/stochastic_var_*``
 metrics are NaN, so the fallback shows in MLflow.  A
 gradient that does not change over time has ``nv = 0`` however uneven it is across
 elements: unlike the seed's code, no spatial spread leaks into the temporal statistic.
@@ -26,12 +26,12 @@ averages element noise within a tensor, so it reads lower than ``"element"``.
 
 Everything per step runs on the gradients' device with no host synchronisation; with
 ``p90`` (the default) over a fixed sample, one step is one pass over the gradients and the
-two EMA buffers (``vgs_kernels``), compiled into one fused loop for large models.  Reporting
+two EMA buffers (``vgs.kernels``), compiled into one fused loop for large models.  Reporting
 getters (``get_normalized_variance``, ``get_scaling_factor``, ``get_metrics``,
 ``compute_gradient_statistics``) do synchronise.
 
 Where the factor acts (on the gradient, or on the optimizer's update) is the learner's
-choice: ``observe(scale_gradients=False)`` only returns it (see ``telemetry.vgs_update``).
+choice: ``observe(scale_gradients=False)`` only returns it (``optim.scaled_step`` applies it to the update).
 """
 
 from __future__ import annotations
@@ -42,19 +42,19 @@ import torch
 
 from gradmon_ray import compat
 from gradmon_ray.vgs import kernels
+from gradmon_ray.vgs.aggregation import AGGREGATION_METHODS, VGSAggregation
 from gradmon_ray.vgs.checkpoint import (
     OLD_CHECKPOINT_WARNING,
     VGSCheckpoint,
     analytic_normalized_variance_of_abs,
 )
-from gradmon_ray.vgs.kernels import GRAD_LIMIT, MIN_SCALE
+from gradmon_ray.vgs.kernels import GRAD_LIMIT
 from gradmon_ray.vgs.reporting import DEVICE_METRICS, HOST_METRICS, VGSReporting
 
-AGGREGATION_METHODS = ("p90", "mean", "weighted_mean")
 GRANULARITIES = ("element", "tensor")
 
 
-class VarianceGradientScaler(VGSReporting, VGSCheckpoint):
+class VarianceGradientScaler(VGSAggregation, VGSReporting, VGSCheckpoint):
     """Global gradient scaling by the temporal variance of the gradients.
 
     Per training step call ``scale_gradients()`` (updates the statistics, then scales
@@ -81,7 +81,7 @@ class VarianceGradientScaler(VGSReporting, VGSCheckpoint):
             At element granularity the legacy spatial statistics come from the same sample
             then (sums extrapolated to all elements; the max is the sample's).
         compile: ``"auto"`` (compile the per-step pass from 1M parameters), ``"on"`` or
-            ``"off"``; see ``vgs_kernels``.
+            ``"off"``; see ``vgs.kernels``.
     """
 
     def __init__(
@@ -265,53 +265,6 @@ class VarianceGradientScaler(VGSReporting, VGSCheckpoint):
         if scale_gradients and not self.warmup_active:
             compat.foreach_mul_([p.grad for p in self._parameters if p.grad is not None], factor)
         return factor
-
-    def _normalized_entries(self, index: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-entry normalized temporal variance (flat); non-finite entries as NaN."""
-        mean_ema = self._mean_ema if index is None else self._mean_ema[index]
-        sq_ema = self._sq_ema if index is None else self._sq_ema[index]
-        return kernels.normalized_entries(mean_ema, sq_ema, self._stat_steps, self._beta_tensor, self.eps)
-
-    def _sampled_entries(self) -> torch.Tensor:
-        """The sampled (or all) entries' normalized variance, gathered without a flat copy."""
-        if not self._sample_parts:
-            return self._normalized_entries(self._sample)
-        means = torch.cat([self._means[i].reshape(-1)[index] for i, index in self._sample_parts])
-        squares = torch.cat([self._squares[i].reshape(-1)[index] for i, index in self._sample_parts])
-        return kernels.normalized_entries(means, squares, self._stat_steps, self._beta_tensor, self.eps)
-
-    def _aggregate(self) -> torch.Tensor:
-        if self.aggregation_method == "p90":
-            value = kernels.quantiles(self._sampled_entries(), (0.9,))[0]
-        else:
-            nv = self._normalized_entries()
-            finite = ~torch.isnan(nv)
-            if self.aggregation_method == "weighted_mean":
-                # Each tensor's mean weighted by its numel = the mean over all finite elements
-                # (element granularity); per tensor entries weighted by numel (tensor granularity).
-                w = torch.ones_like(nv) if self.granularity == "element" else self._param_numel
-                value = (torch.where(finite, nv, 0.0) * w).sum() / (finite * w).sum()
-            else:
-                value = self._per_tensor_means(nv).nanmean()
-        return kernels.no_entry_fallback(value)
-
-    def _per_tensor_means(self, nv: torch.Tensor) -> torch.Tensor:
-        """Each parameter tensor's mean finite entry (NaN for a tensor with none)."""
-        if self.granularity == "tensor":
-            return nv
-        return torch.stack([chunk.nanmean() for chunk in nv.split(self._numel)])
-
-    def normalized_variance_tensor(self) -> torch.Tensor:
-        """The aggregated normalized variance as a 0-d device tensor (no sync)."""
-        if not self.enabled or not self._parameters:
-            return torch.zeros((), device=self._device)
-        return self._aggregate()
-
-    def scaling_factor_tensor(self) -> torch.Tensor:
-        """``clamp(1 / (1 + alpha * nv), 1e-4, 1)`` as a 0-d device tensor (1 during warmup)."""
-        if not self.enabled or self.warmup_active or not self._parameters:
-            return torch.ones((), device=self._device)
-        return torch.clamp(1.0 / (1.0 + self.alpha * self.normalized_variance_tensor()), MIN_SCALE, 1.0)
 
     def scale_gradients(self, skip: torch.Tensor | None = None) -> torch.Tensor:
         """Update the statistics with the current gradients, then multiply every ``p.grad``
