@@ -4,7 +4,7 @@ Every expected value is counted by the test itself: the gradients of each miniba
 captured by tensor hooks on ``module.parameters()`` (NaN/Inf elements, non-finite minibatches
 and backward passes counted in numpy), the iteration clock is the test's own loop counter,
 latches come from a known construction (a NaN bias on one head, a -inf logit on one action),
-and the ``vgs/*`` metrics come from the numpy re-implementation in ``tests/telemetry/vgs_oracle.py``.
+and the ``vgs/*`` metrics come from the numpy re-implementation in ``tests/vgs/vgs_oracle.py``.
 Nothing here reads ``head_parameter_groups``, ``GradientNormPlan`` or the tracker.
 """
 
@@ -19,7 +19,7 @@ from ray.rllib.core.columns import Columns
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch, update
-from tests.telemetry.vgs_oracle import assert_vgs_metrics_close, numpy_vgs_metrics
+from tests.vgs.vgs_oracle import assert_vgs_metrics_close, numpy_vgs_metrics
 
 MID = DEFAULT_MODULE_ID
 ACTION_HEADS = ("alpha_curve", "alpha_speed", "alpha_target", "blueprint", "op", "slot", "style", "tempo")

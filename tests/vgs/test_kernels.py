@@ -1,7 +1,8 @@
-"""The compiled VGS step is the eager one: same factors, statistics and scaled gradients.
+"""``vgs/kernels.py``: ``quantiles`` equals numpy's ``nanquantile``, and the compiled VGS step is the
+eager one (same factors, statistics and scaled gradients).
 
 ``compile="on"`` runs ``vgs_kernels``' functions through ``torch.compile`` (Inductor's C++
-on CPU); the worked-answer tests in ``test_vgs.py`` run them eagerly (below 1M parameters
+on CPU); the worked-answer tests in ``test_scaler.py`` run them eagerly (below 1M parameters
 ``compile="auto"`` stays eager).  Here both run side by side on the same gradient stream,
 non-finite steps included, for the sampled one-pass ``p90`` path (element granularity) and
 for ``tensor`` granularity.  Each module compiles once (tens of seconds on a 2-core CPU).
@@ -9,10 +10,18 @@ for ``tensor`` granularity.  Each module compiles once (tens of seconds on a 2-c
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gradmon_ray.telemetry import VarianceGradientScaler
+from gradmon_ray.vgs import kernels
+
+MAX_NV = 1e6  # the cap on a normalized variance
 
 SHAPES = [(40, 30), (30,), (9, 30), (9,)]
 
@@ -62,3 +71,37 @@ def test_compiled_step_equals_eager_step(kwargs):
     assert got.keys() == want.keys()
     for key in want:
         assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), key
+
+
+@pytest.mark.parametrize(
+    ("values", "q"),
+    [
+        ([1.0, 2.0, math.nan, 4.0], 0.5),
+        # NaN at both neighbours of the 0.9 position (3.6 of 0..4): once read as +inf,
+        # inf + 0.6 * (inf - inf) gave NaN, and later a silent factor of 1
+        ([0.5, math.nan, math.nan, 3.0, 1.5], 0.9),
+        ([math.nan, 2.0, 2.0, 2.0, 5.0], 0.5),  # ties
+        ([math.nan, 7.0, math.nan], 0.1),  # one entry left
+        ([0.0, MAX_NV, 3.0, math.nan], 0.9),  # a capped +Inf entry is the largest
+        ([4.0, 1.0, 3.0, 2.0], 0.9),  # no NaN: numpy's own quantile
+    ],
+)
+def test_quantiles_equal_numpy_nanquantile(values, q):
+    got = kernels.quantiles(torch.tensor(values), (q, 0.0, 1.0))
+    want = np.nanquantile(np.array(values), [q, 0.0, 1.0])
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
+
+
+def test_quantiles_of_only_nan_entries_are_nan():
+    assert torch.isnan(kernels.quantiles(torch.full((5,), math.nan), (0.1, 0.9))).all()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.one_of(st.just(math.nan), st.sampled_from([0.0, 1.0, 2.5]), st.floats(0, MAX_NV)), max_size=60),
+    st.floats(0, 1),
+)
+def test_quantiles_equal_numpy_nanquantile_on_any_entries(values, q):
+    values = [*values, 1.0]  # at least one entry
+    got = float(kernels.quantiles(torch.tensor(values, dtype=torch.float64), (q,))[0])
+    assert got == pytest.approx(float(np.nanquantile(np.array(values), q)), rel=1e-9, abs=1e-9)

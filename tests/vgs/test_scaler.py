@@ -1,4 +1,8 @@
-"""VarianceGradientScaler: the seed's six tests (test 2's flaw fixed), worked answers, properties."""
+"""``vgs/scaler.py``: the seed's tests 1-4 and 6 (test 2's flaw fixed), worked answers, properties.
+
+Seed test 5 and the state round trip: ``test_checkpoint.py``; undefined (NaN/Inf) entries:
+``test_aggregation.py``; every ``vgs/*`` metric against the numpy re-implementation: ``test_reporting.py``.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,6 @@ import importlib.util
 import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -14,9 +17,8 @@ from hypothesis import strategies as st
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.telemetry import VarianceGradientScaler
-from gradmon_ray.vgs import kernels
-from gradmon_ray.vgs.scaler import DEVICE_METRICS, OLD_CHECKPOINT_WARNING, analytic_normalized_variance_of_abs
-from tests.telemetry.vgs_oracle import assert_vgs_metrics_close, numpy_vgs_metrics
+from gradmon_ray.vgs.scaler import DEVICE_METRICS, analytic_normalized_variance_of_abs
+from tests.vgs.vgs_oracle import assert_vgs_metrics_close, numpy_vgs_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -240,60 +242,6 @@ def test_one_pass_sampled_step_returns_the_factor_of_the_statistics_after_that_s
     assert_vgs_metrics_close(vgs.get_metrics(), numpy_vgs_metrics(fed, skipped=skipped, sample=sample, **settings))
 
 
-# --- seed test 5 and state -------------------------------------------------------------------
-def test_5_old_checkpoint_warns_resets_and_training_continues():
-    p = torch.nn.Parameter(torch.zeros(3))
-    vgs = VarianceGradientScaler([p], warmup_steps=0)
-    old = {
-        "enabled": True,
-        "beta": 0.9,
-        "alpha": 0.2,
-        "eps": 1e-8,
-        "warmup_steps": 5,
-        "step_count": 40,
-        "grad_mean_ema": 0.1,
-        "grad_var_ema": 0.2,
-        "grad_norm_ema": 0.3,
-        "grad_max_ema": 0.4,
-    }
-    with pytest.warns(UserWarning) as record:
-        vgs.load_state_dict(old)
-    assert str(record[0].message) == OLD_CHECKPOINT_WARNING
-    assert vgs.beta == 0.9 and vgs.step_count == 40
-    assert vgs._mean_ema.abs().sum().item() == 0.0 and vgs.state_dict()["stat_steps"] == 0.0
-    assert vgs.get_metrics()["vgs/grad_norm_ema"] == pytest.approx(0.3)
-    for i in range(5):
-        p.grad = torch.tensor([1.0, 2.0, 3.0]) * (1 + 0.1 * i)
-        vgs.scale_gradients()
-        vgs.step()
-    assert 0.0 < vgs.get_normalized_variance() < 1.0 and vgs.state_dict()["stat_steps"] == 5.0
-
-
-@pytest.mark.parametrize("granularity", ["element", "tensor"])
-def test_state_round_trip_is_exact(granularity):
-    torch.manual_seed(3)
-    ps = [torch.nn.Parameter(torch.zeros(4, 2)), torch.nn.Parameter(torch.zeros(3))]
-    vgs = VarianceGradientScaler(ps, granularity=granularity, warmup_steps=1)
-    _feed(vgs, ps, [(torch.randn(4, 2), torch.randn(3)) for _ in range(7)])
-    clone = VarianceGradientScaler(ps, granularity=granularity)
-    clone.load_state_dict(vgs.state_dict())
-    assert clone.get_metrics() == vgs.get_metrics()
-
-
-def test_mismatched_checkpoint_raises_clear_errors():
-    vgs = VarianceGradientScaler([torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(3))])
-    other = VarianceGradientScaler([torch.nn.Parameter(torch.zeros(5))])
-    with pytest.raises(
-        ValueError, match=r"1 parameter tensors with sizes \[5\]; this scaler has 2 with sizes \[4, 3\]"
-    ):
-        vgs.load_state_dict(other.state_dict())
-    tensorwise = VarianceGradientScaler(
-        [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(3))], granularity="tensor"
-    )
-    with pytest.raises(ValueError, match="granularity 'tensor'"):
-        vgs.load_state_dict(tensorwise.state_dict())
-
-
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -363,157 +311,3 @@ def test_6_old_vs_new_on_the_same_gradients():
     )
     assert old_nv == 0.0 and trace[-1][0] == 1.0
     assert new_nv == pytest.approx(expected, rel=0.25) and trace[-1][1] < 0.97
-
-
-# --- undefined entries: NaN ignored, +Inf as the cap, none left -> the cautious fallback ----------
-MAX_NV = 1e6
-
-
-def _numpy_nv(mean_ema: np.ndarray, sq_ema: np.ndarray, steps: float, beta: float, eps: float) -> np.ndarray:
-    """The normalized variance per entry from a state's EMAs, in float64 (NaN propagates), capped at 1e6."""
-    with np.errstate(invalid="ignore", over="ignore"):
-        correction = 1 - beta**steps
-        a, b = mean_ema / correction, sq_ema / correction
-        nv = np.maximum(b - a * a, 0.0) / (a * a + eps)
-    return np.where(np.isnan(nv), np.nan, np.minimum(nv, MAX_NV))
-
-
-@pytest.mark.parametrize(
-    ("values", "q"),
-    [
-        ([1.0, 2.0, math.nan, 4.0], 0.5),
-        # NaN at both neighbours of the 0.9 position (3.6 of 0..4): once read as +inf,
-        # inf + 0.6 * (inf - inf) gave NaN, and later a silent factor of 1
-        ([0.5, math.nan, math.nan, 3.0, 1.5], 0.9),
-        ([math.nan, 2.0, 2.0, 2.0, 5.0], 0.5),  # ties
-        ([math.nan, 7.0, math.nan], 0.1),  # one entry left
-        ([0.0, MAX_NV, 3.0, math.nan], 0.9),  # a capped +Inf entry is the largest
-        ([4.0, 1.0, 3.0, 2.0], 0.9),  # no NaN: numpy's own quantile
-    ],
-)
-def test_quantiles_equal_numpy_nanquantile(values, q):
-    got = kernels.quantiles(torch.tensor(values), (q, 0.0, 1.0))
-    want = np.nanquantile(np.array(values), [q, 0.0, 1.0])
-    np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
-
-
-def test_quantiles_of_only_nan_entries_are_nan():
-    assert torch.isnan(kernels.quantiles(torch.full((5,), math.nan), (0.1, 0.9))).all()
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    st.lists(st.one_of(st.just(math.nan), st.sampled_from([0.0, 1.0, 2.5]), st.floats(0, MAX_NV)), max_size=60),
-    st.floats(0, 1),
-)
-def test_quantiles_equal_numpy_nanquantile_on_any_entries(values, q):
-    values = [*values, 1.0]  # at least one entry
-    got = float(kernels.quantiles(torch.tensor(values, dtype=torch.float64), (q,))[0])
-    assert got == pytest.approx(float(np.nanquantile(np.array(values), q)), rel=1e-9, abs=1e-9)
-
-
-def _state_with(vgs: VarianceGradientScaler, params, seed: int = 0) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    for step in range(6):
-        for p in params:
-            p.grad = 1.0 + (0.2 + 0.3 * step % 3) * torch.randn(p.shape, generator=gen) * torch.rand(
-                p.shape, generator=gen
-            )
-        vgs.scale_gradients()
-        vgs.step()
-    return vgs.state_dict()
-
-
-def test_a_restored_state_with_nan_at_the_p90_neighbours_scales_by_the_nanquantile():
-    """NaN in the restored EMA of the two entries around the p90 position: the percentiles, the
-    aggregate and the factor are numpy's nanquantile of the rest (they were NaN, then factor 1)."""
-    params = [torch.nn.Parameter(torch.zeros(6)), torch.nn.Parameter(torch.zeros(4))]
-    settings_ = {"beta": 0.9, "alpha": 0.5, "eps": 1e-8, "warmup_steps": 0}
-    state = _state_with(VarianceGradientScaler(params, **settings_), params)
-    mean, sq = state["param_grad_mean_ema"].double().numpy(), state["param_grad_sq_ema"].double().numpy()
-    nv = _numpy_nv(mean, sq, state["stat_steps"], 0.9, 1e-8)
-    order = np.argsort(nv)
-    neighbours = order[[math.floor(0.9 * 9), math.floor(0.9 * 9) + 1]]  # positions 8 and 9 of 0..9
-    state["param_grad_mean_ema"][neighbours] = math.nan
-    nv[neighbours] = math.nan
-
-    restored = VarianceGradientScaler(params, **settings_)
-    restored.load_state_dict(state)
-    metrics = restored.get_metrics()
-    p10, p50, p90 = np.nanquantile(nv, [0.1, 0.5, 0.9])
-    assert metrics[mn.VGS_STOCHASTIC_VAR_P90] == pytest.approx(p90, rel=1e-5)
-    assert (metrics[mn.VGS_STOCHASTIC_VAR_P10], metrics[mn.VGS_STOCHASTIC_VAR_P50]) == pytest.approx(
-        (p10, p50), rel=1e-5
-    )
-    per_tensor = [np.nanmean(nv[:6]), np.nanmean(nv[6:])]
-    assert metrics[mn.VGS_STOCHASTIC_VAR_MEAN] == pytest.approx(np.mean(per_tensor), rel=1e-5)
-    assert metrics[mn.VGS_NORMALIZED_VARIANCE] == pytest.approx(p90, rel=1e-5)
-    factor = min(1.0, max(1e-4, 1 / (1 + 0.5 * p90)))
-    assert metrics[mn.VGS_SCALING_FACTOR] == pytest.approx(factor, rel=1e-5) and factor < 0.99
-
-
-def test_the_one_pass_sampled_step_after_a_restore_with_nan_uses_the_nanquantile_of_the_sample():
-    """Element granularity with a sample (the per-step path, ``element_step``): NaN in a third of
-    the restored EMA (NaN stays NaN through the fold), the returned factor and the scaled
-    gradients follow numpy's nanquantile over the sampled entries after this step's fold."""
-    shapes = [(20, 15), (40,)]
-    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
-    settings_ = {"beta": 0.9, "alpha": 2.0, "eps": 1e-8, "warmup_steps": 0}
-    state = _state_with(VarianceGradientScaler(params, quantile_sample_size=53, **settings_), params, seed=3)
-    state["param_grad_mean_ema"][::3] = math.nan
-    vgs = VarianceGradientScaler(params, quantile_sample_size=53, **settings_)
-    vgs.load_state_dict(state)
-    grads = [torch.full(s, 0.7) + 0.5 * torch.randn(s, generator=torch.Generator().manual_seed(9)) for s in shapes]
-    for p, g in zip(params, grads, strict=True):
-        p.grad = g.clone()
-    factor = float(vgs.scale_gradients())
-
-    g = np.concatenate([x.double().numpy().ravel() for x in grads])
-    mean = 0.9 * state["param_grad_mean_ema"].double().numpy() + 0.1 * np.abs(g)
-    sq = 0.9 * state["param_grad_sq_ema"].double().numpy() + 0.1 * g * g
-    nv = _numpy_nv(mean, sq, state["stat_steps"] + 1, 0.9, 1e-8)[vgs._sample.numpy()]
-    assert np.isnan(nv).any() and not np.isnan(nv).all()
-    want = min(1.0, max(1e-4, 1 / (1 + 2.0 * np.nanquantile(nv, 0.9))))
-    assert factor == pytest.approx(want, rel=1e-5) and want < 0.99
-    for p, x in zip(params, grads, strict=True):
-        torch.testing.assert_close(p.grad, x * want, rtol=1e-5, atol=1e-7)
-
-
-@pytest.mark.parametrize("method", ["p90", "mean", "weighted_mean"])
-def test_no_defined_entry_falls_back_to_the_smallest_factor_and_reports_nan(method):
-    """Every restored EMA entry NaN: no statistic is left, so the aggregate is the cap (1e6) and
-    the factor its floor, not 1; the percentile and mean metrics are NaN, so it shows in MLflow."""
-    params = [torch.nn.Parameter(torch.zeros(5))]
-    settings_ = {"alpha": 0.1, "warmup_steps": 0, "aggregation_method": method}
-    state = _state_with(VarianceGradientScaler(params, **settings_), params)
-    state["param_grad_mean_ema"][:] = math.nan
-    vgs = VarianceGradientScaler(params, **settings_)
-    vgs.load_state_dict(state)
-    metrics = vgs.get_metrics()
-    for name in (mn.VGS_STOCHASTIC_VAR_P10, mn.VGS_STOCHASTIC_VAR_P50, mn.VGS_STOCHASTIC_VAR_P90):
-        assert math.isnan(metrics[name]), name
-    assert math.isnan(metrics[mn.VGS_STOCHASTIC_VAR_MEAN])
-    assert metrics[mn.VGS_NORMALIZED_VARIANCE] == MAX_NV
-    floor = max(1e-4, 1 / (1 + 0.1 * MAX_NV))
-    assert metrics[mn.VGS_SCALING_FACTOR] == pytest.approx(floor)
-    params[0].grad = torch.ones(5)
-    assert float(vgs.scale_gradients()) == pytest.approx(floor)
-    torch.testing.assert_close(params[0].grad, torch.full((5,), floor))
-
-
-def test_an_infinite_entry_counts_as_the_cap():
-    """+Inf in a restored squared EMA: that entry's nv is the cap, the largest there is."""
-    params = [torch.nn.Parameter(torch.zeros(4))]
-    state = _state_with(VarianceGradientScaler(params, warmup_steps=0, beta=0.9), params)
-    state["param_grad_sq_ema"][2] = math.inf
-    vgs = VarianceGradientScaler(params, warmup_steps=0, beta=0.9)
-    vgs.load_state_dict(state)
-    nv = _numpy_nv(
-        state["param_grad_mean_ema"].double().numpy(),
-        state["param_grad_sq_ema"].double().numpy(),
-        state["stat_steps"],
-        0.9,
-        1e-8,
-    )
-    assert nv[2] == MAX_NV
-    assert vgs.get_normalized_variance() == pytest.approx(np.quantile(nv, 0.9), rel=1e-5)

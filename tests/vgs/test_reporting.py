@@ -1,6 +1,6 @@
-"""Oracles for telemetry metrics: every ``vgs/*`` metric against a numpy re-implementation.
+"""``vgs/reporting.py``: every ``vgs/*`` metric ``get_metrics()`` reports, against a numpy re-implementation.
 
-``tests/telemetry/vgs_oracle.py`` recomputes the VGS formulas in float64 from the module
+``tests/vgs/vgs_oracle.py`` recomputes the VGS formulas in float64 from the module
 docstring and seed 002 (its flaws fixed); nothing here calls the scaler's own helpers.
 """
 
@@ -12,7 +12,7 @@ import torch
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.telemetry import VarianceGradientScaler
-from tests.telemetry.vgs_oracle import assert_vgs_metrics_close, numpy_vgs_metrics
+from tests.vgs.vgs_oracle import assert_vgs_metrics_close, numpy_vgs_metrics
 
 SHAPES = [(6, 5), (5,), (3, 4), (4,)]
 

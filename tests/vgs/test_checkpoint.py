@@ -1,0 +1,71 @@
+"""``vgs/checkpoint.py``: the seed's checkpoint format (seed test 5: an old spatial state warns and
+resets), exact round trips, and the errors of a checkpoint that does not fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradmon_ray.telemetry import VarianceGradientScaler
+from gradmon_ray.vgs.scaler import OLD_CHECKPOINT_WARNING
+
+
+def _feed(vgs, params, grads_per_step):
+    for grads in grads_per_step:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        vgs.scale_gradients()
+        vgs.step()
+
+
+def test_5_old_checkpoint_warns_resets_and_training_continues():
+    p = torch.nn.Parameter(torch.zeros(3))
+    vgs = VarianceGradientScaler([p], warmup_steps=0)
+    old = {
+        "enabled": True,
+        "beta": 0.9,
+        "alpha": 0.2,
+        "eps": 1e-8,
+        "warmup_steps": 5,
+        "step_count": 40,
+        "grad_mean_ema": 0.1,
+        "grad_var_ema": 0.2,
+        "grad_norm_ema": 0.3,
+        "grad_max_ema": 0.4,
+    }
+    with pytest.warns(UserWarning) as record:
+        vgs.load_state_dict(old)
+    assert str(record[0].message) == OLD_CHECKPOINT_WARNING
+    assert vgs.beta == 0.9 and vgs.step_count == 40
+    assert vgs._mean_ema.abs().sum().item() == 0.0 and vgs.state_dict()["stat_steps"] == 0.0
+    assert vgs.get_metrics()["vgs/grad_norm_ema"] == pytest.approx(0.3)
+    for i in range(5):
+        p.grad = torch.tensor([1.0, 2.0, 3.0]) * (1 + 0.1 * i)
+        vgs.scale_gradients()
+        vgs.step()
+    assert 0.0 < vgs.get_normalized_variance() < 1.0 and vgs.state_dict()["stat_steps"] == 5.0
+
+
+@pytest.mark.parametrize("granularity", ["element", "tensor"])
+def test_state_round_trip_is_exact(granularity):
+    torch.manual_seed(3)
+    ps = [torch.nn.Parameter(torch.zeros(4, 2)), torch.nn.Parameter(torch.zeros(3))]
+    vgs = VarianceGradientScaler(ps, granularity=granularity, warmup_steps=1)
+    _feed(vgs, ps, [(torch.randn(4, 2), torch.randn(3)) for _ in range(7)])
+    clone = VarianceGradientScaler(ps, granularity=granularity)
+    clone.load_state_dict(vgs.state_dict())
+    assert clone.get_metrics() == vgs.get_metrics()
+
+
+def test_mismatched_checkpoint_raises_clear_errors():
+    vgs = VarianceGradientScaler([torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(3))])
+    other = VarianceGradientScaler([torch.nn.Parameter(torch.zeros(5))])
+    with pytest.raises(
+        ValueError, match=r"1 parameter tensors with sizes \[5\]; this scaler has 2 with sizes \[4, 3\]"
+    ):
+        vgs.load_state_dict(other.state_dict())
+    tensorwise = VarianceGradientScaler(
+        [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(3))], granularity="tensor"
+    )
+    with pytest.raises(ValueError, match="granularity 'tensor'"):
+        vgs.load_state_dict(tensorwise.state_dict())
