@@ -56,3 +56,51 @@ def tiny_config_data(tmp_path):
         "resources": {"num_env_runners": 1},
         "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "test"},
     }
+
+
+# --- lanes -------------------------------------------------------------------------------------
+# The fast lane (``-m "not e2e and not gpu"``) starts neither Ray nor a subprocess.  A test that
+# does carries ``@pytest.mark.e2e`` (tests/README.md): a test using a Ray fixture gets it here,
+# and any other test that starts a process without it fails with what to do.
+#
+# Processes that are not "a subprocess the test starts": torch's compile workers and the
+# tool look-ups some libraries run when they are imported (ctypes' find_library).
+_IMPLICIT_PROCESSES = ("torch._inductor", "torch/_inductor", "ldconfig", "gcc", "cc", "ld", "objdump", "uname")
+_RAY_FIXTURES = ("ray_session", "without_shared_ray")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects on the marks
+def pytest_collection_modifyitems(config, items):
+    """A test that uses a Ray fixture starts Ray: it is an ``e2e`` test wherever it lives."""
+    for item in items:
+        if set(getattr(item, "fixturenames", ())) & set(_RAY_FIXTURES) and item.get_closest_marker("e2e") is None:
+            item.add_marker(pytest.mark.e2e)
+
+
+def _implicit(args) -> bool:
+    words = [str(a) for a in ([args] if isinstance(args, (str, bytes, os.PathLike)) else args)]
+    first = os.path.basename(words[0]) if words else ""
+    return first in _IMPLICIT_PROCESSES or any(p in w for w in words for p in _IMPLICIT_PROCESSES[:2])
+
+
+@pytest.fixture(autouse=True)
+def _fast_lane_starts_no_process(request, monkeypatch):
+    """In a test without the ``e2e``/``gpu`` mark, starting a process (Ray starts its own with
+    ``subprocess.Popen``, ``ray.init`` included) fails the test with what to do."""
+    if request.node.get_closest_marker("e2e") or request.node.get_closest_marker("gpu"):
+        yield
+        return
+    import subprocess
+
+    original = subprocess.Popen.__init__
+
+    def guarded(self, args, *a, **kw):
+        if not _implicit(args):
+            raise AssertionError(
+                f"{request.node.nodeid} starts a process ({args!r}): mark the test @pytest.mark.e2e "
+                "(the fast lane starts no Ray and no subprocess)"
+            )
+        original(self, args, *a, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
+    yield
