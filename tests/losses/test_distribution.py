@@ -1,12 +1,20 @@
-"""FactoredCategorical against torch.distributions, head by head."""
+"""``losses/distribution.py``: FactoredCategorical against torch.distributions, head by head.
+
+Per-head log-probs, entropy and KL against ``torch.distributions.Categorical`` on each head's
+logit slice; KL for logits tens of thousands of nats apart against ``sum p_a (log p_a - log p_b)``
+written out on float64 log-softmaxes (torch's own ``kl_divergence`` calls such a KL infinite once
+q underflows to 0); a -inf logit against the closed-form entropies of one-hot and uniform heads.
+"""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 from torch.distributions import Categorical, kl_divergence
 
-from gradmon_ray.rllib import FactoredCategorical
+from gradmon_ray.losses.distribution import FactoredCategorical
 
 NAMES, SIZES = ("a", "b", "c"), (2, 4, 3)
 
@@ -65,13 +73,16 @@ def test_deterministic_is_argmax_per_head(logits):
         assert torch.equal(sample[name], chunk.argmax(-1))
 
 
-def test_minus_inf_logit_keeps_entropy_and_kl_finite():
+def test_a_minus_inf_logit_gives_the_closed_form_entropy_and_zero_self_kl():
+    """Head a = [-inf, 0] is one-hot (entropy 0), b and c are uniform (ln 4, ln 3): the total is
+    ln 12, not NaN (0 * -inf); the -inf action's log-prob is -inf; KL(p || p) is exactly 0."""
     logits = torch.tensor([[float("-inf"), 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
     dist = FactoredCategorical.for_heads(NAMES, SIZES, "multi_discrete").from_logits(logits)
-    assert torch.isfinite(dist.entropy()).all()
-    assert dist.per_head_entropy()[0, 0].item() == pytest.approx(0.0)  # one-hot head a
-    assert torch.isinf(dist.per_head_logp(torch.tensor([[0, 0, 0]]))[0, 0])
-    assert torch.isfinite(dist.kl(dist)).all()
+    per_head = dist.per_head_entropy()[0].tolist()
+    assert per_head == pytest.approx([0.0, math.log(4), math.log(3)], abs=1e-6)
+    assert dist.entropy().item() == pytest.approx(math.log(12), abs=1e-6)
+    assert dist.per_head_logp(torch.tensor([[0, 0, 0]]))[0, 0].item() == float("-inf")
+    assert dist.per_head_kl(dist)[0].tolist() == [0.0, 0.0, 0.0] and dist.kl(dist).item() == 0.0
 
 
 def test_errors():
@@ -84,3 +95,31 @@ def test_errors():
         cls.from_logits(torch.zeros(1, 9)).logp(torch.zeros(1, 3))
     with pytest.raises(ValueError, match="exactly one head"):
         FactoredCategorical.for_heads(("a", "b"), (2, 2), "discrete")
+
+
+WIDE_SIZES = (3, 5, 2)
+
+
+def _split_wide(logits: torch.Tensor) -> list[torch.Tensor]:
+    return list(torch.split(logits, WIDE_SIZES, dim=-1))
+
+
+def test_per_head_kl_and_entropy_equal_torch_categorical_for_widely_spread_logits():
+    gen = torch.Generator().manual_seed(7)
+    a = torch.randn(4, sum(WIDE_SIZES), generator=gen, dtype=torch.float64)
+    b = torch.randn(4, sum(WIDE_SIZES), generator=gen, dtype=torch.float64)
+    b[0, 1] = -5.0e4  # a finite but tiny probability under b where a puts real mass
+    b[1, 4] = -2.0e5
+    a[2, 8] = -3.0e4  # and the other way round
+    dist_cls = FactoredCategorical.for_heads(["h0", "h1", "h2"], WIDE_SIZES, "multi_discrete")
+    pa, pb = dist_cls.from_logits(a), dist_cls.from_logits(b)
+    kl = pa.per_head_kl(pb)
+    ent = pa.per_head_entropy()
+    for h, (la, lb) in enumerate(zip(_split_wide(a), _split_wide(b), strict=True)):
+        ca = Categorical(logits=la)
+        lpa, lpb = torch.log_softmax(la, -1), torch.log_softmax(lb, -1)
+        expected = (lpa.exp() * (lpa - lpb)).sum(-1)
+        torch.testing.assert_close(kl[:, h], expected, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(ent[:, h], ca.entropy(), rtol=1e-9, atol=1e-9)
+    assert kl[0, 0] > 5.0e3  # about p_a(1) * 5e4 (p_a(1) ~ 0.12): the tiny probability is not floored
+    torch.testing.assert_close(pa.kl(pb), kl.sum(-1))

@@ -1,4 +1,4 @@
-"""Our PPO loss equals RLlib's PPOTorchLearner loss, evaluated with RLlib's own distributions."""
+"""``losses/ppo.py``: our PPO loss equals RLlib's PPOTorchLearner loss, evaluated with RLlib's own distributions."""
 
 from __future__ import annotations
 
