@@ -15,8 +15,6 @@ import os
 import re
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_DIRS = {".venv", ".ci-venv", ".git", "build", "dist", ".pytest_cache", ".ruff_cache", ".hypothesis", "mlruns"}
 DISABLED = "RAY_AUTH_MODE=" + "disabled"  # spelled in two parts so this file does not match itself
@@ -39,9 +37,14 @@ def test_the_file_lists_are_not_empty():
     assert len(PACKAGE) > 20 and ROOT / "cluster.yaml" in SHIPPED_TEXT and ROOT / "README.md" in SHIPPED_TEXT
 
 
-@pytest.mark.parametrize("path", SHIPPED_TEXT, ids=lambda p: str(p.relative_to(ROOT)))
-def test_token_auth_is_never_disabled(path):
-    assert DISABLED not in path.read_text(errors="replace")
+def _assert_none_fail(check, paths: list[Path]) -> None:
+    """Run ``check(path)`` (a list of problems) on every path; fail once, naming every problem."""
+    failures = [f"{path.relative_to(ROOT)}: {problem}" for path in paths for problem in check(path)]
+    assert not failures, f"{len(failures)} problem(s) in {len(paths)} files:\n" + "\n".join(failures)
+
+
+def test_token_auth_is_never_disabled():
+    _assert_none_fail(lambda path: [DISABLED] if DISABLED in path.read_text(errors="replace") else [], SHIPPED_TEXT)
 
 
 def _code_lines(path: Path) -> list[str]:
@@ -50,12 +53,11 @@ def _code_lines(path: Path) -> list[str]:
     return [ln for ln in lines if not ln.lstrip().startswith("#")]
 
 
-@pytest.mark.parametrize(
-    "path", [*_files(".py", ".yaml", ".yml", ".sh"), ROOT / ".ci" / "run"], ids=lambda p: str(p.relative_to(ROOT))
-)
-def test_nothing_listens_on_all_interfaces(path):
-    offending = [ln for ln in _code_lines(path) if ALL_INTERFACES in ln and "not " + ALL_INTERFACES not in ln]
-    assert not offending, offending
+def test_nothing_listens_on_all_interfaces():
+    def offending(path: Path) -> list[str]:
+        return [ln for ln in _code_lines(path) if ALL_INTERFACES in ln and "not " + ALL_INTERFACES not in ln]
+
+    _assert_none_fail(offending, [*_files(".py", ".yaml", ".yml", ".sh"), ROOT / ".ci" / "run"])
 
 
 def _calls(path: Path) -> list[ast.Call]:
@@ -66,21 +68,31 @@ def _name(call: ast.Call) -> str:
     return ast.unparse(call.func)
 
 
-@pytest.mark.parametrize("path", _files(".py"), ids=lambda p: str(p.relative_to(ROOT)))
-def test_yaml_is_safe_loaded_and_torch_load_is_weights_only(path):
-    for call in _calls(path):
-        name = _name(call)
-        assert name not in ("yaml.load", "yaml.unsafe_load", "yaml.full_load"), f"{path}: {name}"
-        if name == "torch.load":
-            kw = {k.arg: ast.unparse(k.value) for k in call.keywords}
-            assert kw.get("weights_only") == "True", f"{path}: torch.load without weights_only=True"
+def test_yaml_is_safe_loaded_and_torch_load_is_weights_only():
+    def unsafe(path: Path) -> list[str]:
+        problems = []
+        for call in _calls(path):
+            name = _name(call)
+            if name in ("yaml.load", "yaml.unsafe_load", "yaml.full_load"):
+                problems.append(f"line {call.lineno}: {name}")
+            if name == "torch.load":
+                kw = {k.arg: ast.unparse(k.value) for k in call.keywords}
+                if kw.get("weights_only") != "True":
+                    problems.append(f"line {call.lineno}: torch.load without weights_only=True")
+        return problems
+
+    _assert_none_fail(unsafe, _files(".py"))
 
 
-@pytest.mark.parametrize("path", PACKAGE, ids=lambda p: str(p.relative_to(ROOT)))
-def test_no_pickle_eval_or_exec_in_the_package(path):
-    text = path.read_text()
-    assert not re.search(r"^\s*(import pickle|from pickle|import dill)", text, re.M), path
-    assert not any(_name(c) in ("eval", "exec", "pickle.load", "pickle.loads") for c in _calls(path)), path
+def test_no_pickle_eval_or_exec_in_the_package():
+    imports = re.compile(r"^\s*(import pickle|from pickle|import dill)", re.M)
+    calls = ("eval", "exec", "pickle.load", "pickle.loads")
+
+    def unsafe(path: Path) -> list[str]:
+        problems = [m.group(0).strip() for m in imports.finditer(path.read_text())]
+        return problems + [f"line {c.lineno}: {_name(c)}" for c in _calls(path) if _name(c) in calls]
+
+    _assert_none_fail(unsafe, PACKAGE)
 
 
 def test_the_only_code_loaded_from_config_is_a_regularizer_or_env_import_path():
