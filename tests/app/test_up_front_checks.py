@@ -4,7 +4,8 @@ Each case goes through the CLI's ``main`` in-process (no Ray, no subprocess) fro
 working directory, and must exit 2 with ONE line on stderr that names the problem, no
 traceback, no banner, and nothing created in the directory (no ``mlflow.db``, no ``mlruns``).
 The Ray-side checks (an unreachable address, a request over the cluster's total) need Ray:
-``tests/e2e/test_up_front_checks_e2e.py``.
+``tests/e2e/test_up_front_checks_e2e.py``; their pure parts (``app/resource_wait.py``):
+``test_resource_wait.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 from gradmon_ray.app.cli import main
 from tests.e2e.processes import free_port
 
-SWEEP = str(Path(__file__).resolve().parents[1] / "tune_configs" / "vgs_sweep.yaml")
+SWEEP = str(Path(__file__).resolve().parents[2] / "tune_configs" / "vgs_sweep.yaml")
 TINY = ["--iterations", "1", "--set", "ppo.train_batch_size=128", "--set", "ppo.minibatch_size=64"]
 
 
@@ -151,96 +152,6 @@ def test_search_space_values_are_each_checked_against_a_valid_base(tmp_path, emp
     err = _refused(["tune", str(sweep)], capsys, empty_cwd)
     assert "sweep: 2 problems: search_space.ppo.lrr: ppo.lrr: unknown key" in err
     assert "; search_space.model.activation: model.activation: must be one of" in err and "gelu" in err
-
-
-@pytest.mark.parametrize(
-    ("address", "target"),
-    [
-        ("127.0.0.1:6380", ("127.0.0.1", 6380)),
-        ("head", ("head", 6379)),  # ray start --head's default GCS port
-        ("ray://head", ("head", 10001)),  # the Ray Client server's default port
-        ("ray://head:10002", ("head", 10002)),
-        ("[::1]:6379", ("::1", 6379)),
-        ("auto", None),  # Ray resolves these itself
-        ("local", None),
-    ],
-)
-def test_where_a_ray_address_connects(address, target):
-    from gradmon_ray.app.resource_wait import _host_port
-
-    assert _host_port(address) == target
-
-
-def test_a_ray_address_nothing_answers_at_is_refused_at_once():
-    import socket
-    import time
-
-    from gradmon_ray.app.resource_wait import ray_address_problem
-
-    port = free_port()
-    start = time.monotonic()
-    assert ray_address_problem(f"127.0.0.1:{port}") == (
-        f"cannot reach Ray at 127.0.0.1:{port}: nothing listens on 127.0.0.1:{port}; start the cluster or fix "
-        "the address (unset: a local Ray)"
-    )
-    assert time.monotonic() - start < 5  # a refusal is final: no 15 s wait
-    assert "unknown host 'no-such-host.invalid'" in ray_address_problem("no-such-host.invalid:6379")
-    with socket.socket() as listening:  # something that accepts the connection passes
-        listening.bind(("127.0.0.1", 0))
-        listening.listen()
-        assert ray_address_problem(f"127.0.0.1:{listening.getsockname()[1]}") is None
-    assert ray_address_problem(None) is None and ray_address_problem("auto") is None
-
-
-def test_a_request_over_the_total_and_one_that_fits():
-    from gradmon_ray.app.resource_wait import over_total_problem, requested_resources
-    from gradmon_ray.config import config_from_dict
-
-    eight = requested_resources(config_from_dict({"resources": {"num_env_runners": 8}}))
-    assert eight == {"CPU": 8.0}
-    problem = over_total_problem(eight, {"CPU": 2.0, "memory": 1e9})
-    assert problem is not None and problem.startswith("this run asks for CPU 8 but this Ray has CPU 2 in total")
-    assert "resources.num_cpus" in problem
-    assert over_total_problem(eight, {"CPU": 8.0}) is None  # fits the total (free or not: that is the wait)
-    gpu = requested_resources(config_from_dict({"resources": {"num_learners": 2, "num_gpus_per_learner": 1}}))
-    assert gpu == {"CPU": 1.0, "GPU": 2.0}  # RLlib gives a GPU learner no CPU ("auto"); one EnvRunner
-    assert "GPU 2" in over_total_problem(gpu, {"CPU": 16.0, "GPU": 1.0}) and "resources.num_cpus" not in (
-        over_total_problem(gpu, {"CPU": 16.0, "GPU": 1.0}) or ""
-    )
-    custom = requested_resources(
-        config_from_dict({"resources": {"num_env_runners": 2, "custom_resources_per_env_runner": {"runner": 1}}})
-    )
-    assert "runner 2" in over_total_problem(custom, {"CPU": 4.0})
-
-
-@pytest.mark.parametrize(
-    "resources",
-    [
-        {"num_env_runners": 8},
-        {"num_env_runners": 0},
-        {"num_learners": 2},
-        {"num_learners": 2, "num_gpus_per_learner": 1},
-        {"num_learners": 1, "num_gpus_per_learner": 0.5, "num_env_runners": 3},
-        {"num_env_runners": 2, "custom_resources_per_env_runner": {"runner": 1}},
-    ],
-)
-def test_the_request_is_rllibs_own_without_the_drivers_bundle(resources):
-    """Oracle: RLlib's ``PPO.default_resource_request`` for the same config; its first bundle is the
-    driver's process, which ``gradmon-ray train`` is (it places no actor there)."""
-    from ray.rllib.algorithms.ppo import PPO
-
-    from gradmon_ray.app.resource_wait import requested_resources
-    from gradmon_ray.config import config_from_dict
-    from gradmon_ray.rllib.config import build_ppo_config
-
-    cfg = config_from_dict({"resources": resources})
-    bundles = PPO.default_resource_request(build_ppo_config(cfg)).bundles
-    rllib: dict[str, float] = {}
-    for bundle in bundles[1:]:
-        for key, amount in bundle.items():
-            rllib[key] = rllib.get(key, 0.0) + amount
-    ours = {k: v for k, v in requested_resources(cfg).items() if v}
-    assert ours == {k: v for k, v in rllib.items() if v}
 
 
 @pytest.mark.parametrize("command", [["report", "0123abcd"], ["watch", "--once", "--run-id", "0123abcd"]])

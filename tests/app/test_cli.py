@@ -1,4 +1,5 @@
-"""CLI: bad input exits 2 with one line and no traceback (real subprocesses)."""
+"""``app/cli.py``: bad input exits 2 with one line and no traceback, in a real subprocess (``e2e``:
+the in-process table is ``test_bad_inputs.py``); ``--set`` takes the help text's own example."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ def _cli(*args: str, cwd=None) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.e2e  # subprocesses
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
@@ -36,12 +38,20 @@ def test_bad_input_exits_2_with_one_clear_line(args, expected, tmp_path):
     assert not (tmp_path / "mlflow.db").exists()  # nothing started
 
 
-def test_bad_yaml_file(tmp_path):
+def test_a_bad_value_in_a_config_file_is_one_line_naming_the_field(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     bad = tmp_path / "bad.yaml"
     bad.write_text("ppo:\n  grad_clip_by: l1\n")
     assert main(["train", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "gradmon-ray: config error: ppo.grad_clip_by: must be one of 'global_norm', 'norm', 'value', got 'l1'"
+    ), err
+    assert list(tmp_path.iterdir()) == [bad]  # no mlflow.db: nothing started
 
 
+@pytest.mark.e2e  # a subprocess
 def test_help_exits_0():
     proc = _cli("train", "--help")
     assert proc.returncode == 0 and "--mlflow-uri" in proc.stdout

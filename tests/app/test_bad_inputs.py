@@ -1,8 +1,9 @@
-"""Issue #8 fault 7: bad inputs, table-driven, through the real CLI entry point.
+"""Issue #8 fault 7: bad inputs, table-driven, through the real CLI entry point (``app/cli.py``).
 
 Every case must exit 2 with ONE line on stderr that names the problem, print no traceback,
 and leave no MLflow store behind (no half-made run): the checks run before Ray or MLflow
-start.  The restore cases use a real checkpoint written by real RLlib training.
+start.  The restore cases use a real checkpoint written by real RLlib training on a local Ray:
+only they (marked ``e2e``) ask for it, so the rest of the table runs in the fast lane.
 """
 
 from __future__ import annotations
@@ -273,20 +274,26 @@ def restore_env():
     os.environ.update(saved)
 
 
+def _needs_a_checkpoint(overrides: dict) -> bool:
+    return str(overrides.get("restore_from", "")).startswith("@")
+
+
 def _case(c):
     """A table row as a pytest param: (id, overrides, extra args, expected), or one wrapped in
-    ``pytest.param`` to carry marks."""
+    ``pytest.param`` to carry marks.  A row restoring a real checkpoint (``@name``) is ``e2e``."""
     if hasattr(c, "marks"):
         return pytest.param(*c.values[1:], id=c.values[0], marks=c.marks)
-    return pytest.param(*c[1:], id=c[0])
+    marks = [pytest.mark.e2e] if _needs_a_checkpoint(c[1]) else []
+    return pytest.param(*c[1:], id=c[0], marks=marks)
 
 
 @pytest.mark.parametrize(("overrides", "extra", "expected"), [_case(c) for c in CASES])
 def test_bad_input_exits_2_with_one_line_and_no_mlflow_run(
-    overrides, extra, expected, checkpoints, tmp_path, capsys, restore_env
+    overrides, extra, expected, request, tmp_path, capsys, restore_env
 ):
     data = _merge(SMALL, overrides)
-    if str(data.get("restore_from", "")).startswith("@"):
+    if _needs_a_checkpoint(data):
+        checkpoints = request.getfixturevalue("checkpoints")  # starts Ray: only these rows ask
         data["restore_from"] = str(checkpoints[data["restore_from"][1:]])
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(data))
@@ -352,6 +359,7 @@ def test_unreadable_yaml_and_non_mapping_yaml(tmp_path, capsys, restore_env):
     assert not (tmp_path / "m.db").exists()
 
 
+@pytest.mark.e2e  # a real checkpoint from a local Ray
 def test_a_fitting_checkpoint_passes_and_an_old_vgs_state_passes_when_accepted(checkpoints):
     check_restore_point(config_from_dict(_merge(SMALL, {"restore_from": str(checkpoints["good"])})))
     accepted = {"restore_from": str(checkpoints["old_vgs"]), "vgs": {"accept_old_checkpoint": True}}
@@ -360,6 +368,7 @@ def test_a_fitting_checkpoint_passes_and_an_old_vgs_state_passes_when_accepted(c
     check_restore_point(config_from_dict(_merge(SMALL, vgs_off)))  # VGS off: its state is irrelevant
 
 
+@pytest.mark.e2e  # a real checkpoint from a local Ray
 def test_restore_from_continues_the_checkpointed_run(checkpoints, tmp_path):
     """A real run from the checkpoint: the learner's own clock, VGS steps and weights carry on."""
     from mlflow.tracking import MlflowClient

@@ -1,4 +1,5 @@
-"""Sweep files: validated before Ray starts, one line and status 2 on bad input."""
+"""``app/sweep.py`` and ``app/sweep_config.py``: sweep files are validated before Ray starts, with one
+line and status 2 on bad input; the search space becomes Tune domains."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from gradmon_ray.app.cli import main
 from gradmon_ray.app.sweep import absolute_tracking_uri, load_sweep, tune_search_space
 from gradmon_ray.config import ConfigError, config_from_dict
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _write(tmp_path, text: str) -> Path:
