@@ -11,7 +11,6 @@ import random
 from types import SimpleNamespace
 
 import gymnasium as gym
-import pytest
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.app.train import _head_order, reported_head_order
@@ -54,30 +53,47 @@ def test_reported_head_order_is_resolve_heads_then_value():
     assert list(reported_head_order(gym.spaces.Discrete(3))) == ["action", "value"]
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_heads_in_does_not_follow_the_key_order(seed):
-    assert heads_in(_metrics(DICT_ORDER, seed)) == DICT_ORDER  # no order given: sorted, then value
-    assert heads_in(_metrics(MD_ORDER, seed), MD_ORDER) == MD_ORDER
-    assert heads_in(_metrics(MD_ORDER, seed)) == [*sorted(MD_NAMES), "value"]
+def _every_seed(check) -> None:
+    """Run ``check(seed)`` on every key shuffle; fail once, naming each seed whose check failed."""
+    failures = []
+    for seed in SEEDS:
+        try:
+            check(seed)
+        except AssertionError as error:
+            failures.append(f"seed {seed}: {error}")
+    assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_latch_tags_name_heads_in_action_space_order(seed):
-    tags = {mn.TAG_HEAD_NAMES: ",".join(DICT_ORDER)}
-    assert _latch_tags(_metrics(DICT_ORDER, seed), False) == tags  # no order known: sorted, the Dict's own
-    assert _latch_tags(_metrics(DICT_ORDER, seed), False, reported_head_order(DICT_SPACE)) == tags
-    assert _latch_tags(_metrics(DICT_ORDER, seed), True, DICT_ORDER) == {}  # set once only
-    latched = ("jump", "move", "aim")
-    tags = _latch_tags(_metrics(MD_ORDER, seed, latched), False, reported_head_order(MD_SPACE, MD_NAMES))
-    assert tags[mn.TAG_HEAD_NAMES] == ",".join(MD_ORDER)
-    assert tags[mn.TAG_NAN_LATCHED_HEADS] == tags[mn.TAG_INF_LATCHED_HEADS] == "move,aim,jump"
+def test_heads_in_does_not_follow_the_key_order():
+    def check(seed: int) -> None:
+        assert heads_in(_metrics(DICT_ORDER, seed)) == DICT_ORDER  # no order given: sorted, then value
+        assert heads_in(_metrics(MD_ORDER, seed), MD_ORDER) == MD_ORDER
+        assert heads_in(_metrics(MD_ORDER, seed)) == [*sorted(MD_NAMES), "value"]
+
+    _every_seed(check)
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_run_heads_follows_the_tag_and_else_sorts(seed):
-    assert run_heads(_metrics(MD_ORDER, seed), {mn.TAG_HEAD_NAMES: ",".join(MD_ORDER)}) == MD_ORDER
-    assert run_heads(_metrics(DICT_ORDER, seed), {}) == DICT_ORDER
-    assert run_heads(_metrics(MD_ORDER, seed), {}) == [*sorted(MD_NAMES), "value"]
+def test_latch_tags_name_heads_in_action_space_order():
+    def check(seed: int) -> None:
+        tags = {mn.TAG_HEAD_NAMES: ",".join(DICT_ORDER)}
+        assert _latch_tags(_metrics(DICT_ORDER, seed), False) == tags  # no order known: sorted, the Dict's own
+        assert _latch_tags(_metrics(DICT_ORDER, seed), False, reported_head_order(DICT_SPACE)) == tags
+        assert _latch_tags(_metrics(DICT_ORDER, seed), True, DICT_ORDER) == {}  # set once only
+        latched = ("jump", "move", "aim")
+        tags = _latch_tags(_metrics(MD_ORDER, seed, latched), False, reported_head_order(MD_SPACE, MD_NAMES))
+        assert tags[mn.TAG_HEAD_NAMES] == ",".join(MD_ORDER)
+        assert tags[mn.TAG_NAN_LATCHED_HEADS] == tags[mn.TAG_INF_LATCHED_HEADS] == "move,aim,jump"
+
+    _every_seed(check)
+
+
+def test_run_heads_follows_the_tag_and_else_sorts():
+    def check(seed: int) -> None:
+        assert run_heads(_metrics(MD_ORDER, seed), {mn.TAG_HEAD_NAMES: ",".join(MD_ORDER)}) == MD_ORDER
+        assert run_heads(_metrics(DICT_ORDER, seed), {}) == DICT_ORDER
+        assert run_heads(_metrics(MD_ORDER, seed), {}) == [*sorted(MD_NAMES), "value"]
+
+    _every_seed(check)
 
 
 def test_order_heads_puts_unknown_heads_sorted_after_the_known_ones_and_value_last():

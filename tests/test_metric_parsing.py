@@ -1,4 +1,4 @@
-"""``metric_parsing.parse``: the one parser of gradmon metric names (defined in ``metric_names``).
+"""``metric_parsing.py``: ``parse``, the one parser of gradmon metric names (defined in ``metric_names``).
 
 The round trip enumerates metric_names' name constants (every upper-case ``str`` with a ``/``,
 the rule ``tests/test_oracle_table.py`` uses), so a template added to ``metric_names.py`` is
@@ -46,26 +46,31 @@ def test_the_enumeration_sees_templates_and_scalars():
     assert values == set(mp.METRIC_TEMPLATES), "every metric name constant is one parse knows, and no other"
 
 
-@pytest.mark.parametrize("attr", sorted(CONSTANTS))
-def test_every_template_round_trips(attr):
-    template = CONSTANTS[attr]
-    for parts in sample_fills(template):
-        name = template.format(**parts)
-        parsed = mp.parse(name)
-        assert parsed is not None, f"metric_names.{attr}: {name!r} does not parse (add it to METRIC_TEMPLATES)"
-        assert (parsed.template, parsed.parts) == (template, parts), f"metric_names.{attr}: {name!r} -> {parsed}"
-        assert all(parsed[p] == v for p, v in parts.items())
+def test_every_template_round_trips():
+    """Every name constant, filled with every sample: parse gives back the template and the parts."""
+    failures = []
+    for attr, template in sorted(CONSTANTS.items()):
+        for parts in sample_fills(template):
+            name = template.format(**parts)
+            parsed = mp.parse(name)
+            if parsed is None:
+                failures.append(f"metric_names.{attr}: {name!r} does not parse (add it to METRIC_TEMPLATES)")
+            elif (parsed.template, parsed.parts) != (template, parts) or any(parsed[p] != v for p, v in parts.items()):
+                failures.append(f"metric_names.{attr}: {name!r} -> {parsed}")
+    assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("attr", sorted(CONSTANTS))
-def test_no_two_templates_tie_on_a_name(attr):
+def test_no_two_templates_tie_on_a_name():
     """Where several templates match, the one with the most literal text wins; never a tie."""
-    template = CONSTANTS[attr]
-    for parts in sample_fills(template):
-        name = template.format(**parts)
-        matching = [t for t in mp.METRIC_TEMPLATES if mp.template_pattern(t).match(name)]
-        literal = sorted((len(PLACEHOLDER.sub("", t)) for t in matching), reverse=True)
-        assert literal.count(literal[0]) == 1, f"{name!r} matches {matching} equally"
+    failures = []
+    for attr, template in sorted(CONSTANTS.items()):
+        for parts in sample_fills(template):
+            name = template.format(**parts)
+            matching = [t for t in mp.METRIC_TEMPLATES if mp.template_pattern(t).match(name)]
+            literal = sorted((len(PLACEHOLDER.sub("", t)) for t in matching), reverse=True)
+            if literal.count(literal[0]) != 1:
+                failures.append(f"metric_names.{attr}: {name!r} matches {matching} equally")
+    assert not failures, "\n".join(failures)
 
 
 def test_scalars_parse_with_no_parts():
