@@ -1,4 +1,4 @@
-"""Audit oracles for the replica checksum: a worked answer in exact Python integers."""
+"""``distributed/collective.py``: the replica checksum against a worked answer in exact Python integers."""
 
 from __future__ import annotations
 
