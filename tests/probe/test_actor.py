@@ -1,4 +1,6 @@
-"""The GradientProbe as a real Ray actor, writing to a real MLflow store; the learner's client."""
+"""``probe/actor.py`` and ``probe/client.py``: the GradientProbe as a real Ray actor, writing to a real
+MLflow store; the learner's client.  ``probe/duration_s`` is bracketed by a regularizer's known
+sleeps and the caller's wall clock; ``probe/skipped`` counts a batch with fewer groups than buckets."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from gradmon_ray.config import config_from_dict
 from gradmon_ray.probe import ProbeClient, ProbeRequest, start_probe_actor
 from gradmon_ray.probe.analysis import LossSettings
 from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch, update
+from tests.probe import designed_batch
+from tests.probe.designed_batch import designed_module_and_batch, expected_buckets, probe_request
 
 LOSS = LossSettings(
     clip_param=0.2, vf_clip_param=10.0, vf_loss_coeff=0.5, entropy_coeff=0.01, kl_coeff=0.2, use_kl_loss=False
@@ -334,3 +338,58 @@ def test_learner_hands_off_pre_update_weights_and_the_probe_leaves_the_learner_u
         assert state["iterations_done"] == 1 and state["counters"][mn.PROBE_REQUESTS_SENT] == 1
     finally:
         ray.kill(probe)
+
+
+# --- probe/duration_s and probe/skipped, on the designed batch ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def designed():
+    return designed_module_and_batch()
+
+
+def test_duration_is_bracketed_by_the_known_sleep_and_the_callers_wall_clock(designed):
+    """The sleeping regularizer's calls (at least one per bucket) x their sleep <= duration <= wall time."""
+    import time
+
+    from gradmon_ray.probe.actor import GradientProbe
+
+    module, batch = designed
+    regs = [{"name": "sleepy", "fn": "tests.probe.designed_batch:sleepy_l2", "weight": 1.0, "enabled": True}]
+    probe = GradientProbe(num_buckets=2, regularizers=regs, track_grad_norms=True, device="cpu")
+    request = probe_request(module, batch, iteration=3)
+    designed_batch.SLEEPS.clear()
+    start = time.perf_counter()
+    outcome = probe.analyse(request)
+    wall = time.perf_counter() - start
+    assert outcome.status == "ok", outcome
+    assert len(designed_batch.SLEEPS) >= 2  # once per bucket at least
+    assert sum(designed_batch.SLEEPS) <= probe.last_metrics[mn.PROBE_DURATION_S] <= wall
+
+
+@pytest.mark.e2e  # a real probe actor on a local Ray
+def test_a_batch_with_fewer_groups_than_buckets_counts_one_skip(ray_session, designed):
+    """4 groups (counted in ``expected_buckets``) for 5 buckets: sent 1, skipped 1, nothing else."""
+    from gradmon_ray.probe import ProbeClient, start_probe_actor
+
+    module, batch = designed
+    assert sum(b["groups"] for b in expected_buckets(batch).values()) == 4
+    name = f"gradmon-probe-oracle-{uuid.uuid4().hex[:8]}"
+    actor = start_probe_actor(name, tracking_uri=None, run_id=None, num_buckets=5, num_cpus=1)
+    try:
+        client = ProbeClient(name, every=1)
+        assert client.reserve()
+        client.submit(probe_request(module, batch, iteration=1))
+        deadline = time.monotonic() + 60
+        while client.busy and time.monotonic() < deadline:
+            client.poll()
+            time.sleep(0.05)
+        assert client.counters == {
+            mn.PROBE_REQUESTS_SENT: 1,
+            mn.PROBE_REQUESTS_DROPPED: 0,
+            mn.PROBE_COMPLETED: 0,
+            mn.PROBE_SKIPPED: 1,
+            mn.PROBE_FAILURES: 0,
+        }
+    finally:
+        ray.kill(actor)

@@ -1,8 +1,18 @@
-"""``analyse_batch``: episodes, groups and buckets from the batch columns, checked by hand."""
+"""``probe/analysis.py``: ``analyse_batch``, episodes, groups and buckets from the batch columns, checked by hand.
+
+Every ``grad_norm/{bucket}/...`` metric by its logged NAME is recomputed on a designed batch
+(``designed_batch.py``): the test counts each bucket's groups, episodes and unmasked steps and its
+group reward stds itself (numpy), writes the PPO component losses with ``torch.distributions`` and
+the regularizers by hand (``weight_l2``'s gradient is the closed form ``2 w p``), takes gradients
+with ``torch.autograd.grad`` on a fresh copy of the module, and fetches head parameters by module
+attribute name.  That test calls none of ``component_gradients``, ``ppo_loss_from_batch``,
+``signed_shares`` or ``head_parameter_groups``.
+"""
 
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 
 import numpy as np
@@ -11,6 +21,8 @@ import torch
 import tree
 from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.columns import Columns
+from ray.rllib.evaluation.postprocessing import Postprocessing
+from torch.distributions import Categorical, kl_divergence
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import config_from_dict
@@ -19,6 +31,7 @@ from gradmon_ray.losses.regularizers import RegularizerSpec, resolve_regularizer
 from gradmon_ray.probe.analysis import LossSettings, TooFewGroupsError, analyse_batch, episodes_from_batch
 from gradmon_ray.probe.connectors import EPISODE_COLUMN, GROUP_ID_COLUMN
 from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch
+from tests.probe.designed_batch import designed_module_and_batch, expected_buckets
 
 LOSS = LossSettings(
     clip_param=0.2, vf_clip_param=10.0, vf_loss_coeff=0.5, entropy_coeff=0.05, kl_coeff=0.3, use_kl_loss=True
@@ -132,3 +145,129 @@ def test_analyse_batch_regularizers_and_a_broken_one(module_and_batch):
         assert m[mn.probe_metric(mn.PROBE_REGULARIZER_TOTAL, bucket)] == pytest.approx(norm)
         # everything else is still there
         assert m[mn.probe_metric(mn.PROBE_COMPONENT_NORM, bucket, component="task")] > 0
+
+
+# --- every bucket metric by name, on the designed batch ------------------------------------------
+
+WEIGHTS = {"wl2": 0.01, "logits": 0.5}
+
+
+@pytest.fixture(scope="module")
+def designed():
+    return designed_module_and_batch()
+
+
+def _hand_written_losses(module, batch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(weighted components as they enter the loss, unweighted terms as RLlib logs them)."""
+    out = module.forward_train(batch)
+    logits = out[Columns.ACTION_DIST_INPUTS]
+    names = sorted(module.heads)  # the Dict action space's keys, as dm-tree flattens them
+    sizes = [module.heads[n][-1].out_features for n in names]
+    heads = torch.split(logits, sizes, dim=-1)
+    old_heads = torch.split(batch[Columns.ACTION_DIST_INPUTS], sizes, dim=-1)
+    actions = batch[Columns.ACTIONS]
+    logp = sum(Categorical(logits=h).log_prob(actions[n]) for h, n in zip(heads, names, strict=True))
+    entropy = sum(Categorical(logits=h).entropy() for h in heads)
+    kl = sum(kl_divergence(Categorical(logits=o), Categorical(logits=h)) for o, h in zip(old_heads, heads, strict=True))
+    mask = batch[Columns.LOSS_MASK].float()
+
+    def mmean(x):
+        return (x * mask).sum() / mask.sum()
+
+    ratio = torch.exp(logp - batch[Columns.ACTION_LOGP])
+    adv = batch[Postprocessing.ADVANTAGES]
+    policy = -mmean(torch.min(adv * ratio, adv * ratio.clamp(1 - LOSS.clip_param, 1 + LOSS.clip_param)))
+    values = module.value_head(out[Columns.EMBEDDINGS]).squeeze(-1)
+    value = mmean((values - batch[Postprocessing.VALUE_TARGETS]).pow(2).clamp(0, LOSS.vf_clip_param))
+    ent, kl_mean = mmean(entropy), mmean(kl)
+    weighted = {
+        "task": policy,
+        "entropy": -LOSS.entropy_coeff * ent,
+        "kl": LOSS.kl_coeff * kl_mean,
+        "value": LOSS.vf_loss_coeff * value,
+    }
+    regs = {
+        "wl2": WEIGHTS["wl2"] * sum(p.pow(2).sum() for p in module.parameters()),
+        "logits": WEIGHTS["logits"] * mmean(logits.pow(2).mean(-1)),
+    }
+    terms = {"policy": policy, "entropy": ent, "kl": kl_mean, "value": value, "total": sum(weighted.values())}
+    return {**weighted, **regs}, terms
+
+
+def _flat(grads) -> np.ndarray:
+    return np.concatenate([g.detach().double().numpy().ravel() for g in grads])
+
+
+def test_every_bucket_metric_by_name_equals_an_independent_recomputation(designed):
+    module, batch = designed
+    specs = [
+        resolve_regularizer("wl2", "weight_l2", weight=WEIGHTS["wl2"]),
+        resolve_regularizer("logits", "logit_l2", weight=WEIGHTS["logits"]),
+    ]
+    m = analyse_batch(module, batch, num_buckets=2, loss=LOSS, regularizers=specs)
+    buckets = expected_buckets(batch)
+    assert m[mn.PROBE_NUM_BUCKETS] == 2 and m[mn.PROBE_NUM_GROUPS_TOTAL] == 4
+    assert [b["episodes"] for b in buckets.values()] != [3, 3]  # the buckets differ: a swap would show
+    for bucket, want in buckets.items():
+
+        def name(template, bucket=bucket, **parts):
+            return mn.probe_metric(template, bucket, **parts)
+
+        assert m[name(mn.PROBE_NUM_GROUPS)] == want["groups"], bucket
+        assert m[name(mn.PROBE_NUM_EPISODES)] == want["episodes"], bucket
+        assert m[name(mn.PROBE_NUM_STEPS)] == want["steps"], bucket
+        assert m[name(mn.PROBE_REWARD_STD_MEAN)] == pytest.approx(want["reward_std_mean"], rel=1e-9), bucket
+
+        fresh = copy.deepcopy(module)
+        rows = {k: tree.map_structure(lambda a, r=want["rows"]: torch.as_tensor(a[r]), v) for k, v in batch.items()}
+        losses, terms = _hand_written_losses(fresh, rows)
+        params = list(fresh.parameters())
+        owners = {h: {id(p) for p in fresh.heads[h].parameters()} for h in fresh.heads}
+        owners["value"] = {id(p) for p in fresh.value_head.parameters()}
+        grads = {}
+        for component, loss in losses.items():
+            raw = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+            grads[component] = [torch.zeros_like(p) if g is None else g for p, g in zip(params, raw, strict=True)]
+        # weight_l2's gradient in closed form: 2 * w * p
+        np.testing.assert_allclose(_flat(grads["wl2"]), _flat([2 * WEIGHTS["wl2"] * p for p in params]), rtol=1e-6)
+        flats = {c: _flat(g) for c, g in grads.items()}
+
+        for component, g in flats.items():
+            norm = float(np.linalg.norm(g))
+            assert m[name(mn.PROBE_COMPONENT_NORM, component=component)] == pytest.approx(norm, rel=1e-4), component
+            per_sample = m[name(mn.PROBE_PER_SAMPLE_NORM, component=component)]
+            assert per_sample == pytest.approx(norm / want["episodes"], rel=1e-4), component
+            per_token = m[name(mn.PROBE_PER_TOKEN_NORM, component=component)]
+            assert per_token == pytest.approx(norm / want["steps"], rel=1e-4), component
+        for loss_name, value in terms.items():
+            assert m[name(mn.PROBE_LOSS, loss=loss_name)] == pytest.approx(float(value.detach()), rel=1e-4, abs=1e-7), (
+                loss_name
+            )
+
+        ppo = ("task", "entropy", "kl", "value")
+        total = sum(flats[c] for c in ppo)
+        for component in ppo:
+            share = float(flats[component] @ total / (total @ total))
+            assert m[name(mn.PROBE_SHARE, component=component)] == pytest.approx(share, rel=1e-4, abs=1e-7)
+            for head, ids in owners.items():
+                want_norm = math.sqrt(
+                    sum(
+                        float(g.double().pow(2).sum())
+                        for p, g in zip(params, grads[component], strict=True)
+                        if id(p) in ids
+                    )
+                )
+                got = m[name(mn.PROBE_HEAD_NORM, head=head, component=component)]
+                assert got == pytest.approx(want_norm, rel=1e-4, abs=1e-9), (component, head)
+        for a, b in itertools.combinations(ppo, 2):
+            cosine = float(flats[a] @ flats[b] / (np.linalg.norm(flats[a]) * np.linalg.norm(flats[b])))
+            assert m[name(mn.PROBE_COSINE, pair=f"{a}_vs_{b}")] == pytest.approx(cosine, rel=1e-4, abs=1e-7), (a, b)
+
+        reg_total = flats["wl2"] + flats["logits"]
+        assert m[name(mn.PROBE_REGULARIZER_TOTAL)] == pytest.approx(float(np.linalg.norm(reg_total)), rel=1e-4)
+        for reg in WEIGHTS:
+            got_norm = m[name(mn.PROBE_REGULARIZER_GRAD_NORM, regularizer=reg)]
+            assert got_norm == pytest.approx(float(np.linalg.norm(flats[reg])), rel=1e-4), reg
+            share = float(flats[reg] @ reg_total / (reg_total @ reg_total))
+            assert m[name(mn.PROBE_REGULARIZER_SHARE, regularizer=reg)] == pytest.approx(share, rel=1e-4), reg
+            assert m[name(mn.PROBE_REGULARIZER_ERROR, regularizer=reg)] == 0.0
