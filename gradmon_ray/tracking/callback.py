@@ -11,6 +11,9 @@ callback runs in that actor: one run per trial, named after the trial.  Relative
 paths are resolved against the DRIVER's working directory (where the user runs ``gradmon-ray watch``),
 never the trial's (Tune moves a trial into a temporary directory); a store the CLI would refuse is
 refused by ``configured`` on the driver, before Ray or MLflow start.
+
+The settings and their pinning live in ``callback_settings``, what is read off the algorithm in
+``algorithm_info``; their names stay importable from here.
 """
 
 from __future__ import annotations
@@ -20,95 +23,46 @@ import dataclasses
 import functools
 import importlib
 import logging
-import os
 import threading
 import weakref
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ray.rllib.callbacks.callbacks import RLlibCallback
 
-from gradmon_ray import compat
 from gradmon_ray import metric_names as mn
-from gradmon_ray.config import MlflowSection
-from gradmon_ray.tracking.mlflow_sink import MlflowSink, PlotFn
+from gradmon_ray.tracking.algorithm_info import (  # re-exported: their documented home is this module
+    TAG_TRIAL_DIR,
+    config_params,
+    create_sqlite_store,
+    module_head_order,
+    tune_trial_dir_name,
+)
+from gradmon_ray.tracking.callback_settings import (  # re-exported: their documented home is this module
+    DEFAULT_EXPERIMENT,
+    CallbackSettings,
+    absolute_tracking_uri,
+    pinned_settings,
+)
+from gradmon_ray.tracking.mlflow_sink import MlflowSink
 from gradmon_ray.tracking.redact import redact_text, redact_uri
-from gradmon_ray.tracking.result_metrics import DEFAULT_MODULE_ID, latch_tags, result_to_metrics
+from gradmon_ray.tracking.result_metrics import latch_tags, result_to_metrics
 from gradmon_ray.tracking.spill import default_spill_path
 from gradmon_ray.tracking.store_check import local_store_problem
 
+__all__ = [
+    "DEFAULT_EXPERIMENT",
+    "TAG_TRIAL_DIR",
+    "CallbackSettings",
+    "GradmonMLflowCallback",
+    "absolute_tracking_uri",
+    "config_params",
+    "create_sqlite_store",
+    "module_head_order",
+    "pinned_settings",
+    "tune_trial_dir_name",
+]
+
 logger = logging.getLogger(__name__)
-
-TAG_TRIAL_DIR = "ray.tune.trial_dir_name"
-"""Run tag under Tune: the trial's directory name, which holds its id (the run is named after it too)."""
-
-DEFAULT_EXPERIMENT: str = MlflowSection.model_fields["experiment"].default
-"""The CLI's default experiment (``gradmon-ray``): what ``gradmon-ray watch`` shows without ``--experiment``."""
-
-
-@dataclass(frozen=True)
-class CallbackSettings:
-    """What ``GradmonMLflowCallback.configured(**settings)`` takes."""
-
-    tracking_uri: str | None = None
-    """MLflow tracking URI; None: ``mlflow.get_tracking_uri()`` (``sqlite:///mlflow.db`` unless set),
-    taken on the driver.  Relative ``sqlite:///`` / file paths are made absolute against the driver's
-    working directory (Tune moves a trial's)."""
-    experiment: str = DEFAULT_EXPERIMENT
-    """Experiment name, created when missing (default: the CLI's, so ``gradmon-ray watch`` finds the run)."""
-    run_name: str | None = None
-    """Run name; None: the Tune trial's directory name, or MLflow's choice outside Tune."""
-    tags: Mapping[str, str] = field(default_factory=dict)
-    """Extra run tags."""
-    params: Mapping[str, Any] = field(default_factory=dict)
-    """Extra run params (on top of the algorithm config's scalar settings, see ``log_config``)."""
-    log_config: bool = True
-    """Log the scalar top-level settings of ``algorithm.config`` (lr, gamma, ...) as run params."""
-    module_id: str | None = None
-    """The RLModule whose learner results are read (``result["learners"][module_id]``); None: every
-    module with gradmon telemetry (several modules: ``module/<id>/<name>`` metrics, as the CLI writes)."""
-    plots_every: int = 0
-    """Draw the plots every this many iterations and at the end (0: never); needs ``plot_fn``."""
-    plot_fn: PlotFn | None = None
-    """The plotter, e.g. ``gradmon_ray.viz.report.log_plots`` (tracking never imports viz)."""
-    max_pending: int = 1000
-    """Iterations buffered while MLflow is unreachable; older ones go to the spill file."""
-    spill_dir: str | None = "gradmon-spill"
-    """Where iterations MLflow could not take are kept (None: dropped); relative to the driver's cwd."""
-    close_timeout_s: float = 30.0
-    """How long ``algo.stop()`` waits for MLflow to take what is pending (then it spills)."""
-
-    def __post_init__(self) -> None:
-        if self.plots_every < 0:
-            raise ValueError(f"plots_every must be >= 0, got {self.plots_every}")
-        if self.plots_every > 0 and self.plot_fn is None:
-            raise ValueError("plots_every > 0 needs plot_fn=gradmon_ray.viz.report.log_plots (or your own plotter)")
-        if self.close_timeout_s < 0 or self.max_pending < 1:
-            raise ValueError("close_timeout_s must be >= 0 and max_pending >= 1")
-
-
-def absolute_tracking_uri(uri: str) -> str:
-    """``uri`` with a relative ``sqlite:///`` or local file path made absolute (other URIs unchanged)."""
-    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////") and uri != "sqlite:///:memory:":
-        return "sqlite:///" + os.path.abspath(uri[len("sqlite:///") :])
-    if "://" not in uri and not os.path.isabs(uri):
-        return os.path.abspath(uri)
-    if uri.startswith("file:") and not uri.startswith("file:/"):
-        return "file://" + os.path.abspath(uri[len("file:") :])
-    return uri
-
-
-def pinned_settings(settings: CallbackSettings) -> CallbackSettings:
-    """``settings`` with the store and spill paths fixed in THIS process: the tracking URI (None:
-    ``mlflow.get_tracking_uri()``) and a relative spill directory made absolute against its cwd."""
-    uri = settings.tracking_uri
-    if uri is None:
-        import mlflow  # only to read the default (env var or sqlite:///mlflow.db); starts nothing
-
-        uri = mlflow.get_tracking_uri()
-    spill = os.path.abspath(settings.spill_dir) if settings.spill_dir else None
-    return dataclasses.replace(settings, tracking_uri=absolute_tracking_uri(uri), spill_dir=spill)
 
 
 def _subclass(
@@ -149,71 +103,6 @@ def _pinned_class(module: str, qualname: str, tracking_uri: str, spill_dir: str 
 
 
 copyreg.pickle(_PinnedWhenShipped, _reduce_callback_class)
-
-
-def create_sqlite_store(uri: str) -> None:
-    """Create a ``sqlite:`` store's tables now, once: Tune trials starting together would otherwise all
-    run MLflow's schema migration on the same file and can leave it broken (``_alembic_tmp_* already exists``).
-    Other URIs are left alone (no network on the driver); a failure is only logged."""
-    if not uri.startswith("sqlite:"):
-        return
-    try:
-        from mlflow.tracking import MlflowClient
-
-        MlflowClient(uri).search_experiments(max_results=1)
-    except Exception as exc:
-        logger.warning(
-            "gradmon callback: could not create the MLflow store %s (%s: %s)",
-            redact_uri(uri),
-            type(exc).__name__,
-            redact_text(str(exc)),
-        )
-
-
-def module_head_order(algorithm: Any, module_id: str | None) -> tuple[str, ...]:
-    """The module's action heads in its action-space order, for the ``gradmon.head_names`` tag.
-
-    ``module_id`` None: every policy of the algorithm, each head as ``<module>/<head>`` when
-    there are several (``metric_names.head_label``), one module's plain names otherwise.
-
-    Asked of the module itself (``FactoredActorCritic.head_names`` is ``resolve_heads``' order,
-    what ``gradmon-ray train`` tags), else the keys of ``learner_config_dict["gradmon"]["heads"]``;
-    duck-typed, so tracking imports nothing from gradmon_ray.rllib.  Empty when neither is known:
-    ``order_heads`` then sorts the action heads, ``value`` last.
-    """
-    if module_id is None:
-        policies = list(getattr(algorithm.config, "policies", None) or [DEFAULT_MODULE_ID])
-        if len(policies) > 1:
-            return tuple(mn.head_label(str(p), h) for p in policies for h in module_head_order(algorithm, str(p)))
-        module_id = str(policies[0])
-    try:
-        names = getattr(algorithm.get_module(module_id), "head_names", None)
-        if names:
-            return tuple(str(n) for n in names)
-    except Exception as exc:
-        logger.debug("gradmon callback: no module to read head names from (%s)", exc)
-    heads = (getattr(algorithm.config, "learner_config_dict", None) or {}).get("gradmon", {}).get("heads")
-    return tuple(str(h) for h in heads) if isinstance(heads, Mapping) else ()
-
-
-def config_params(config: Any) -> dict[str, Any]:
-    """The scalar top-level settings of an ``AlgorithmConfig`` (what a Tune search usually varies)."""
-    try:
-        items = config.to_dict().items()
-    except Exception:
-        return {}
-    return {k: v for k, v in sorted(items) if isinstance(v, (bool, int, float, str)) or v is None}
-
-
-def tune_trial_dir_name(algorithm: Any) -> str | None:
-    """The Tune trial's directory name (``<trainable>_<trial_id>_<index>_<params>_<date>``); None outside Tune.
-
-    Not ``algorithm.trial_name``/``trial_id``: RLlib drops Tune's trial info when it turns the
-    trial's config into an ``AlgorithmConfig`` (``update_from_dict`` skips ``__trial_info__``),
-    so those say "default" in a trial too.  Private Ray API (``Trainable._storage``, set by Tune
-    only), read defensively: without it the run is simply not named after the trial.
-    """
-    return compat.tune_trial_dir_name(algorithm)
 
 
 class GradmonMLflowCallback(RLlibCallback, metaclass=_PinnedWhenShipped):

@@ -13,6 +13,7 @@ write was in flight, never an outage.  Delivery goes on when the server is back,
 iteration delivered is marked in the file, and replay writes the rest exactly once (``spill``).
 We write through ``MlflowClient`` rather than ``mlflow.log_*`` because the fluent API keeps
 a process-global active run, which a background writer must not share with user code.
+The writer thread itself (run creation, writes, retries, plots) is ``sink_writer.SinkWriter``.
 """
 
 from __future__ import annotations
@@ -21,34 +22,21 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gradmon_ray.tracking.mlflow_io import log_in_batches, to_mlflow_metrics
-from gradmon_ray.tracking.redact import redact_text, uri_secrets
+from gradmon_ray.tracking.sink_writer import PendingIteration, PlotFn, SinkWriter
 from gradmon_ray.tracking.spill import SpillWriter
+
+__all__ = ["MAX_PARAM_VALUE_LEN", "MlflowSink", "PlotFn"]
 
 logger = logging.getLogger(__name__)
 
 MAX_PARAM_VALUE_LEN = 6000
 
-PlotFn = Callable[[Any, str], list[str]]
-"""``plot_fn(client, run_id) -> artifact paths``: draws the run's plots into MLflow (viz.report.log_plots)."""
 
-
-@dataclass
-class _Pending:
-    seq: int
-    step: int
-    timestamp_ms: int
-    metrics: dict[str, float]
-    tags: dict[str, str] = field(default_factory=dict)
-    spilled: bool = False
-
-
-class MlflowSink:
+class MlflowSink(SinkWriter):
     """Asynchronous, batched MLflow writer for one run.
 
     Args:
@@ -100,7 +88,7 @@ class MlflowSink:
         self.run_name = run_name
         self._params = {str(k): str(v)[:MAX_PARAM_VALUE_LEN] for k, v in (params or {}).items()}
         self._start_tags = {str(k): str(v) for k, v in (tags or {}).items()}
-        self._pending: deque[_Pending] = deque()
+        self._pending: deque[PendingIteration] = deque()
         self._max_pending = max_pending
         self._backoff0 = retry_backoff_s
         self._cond = threading.Condition()
@@ -151,7 +139,7 @@ class MlflowSink:
         metrics_ = {k: float(v) for k, v in metrics.items()}
         with self._cond:
             self._seq += 1
-            item = _Pending(self._seq, int(step), int(time.time() * 1000), metrics_, dict(tags or {}))
+            item = PendingIteration(self._seq, int(step), int(time.time() * 1000), metrics_, dict(tags or {}))
             # Under the lock: the worker cannot take the item before it is spilled, nor switch to
             # spilling ahead between this check and the append (it spills what is pending then).
             if self._spill_ahead:
@@ -239,7 +227,7 @@ class MlflowSink:
     def _terminated_or_attached(self) -> bool:
         return self.run_id is not None and (self._terminated or not self._owns_run)
 
-    def _spill_or_drop(self, items: list[_Pending], *, leaving: bool = True) -> None:
+    def _spill_or_drop(self, items: list[PendingIteration], *, leaving: bool = True) -> None:
         """Append ``items`` to the spill file (caller holds ``_cond``); without one, or when the
         disk refuses, items ``leaving`` memory are dropped and counted (the others stay queued)."""
         if not items:
@@ -268,114 +256,3 @@ class MlflowSink:
             "gradmon MLflow sink: MLflow write failed; every iteration is also kept in %s until the run ends",
             self._spill.path,
         )
-
-    # --- consumer side (background thread) ------------------------------------------------
-    def _worker(self) -> None:
-        backoff = self._backoff0
-        client = None
-        while True:
-            try:
-                if client is None:
-                    client = self._create_run()
-                    self._run_ready.set()
-                    backoff = self._backoff0
-                with self._cond:
-                    while not self._pending and not self._closing:
-                        self._cond.wait()
-                    if self._abandoned:
-                        return
-                    batch = list(self._pending)
-                    closing = self._closing
-                if batch:
-                    self._write(client, batch)
-                    with self._cond:
-                        # By identity: the producer may have pushed some of these out (and spilled
-                        # them) while we wrote, so "the first len(batch)" would drop newer ones.
-                        written = {id(item) for item in batch}
-                        remaining = [item for item in self._pending if id(item) not in written]
-                        self._pending.clear()
-                        self._pending.extend(remaining)
-                        self.written_iterations += len(batch)
-                        self._mark_delivered([item.seq for item in batch if item.spilled])
-                    backoff = self._backoff0
-                    if self._plots_every and any(item.step % self._plots_every == 0 for item in batch):
-                        self._draw_plots(client)
-                    continue
-                if closing:
-                    if self._plots_every:
-                        self._draw_plots(client)
-                    if self._owns_run:
-                        client.set_terminated(self.run_id, status=self._final_status)
-                        self._terminated = True
-                    return
-            except Exception as exc:  # never let the writer die; training must not notice
-                self.failed_writes += 1
-                # MLflow's messages quote the request URL: never let a password reach a log line.
-                self.last_error = redact_text(f"{type(exc).__name__}: {exc}", uri_secrets(self.tracking_uri))
-                logger.warning("gradmon MLflow sink: write failed (%s); retrying in %.1fs", self.last_error, backoff)
-                self._start_spilling_ahead()
-                # While closing we keep retrying until close()'s timeout gives up on us.
-                if not self._sleep_before_retry(backoff):
-                    return
-                backoff = min(backoff * 2, 30.0)
-
-    def _mark_delivered(self, seqs: list[int]) -> None:
-        """Record in the spill file that MLflow took these spilled iterations (caller holds ``_cond``).
-
-        If the mark cannot be written they stay replayable: a replay into the run's own store
-        then writes points MLflow already holds, which its SQL stores ignore.
-        """
-        if seqs and self._spill is not None:
-            try:
-                self._spill.mark_delivered(seqs)
-            except OSError as exc:
-                logger.warning("gradmon MLflow sink: cannot mark delivered in %s (%s)", self._spill.path, exc)
-
-    def _sleep_before_retry(self, backoff_s: float) -> bool:
-        """Wait out the backoff; False when ``close`` has abandoned the worker.
-
-        New iterations do not cut the wait short (they only join the buffer): otherwise every
-        iteration of an outage would cost a failed request, and the retries would compete with
-        training for the CPU. ``close`` does: from then on we retry every second, so a server
-        that comes back in time gets everything.
-        """
-        start = time.monotonic()
-        with self._cond:
-            while not self._abandoned:
-                wait_s = min(backoff_s, 1.0) if self._closing else backoff_s
-                remaining = start + wait_s - time.monotonic()
-                if remaining <= 0:
-                    return True
-                self._cond.wait(remaining)
-            return False
-
-    def _draw_plots(self, client: Any) -> None:
-        # Outside the write-retry loop: a plot that cannot be drawn is counted, never retried.
-        try:
-            self.plotted_artifacts = self._plot_fn(client, self.run_id)
-        except Exception as exc:
-            self.plot_failures += 1
-            if self.plot_failures == 1:
-                logger.warning("gradmon MLflow sink: plots not written (%s: %s)", type(exc).__name__, exc)
-
-    def _create_run(self) -> Any:
-        from mlflow.tracking import MlflowClient
-
-        client = MlflowClient(tracking_uri=self.tracking_uri)
-        if not self._creates_run:
-            return client
-        exp = client.get_experiment_by_name(self.experiment)
-        exp_id = exp.experiment_id if exp is not None else client.create_experiment(self.experiment)
-        if self.run_id is None:
-            run = client.create_run(exp_id, run_name=self.run_name, tags=self._start_tags)
-            self.run_id = run.info.run_id
-        log_in_batches(client, self.run_id, params=self._params)
-        self._params = {}
-        return client
-
-    def _write(self, client: Any, batch: list[_Pending]) -> None:
-        latest_tags: dict[str, str] = {}
-        for item in batch:
-            latest_tags.update(item.tags)
-        metrics = [m for item in batch for m in to_mlflow_metrics(item.metrics, item.step, item.timestamp_ms)]
-        log_in_batches(client, self.run_id, metrics=metrics, tags=latest_tags)

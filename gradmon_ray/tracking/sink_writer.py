@@ -1,0 +1,179 @@
+"""The MLflow sink's writer thread: creates the run, writes what is pending, retries with backoff.
+
+``SinkWriter`` is ``MlflowSink``'s consumer half (a mixin: it runs on the sink's daemon thread and
+shares the sink's state, declared below, under the sink's ``_cond``); ``mlflow_sink`` holds the
+producer half, the buffer and the spill file.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gradmon_ray.tracking.mlflow_io import log_in_batches, to_mlflow_metrics
+from gradmon_ray.tracking.redact import redact_text, uri_secrets
+from gradmon_ray.tracking.spill import SpillWriter
+
+logger = logging.getLogger("gradmon_ray.tracking.mlflow_sink")  # one logger for the whole sink
+
+PlotFn = Callable[[Any, str], list[str]]
+"""``plot_fn(client, run_id) -> artifact paths``: draws the run's plots into MLflow (viz.report.log_plots)."""
+
+
+@dataclass
+class PendingIteration:
+    """One logged iteration on its way to MLflow (``spilled``: also in the spill file)."""
+
+    seq: int
+    step: int
+    timestamp_ms: int
+    metrics: dict[str, float]
+    tags: dict[str, str] = field(default_factory=dict)
+    spilled: bool = False
+
+
+class SinkWriter:
+    """The writer thread's side of ``MlflowSink`` (see ``MlflowSink`` for the state's meaning)."""
+
+    tracking_uri: str
+    experiment: str
+    run_name: str | None
+    run_id: str | None
+    last_error: str | None
+    failed_writes: int
+    written_iterations: int
+    plot_failures: int
+    plotted_artifacts: list[str]
+    _cond: threading.Condition
+    _pending: deque[PendingIteration]
+    _closing: bool
+    _abandoned: bool
+    _terminated: bool
+    _final_status: str
+    _owns_run: bool
+    _creates_run: bool
+    _run_ready: threading.Event
+    _backoff0: float
+    _params: dict[str, str]
+    _start_tags: dict[str, str]
+    _plots_every: int
+    _plot_fn: PlotFn | None
+    _spill: SpillWriter | None
+
+    def _start_spilling_ahead(self) -> None:  # the producer half's (MlflowSink)
+        raise NotImplementedError
+
+    def _worker(self) -> None:
+        backoff = self._backoff0
+        client = None
+        while True:
+            try:
+                if client is None:
+                    client = self._create_run()
+                    self._run_ready.set()
+                    backoff = self._backoff0
+                with self._cond:
+                    while not self._pending and not self._closing:
+                        self._cond.wait()
+                    if self._abandoned:
+                        return
+                    batch = list(self._pending)
+                    closing = self._closing
+                if batch:
+                    self._write(client, batch)
+                    with self._cond:
+                        # By identity: the producer may have pushed some of these out (and spilled
+                        # them) while we wrote, so "the first len(batch)" would drop newer ones.
+                        written = {id(item) for item in batch}
+                        remaining = [item for item in self._pending if id(item) not in written]
+                        self._pending.clear()
+                        self._pending.extend(remaining)
+                        self.written_iterations += len(batch)
+                        self._mark_delivered([item.seq for item in batch if item.spilled])
+                    backoff = self._backoff0
+                    if self._plots_every and any(item.step % self._plots_every == 0 for item in batch):
+                        self._draw_plots(client)
+                    continue
+                if closing:
+                    if self._plots_every:
+                        self._draw_plots(client)
+                    if self._owns_run:
+                        client.set_terminated(self.run_id, status=self._final_status)
+                        self._terminated = True
+                    return
+            except Exception as exc:  # never let the writer die; training must not notice
+                self.failed_writes += 1
+                # MLflow's messages quote the request URL: never let a password reach a log line.
+                self.last_error = redact_text(f"{type(exc).__name__}: {exc}", uri_secrets(self.tracking_uri))
+                logger.warning("gradmon MLflow sink: write failed (%s); retrying in %.1fs", self.last_error, backoff)
+                self._start_spilling_ahead()
+                # While closing we keep retrying until close()'s timeout gives up on us.
+                if not self._sleep_before_retry(backoff):
+                    return
+                backoff = min(backoff * 2, 30.0)
+
+    def _mark_delivered(self, seqs: list[int]) -> None:
+        """Record in the spill file that MLflow took these spilled iterations (caller holds ``_cond``).
+
+        If the mark cannot be written they stay replayable: a replay into the run's own store
+        then writes points MLflow already holds, which its SQL stores ignore.
+        """
+        if seqs and self._spill is not None:
+            try:
+                self._spill.mark_delivered(seqs)
+            except OSError as exc:
+                logger.warning("gradmon MLflow sink: cannot mark delivered in %s (%s)", self._spill.path, exc)
+
+    def _sleep_before_retry(self, backoff_s: float) -> bool:
+        """Wait out the backoff; False when ``close`` has abandoned the worker.
+
+        New iterations do not cut the wait short (they only join the buffer): otherwise every
+        iteration of an outage would cost a failed request, and the retries would compete with
+        training for the CPU. ``close`` does: from then on we retry every second, so a server
+        that comes back in time gets everything.
+        """
+        start = time.monotonic()
+        with self._cond:
+            while not self._abandoned:
+                wait_s = min(backoff_s, 1.0) if self._closing else backoff_s
+                remaining = start + wait_s - time.monotonic()
+                if remaining <= 0:
+                    return True
+                self._cond.wait(remaining)
+            return False
+
+    def _draw_plots(self, client: Any) -> None:
+        # Outside the write-retry loop: a plot that cannot be drawn is counted, never retried.
+        try:
+            self.plotted_artifacts = self._plot_fn(client, self.run_id)
+        except Exception as exc:
+            self.plot_failures += 1
+            if self.plot_failures == 1:
+                logger.warning("gradmon MLflow sink: plots not written (%s: %s)", type(exc).__name__, exc)
+
+    def _create_run(self) -> Any:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=self.tracking_uri)
+        if not self._creates_run:
+            return client
+        exp = client.get_experiment_by_name(self.experiment)
+        exp_id = exp.experiment_id if exp is not None else client.create_experiment(self.experiment)
+        if self.run_id is None:
+            run = client.create_run(exp_id, run_name=self.run_name, tags=self._start_tags)
+            self.run_id = run.info.run_id
+        log_in_batches(client, self.run_id, params=self._params)
+        self._params = {}
+        return client
+
+    def _write(self, client: Any, batch: list[PendingIteration]) -> None:
+        latest_tags: dict[str, str] = {}
+        for item in batch:
+            latest_tags.update(item.tags)
+        metrics = [m for item in batch for m in to_mlflow_metrics(item.metrics, item.step, item.timestamp_ms)]
+        log_in_batches(client, self.run_id, metrics=metrics, tags=latest_tags)
