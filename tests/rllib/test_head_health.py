@@ -1,4 +1,4 @@
-"""Per-head policy entropy and KL against RLlib's OWN loss code, in a real training run.
+"""``rllib/head_health.py``: per-head policy entropy and KL against RLlib's OWN loss code, in a real run.
 
 The drop-in ``with_gradmon(PPOTorchLearner)`` on RLlib's default module with a
 ``MultiDiscrete([3, 4])`` action space: RLlib's ``TorchMultiCategorical`` and its stock PPO loss
@@ -48,6 +48,7 @@ def test_head_sizes_follow_the_latch_heads_of_rllibs_default_module(space, sizes
     assert head_sizes(module, latch_heads(module)) == sizes
 
 
+@pytest.mark.e2e  # a real algorithm on a local Ray
 def test_dropin_head_entropy_and_kl_sum_to_rllibs_own_entropy_and_mean_kl_loss(ray_session, tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     config = (
