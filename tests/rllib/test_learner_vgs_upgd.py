@@ -1,12 +1,19 @@
-"""VGS and UPGD inside the real gradmon learner (seed test 4 and the checkpoint path)."""
+"""VGS and UPGD inside the real gradmon learner (seed test 4 and the checkpoint path), and clipping.
+
+Clipping: the learner's postprocessed gradients equal RLlib's own ``clip_gradients`` applied to the
+(VGS-scaled, in gradient mode) gradients, for every ``grad_clip_by`` and clip values below, at,
+between and above the norms (``test_clipped_gradients_equal_rllibs_clip_gradients``).
+"""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from ray.rllib.core import DEFAULT_MODULE_ID
+from ray.rllib.utils.torch_utils import clip_gradients
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import config_from_dict
@@ -155,3 +162,124 @@ def test_update_mode_moves_the_parameters_by_factor_times_the_update_without_vgs
         ratio = float(delta_vgs.norm() / delta_plain.norm())
         assert ratio == pytest.approx(factor, rel=1e-2)  # tiny UPGD steps: float32 rounding ~0.2%
     assert sum(float(delta_plain.abs().sum()) for _, delta_plain, _ in deltas) > 0.0  # a real step was taken
+
+
+# --- clipping: the learner's postprocessed gradients == RLlib's clip_gradients ------------------
+
+MID = DEFAULT_MODULE_ID
+
+
+def _module(learner):
+    return learner.module[MID].unwrapped()
+
+
+def _vgs_cfg(vgs: str | None):
+    """Adam, one full-batch minibatch, no clipping configured; ``vgs``: None (off), ``"gradient"`` or
+    ``"update"`` (where the factor acts)."""
+    cfg = config_from_dict(
+        {
+            "seed": 3,
+            "ppo": {"train_batch_size": 256, "minibatch_size": 256, "num_epochs": 1, "grad_clip": None},
+            "model": {"trunk_hiddens": [32, 32]},
+        }
+    )
+    if vgs:
+        cfg.vgs.enabled = True
+        cfg.vgs.warmup_steps = 0
+        cfg.vgs.alpha = 5.0
+        cfg.vgs.apply_to = vgs
+    return cfg
+
+
+def _set_grads(module, grads: list[torch.Tensor]) -> dict:
+    for p, g in zip(module.parameters(), grads, strict=True):
+        p.grad = g.clone()
+    return {p: p.grad for p in module.parameters()}
+
+
+def _random_grads(module, seed: int, norm: float) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    raw = [torch.randn(p.shape, generator=gen, dtype=torch.float64) for p in module.parameters()]
+    total = math.sqrt(sum(float(g.pow(2).sum()) for g in raw))
+    return [(g * (norm / total)).float() for g in raw]
+
+
+class _Twins:
+    """Two identically built learners fed identical gradients: ``probe`` (no clipping) reveals the
+    VGS factor a gradient will get, so that ``learner``'s clip norm can be placed around it."""
+
+    def __init__(self, vgs: str | None) -> None:
+        cfg = _vgs_cfg(vgs)
+        self.learner = build_local_learner(cfg)
+        self.probe = build_local_learner(cfg)
+        self.probe.module[MID].set_state(self.learner.module[MID].get_state())
+        self.vgs = vgs
+        for seed in range(6):  # varying gradients: the VGS sees temporal variance
+            g = _random_grads(_module(self.learner), seed, norm=0.3 + 0.4 * seed)
+            self.postprocess(self.learner, g, None, "global_norm")
+            self.postprocess(self.probe, g, None, "global_norm")
+
+    @staticmethod
+    def postprocess(learner, grads, grad_clip, grad_clip_by) -> dict:
+        module = _module(learner)
+        grads_dict = _set_grads(module, grads)
+        # The learner (and RLlib's postprocess_gradients_for_module it defers to) reads only these fields.
+        config = SimpleNamespace(grad_clip=grad_clip, grad_clip_by=grad_clip_by, log_gradients=False)
+        out = learner.postprocess_gradients_for_module(module_id=MID, config=config, module_gradients_dict=grads_dict)
+        return {p: out[p] for p in module.parameters()}
+
+    def factor_for(self, grads) -> float:
+        before = [p.detach().clone() for p in grads]
+        out = self.postprocess(self.probe, grads, None, "global_norm")
+        if not self.vgs:
+            return 1.0
+        if self.vgs == "update":  # the gradients stay as they are; the factor waits for the step
+            assert all(torch.equal(o, b) for o, b in zip(out.values(), before, strict=True))
+            return self.probe.vgs.get_scaling_factor()
+        ratios = [float((o.double() / b.double()).flatten()[0]) for o, b in zip(out.values(), before, strict=True)]
+        return ratios[0]
+
+
+@pytest.fixture(scope="module", params=[None, "gradient", "update"], ids=["no-vgs", "vgs-gradient", "vgs-update"])
+def twins(request):
+    return _Twins(request.param)
+
+
+# Where the clip value sits relative to the post-VGS global norm n_post (and the raw norm n_raw).
+_PLACEMENTS = ["below", "at", "between", "above"]  # "between" the raw and post-VGS norms: "at" without VGS
+
+
+@pytest.mark.parametrize("grad_clip_by", ["global_norm", "norm", "value"])
+@pytest.mark.parametrize("placement", _PLACEMENTS)
+def test_clipped_gradients_equal_rllibs_clip_gradients(twins, grad_clip_by, placement):
+    module = _module(twins.learner)
+    grads = _random_grads(module, seed=100 + _PLACEMENTS.index(placement), norm=1.0)
+    factor = twins.factor_for(grads)
+    if twins.vgs:
+        assert factor < 0.9, factor  # the VGS acts here, so its order with clipping matters
+    if twins.vgs == "update":
+        factor = 1.0  # update mode: clipping sees the raw gradient (the factor scales the step)
+    n_post = factor * 1.0
+    if grad_clip_by == "global_norm":
+        clip = {"below": 2.0 * n_post, "at": n_post, "between": 0.5 * (n_post + 1.0), "above": 0.5 * n_post}[placement]
+    elif grad_clip_by == "norm":  # per tensor: between the smallest and largest tensor norms
+        tensor_norms = sorted(float(g.norm()) * factor for g in grads)
+        clip = {
+            "below": 2.0 * tensor_norms[-1],
+            "at": tensor_norms[len(tensor_norms) // 2],
+            "between": 0.5 * (tensor_norms[0] + tensor_norms[-1]),
+            "above": 0.5 * tensor_norms[0],
+        }[placement]
+    else:
+        biggest = max(float(g.abs().max()) for g in grads) * factor
+        clip = {"below": 2.0 * biggest, "at": biggest, "between": 0.5 * biggest, "above": 0.05 * biggest}[placement]
+
+    expected = {i: (g.double() * factor).float() for i, g in enumerate(grads)}
+    clip_gradients(expected, grad_clip=clip, grad_clip_by=grad_clip_by)  # RLlib's own
+    out = twins.postprocess(twins.learner, grads, clip, grad_clip_by)
+    for i, got in enumerate(out.values()):
+        torch.testing.assert_close(got, expected[i], rtol=2e-5, atol=1e-9)
+    if grad_clip_by == "global_norm" and placement == "below":
+        # Below the clip value nothing is scaled (RLlib's coefficient is clamped at 1).
+        got_norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in out.values()))
+        assert got_norm == pytest.approx(n_post, rel=1e-5)
