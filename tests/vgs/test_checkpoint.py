@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gradmon_ray import metric_names as mn
 from gradmon_ray.telemetry import VarianceGradientScaler
 from gradmon_ray.vgs.scaler import OLD_CHECKPOINT_WARNING
+from tests.vgs.vgs_oracle import numpy_vgs_metrics
 
 
 def _feed(vgs, params, grads_per_step):
@@ -39,11 +41,18 @@ def test_5_old_checkpoint_warns_resets_and_training_continues():
     assert vgs.beta == 0.9 and vgs.step_count == 40
     assert vgs._mean_ema.abs().sum().item() == 0.0 and vgs.state_dict()["stat_steps"] == 0.0
     assert vgs.get_metrics()["vgs/grad_norm_ema"] == pytest.approx(0.3)
+    stream = []
     for i in range(5):
-        p.grad = torch.tensor([1.0, 2.0, 3.0]) * (1 + 0.1 * i)
+        g = torch.tensor([1.0, 2.0, 3.0]) * (1 + 0.1 * i)
+        p.grad = g.clone()
         vgs.scale_gradients()
         vgs.step()
-    assert 0.0 < vgs.get_normalized_variance() < 1.0 and vgs.state_dict()["stat_steps"] == 5.0
+        stream.append([g.numpy()])
+    assert vgs.state_dict()["stat_steps"] == 5.0  # the statistics restarted from zero ...
+    # ... with the checkpoint's settings (beta 0.9, alpha 0.2): the numpy VGS on those 5 steps alone
+    want = numpy_vgs_metrics(stream, beta=0.9, alpha=0.2, eps=1e-8, warmup_steps=5)
+    assert vgs.get_normalized_variance() == pytest.approx(want[mn.VGS_NORMALIZED_VARIANCE], rel=1e-4)
+    assert vgs.get_scaling_factor() == pytest.approx(want[mn.VGS_SCALING_FACTOR], rel=1e-6)
 
 
 @pytest.mark.parametrize("granularity", ["element", "tensor"])
