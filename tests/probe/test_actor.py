@@ -86,6 +86,7 @@ def _wait_until(predicate, timeout_s=60.0):
     return False
 
 
+@pytest.mark.e2e  # a probe actor on a local Ray
 def test_actor_logs_bucket_metrics_into_the_run_at_the_training_iteration(ray_session, request_template, mlflow_run):
     uri, run_id = mlflow_run
     probe = start_probe_actor(_name(), tracking_uri=uri, run_id=run_id, num_buckets=2, num_cpus=1)
@@ -108,6 +109,7 @@ def test_actor_logs_bucket_metrics_into_the_run_at_the_training_iteration(ray_se
     assert run.data.metrics[mn.PROBE_DURATION_S] > 0
 
 
+@pytest.mark.e2e  # a probe actor on a local Ray
 def test_client_drops_a_request_while_the_probe_is_busy_and_never_queues(ray_session, request_template):
     name = _name()
     probe = start_probe_actor(
@@ -135,6 +137,7 @@ def test_client_drops_a_request_while_the_probe_is_busy_and_never_queues(ray_ses
         ray.kill(probe)
 
 
+@pytest.mark.e2e  # a probe actor on a local Ray
 def test_client_survives_a_killed_actor_warns_once_and_resumes_after_restart(ray_session, request_template, caplog):
     name = _name()
     probe = start_probe_actor(
@@ -171,6 +174,7 @@ def test_client_survives_a_killed_actor_warns_once_and_resumes_after_restart(ray
     assert client.counters[mn.PROBE_FAILURES] == failures_before_death + 1
 
 
+@pytest.mark.e2e  # a probe actor on a local Ray
 def test_a_request_sent_while_the_actor_restarts_is_sent_again_and_delivered(ray_session, request_template, mlflow_run):
     """The cause of the post-restart probes missing in CI: a request that reaches the actor
     while Ray restarts it fails with ActorUnavailableError (it never ran). It was counted as
@@ -223,6 +227,7 @@ def test_a_request_sent_while_the_actor_restarts_is_sent_again_and_delivered(ray
     assert [m.step for m in history] == [7]  # once: the request that could not run was not run twice
 
 
+@pytest.mark.e2e  # a probe actor on a local Ray
 def test_finish_waits_for_the_last_probe_and_counts_it(ray_session, request_template):
     name = _name()
     probe = start_probe_actor(
@@ -241,6 +246,7 @@ def test_finish_waits_for_the_last_probe_and_counts_it(ray_session, request_temp
         ray.kill(probe)
 
 
+@pytest.mark.e2e  # a probe actor on a local Ray
 def test_end_of_run_flush_counts_the_probe_that_finishes_after_the_last_iteration(ray_session, request_template):
     """`probe/completed` ended at 1 when 2 probes ran: the last probe finished after the last
     iteration's metrics were logged. The driver's final flush waits for it and returns the
@@ -311,6 +317,7 @@ def _fingerprint(learner) -> str:
     return digest.hexdigest()
 
 
+@pytest.mark.e2e  # a probe actor on a local Ray
 def test_learner_hands_off_pre_update_weights_and_the_probe_leaves_the_learner_untouched(ray_session):
     cfg = _cfg(probe={"gradient_analysis_every": 1, "num_buckets": 2})
     learner = build_local_learner(cfg)
