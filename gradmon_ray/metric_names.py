@@ -2,28 +2,32 @@
 
 ``docs/metrics.md`` is generated from these docstrings (``python docs/gen_metrics.py``;
 ``tests/test_docs.py`` fails when it is stale) and ``docs/oracles.md`` names each one's
-independent test (``tests/test_oracle_table.py``).  Per-head names are built with the helpers
-below so that the spelling lives only in this module; ``gradmon_ray.metric_parsing`` is the one place
-that reads the names back (it imports this module, never the other way round).
+independent test (``tests/test_oracle_table.py``).  Per-head names are built with the helpers of
+``gradmon_ray.head_labels`` (head labels, module metrics, which heads are value heads), re-exported
+here, so that the spelling lives only in these two modules; ``gradmon_ray.metric_parsing`` is the
+one place that reads the names back (it imports this module, never the other way round).
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
-VALUE_HEAD = "value"
-"""The reported name of the value head (an action head may not be called that)."""
-VALUE_HEAD_NAMES: tuple[str, ...] = (VALUE_HEAD, "vf")
-"""Head names that mean the value function (gradmon's own modules say ``value``, RLlib's default
-modules ``vf``): judged by the value bands, never an action head.  ``is_value_head`` is the test."""
+# Re-exported: every reader says ``mn.head_metric``, ``mn.is_value_head``, ...
+from gradmon_ray.head_labels import (
+    VALUE_HEAD_NAMES,
+    describe_head,  # noqa: F401
+    format_value_heads,  # noqa: F401
+    head_label,  # noqa: F401
+    head_metric,
+    is_value_head,  # noqa: F401
+    module_metric,  # noqa: F401
+    parse_value_heads,  # noqa: F401
+    split_head_label,  # noqa: F401
+    value_heads_among,  # noqa: F401
+)
 
-# --- multi-agent: one module's metrics in a run that monitors several -------------
-_module_template = "module/{module}/{name}"
-"""How a module's metric is named (``module_metric``): in a run whose learners monitor several
-RLModules (multi-agent), every per-module metric (gradient telemetry, latches, losses) is
-``module/<module_id>/<name>``, e.g. ``module/p1/grad/head/op/norm``.  A run with one module keeps
-the plain names.  Readers see a module's head as the label ``<module_id>/<head>`` (``head_label``)."""
+VALUE_HEAD = VALUE_HEAD_NAMES[0]
+"""The reported name of gradmon's own modules' value head (an action head may not be called that)."""
 
 # --- TELE-320: per-head gradient L2 norms (after backward, before clipping) ----------
 HEAD_GRAD_NORM = "grad/head/{head}/norm"
@@ -221,7 +225,11 @@ TAG_NAN_LATCHED_HEADS = "gradmon.nan_latched_heads"
 TAG_INF_LATCHED_HEADS = "gradmon.inf_latched_heads"
 TAG_HEAD_NAMES = "gradmon.head_names"
 """Comma-separated head names: the action heads in action-space order (a ``Dict`` space's sorted keys,
-or ``model.head_names`` for ``MultiDiscrete``), then ``value``; the same in every run."""
+or ``model.head_names`` for ``MultiDiscrete``), then the value heads; the same in every run."""
+TAG_VALUE_HEADS = "gradmon.value_heads"
+"""Comma-separated heads judged as value heads (by the value bands, never as action heads): ``value``,
+``vf`` and those the module or the gradmon settings' ``value_heads`` declare.  Written with
+``gradmon.head_names`` by a run that declares any; a run without it has ``value`` and ``vf`` only."""
 TAG_STATUS = "gradmon.status"
 """``running``, ``finished``, ``stopped`` (a health rule ended it) or ``failed``."""
 TAG_STOP_REASON = "gradmon.stop_reason"
@@ -241,117 +249,26 @@ TAG_RECOMPUTED_ITERATIONS = "gradmon.recomputed_iterations"
 their MLflow points are the failed attempt's, kept once, never duplicated."""
 
 # Health bands (``classify_grad_norm``) as numbers, because MLflow metrics are floats.
-HEALTH_CODES: dict[str, int] = {
-    "missing": -1,
-    "dead": 0,
-    "weak": 1,
-    "healthy": 2,
-    "elevated": 3,
-    "exploding": 4,
-}
+HEALTH_CODES: dict[str, int] = {"missing": -1, "dead": 0, "weak": 1, "healthy": 2, "elevated": 3, "exploding": 4}
 TREND_CODES: dict[str, int] = {"↘": -1, "→": 0, "↗": 1}
 
-# The per-head templates, for documentation checks and for readers.
-PER_HEAD_TEMPLATES: tuple[str, ...] = (
-    HEAD_GRAD_NORM,
-    HEAD_GRAD_NORM_PREV,
-    HEAD_GRAD_TREND,
-    HEAD_GRAD_HEALTH,
-    HEAD_NOISE_SCALE,
-    HEAD_NAN_LATCH,
-    HEAD_INF_LATCH,
-    HEAD_NAN_LATCH_FIRST_ITERATION,
-    HEAD_INF_LATCH_FIRST_ITERATION,
-    HEAD_ENTROPY,
-    HEAD_ENTROPY_NORM,
-    HEAD_KL,
-    HEAD_COLLAPSE_LATCH,
-    HEAD_COLLAPSE_LATCH_FIRST_ITERATION,
-)
-SCALAR_NAMES: tuple[str, ...] = (
-    GLOBAL_NOISE_SCALE,
-    HEAD_GRAD_NORM_CV,
-    GLOBAL_GRAD_NORM,
-    NAN_GRAD_COUNT,
-    INF_GRAD_COUNT,
-    MINIBATCH_UPDATES,
-    SKIPPED_UPDATES,
-    SKIPPED_UPDATES_TOTAL,
-    TELEMETRY_ITERATION,
-    SCALER_SKIPPED_UPDATES,
-    GRAD_SCALE,
-    LEARNERS_UPDATED,
-    REPLICA_CHECKSUM_OK,
-    EPISODE_RETURN_MEAN,
-    EPISODE_LEN_MEAN,
-    ENV_STEPS_SAMPLED_LIFETIME,
-    POLICY_LOSS,
-    VF_LOSS,
-    ENTROPY,
-    MEAN_KL,
-    TOTAL_LOSS,
-    VF_EXPLAINED_VAR,
-    ITERATION_TIME_S,
-    ENV_RUNNERS_HEALTHY,
-    ENV_RUNNER_RESTARTS,
-    *VGS_DEVICE_METRICS,
-    *VGS_HOST_METRICS,
-    PROBE_DURATION_S,
-    PROBE_NUM_BUCKETS,
-    PROBE_NUM_GROUPS_TOTAL,
-    PROBE_REQUESTS_SENT,
-    PROBE_REQUESTS_DROPPED,
-    PROBE_COMPLETED,
-    PROBE_SKIPPED,
-    PROBE_FAILURES,
-    HEALTH_STOP_REASON,
-)
-PROBE_TEMPLATES: tuple[str, ...] = (
-    PROBE_COMPONENT_NORM,
-    PROBE_PER_SAMPLE_NORM,
-    PROBE_PER_TOKEN_NORM,
-    PROBE_LOSS,
-    PROBE_REWARD_STD_MEAN,
-    PROBE_NUM_GROUPS,
-    PROBE_NUM_EPISODES,
-    PROBE_NUM_STEPS,
-    PROBE_HEAD_NORM,
-    PROBE_SHARE,
-    PROBE_COSINE,
-    PROBE_REGULARIZER_GRAD_NORM,
-    PROBE_REGULARIZER_ERROR,
-    PROBE_REGULARIZER_SHARE,
-    PROBE_REGULARIZER_TOTAL,
-)
-PROBE_COUNTERS: tuple[str, ...] = (
-    PROBE_REQUESTS_SENT,
-    PROBE_REQUESTS_DROPPED,
-    PROBE_COMPLETED,
-    PROBE_SKIPPED,
-    PROBE_FAILURES,
-)
-TAG_NAMES: tuple[str, ...] = (
-    TAG_NAN_LATCHED_HEADS,
-    TAG_INF_LATCHED_HEADS,
-    TAG_HEAD_NAMES,
-    TAG_STATUS,
-    TAG_STOP_REASON,
-    TAG_SWEEP,
-    TAG_RESUMED_FROM,
-    TAG_RESUMED_STATE_DIGEST,
-    TAG_RECOMPUTED_ITERATIONS,
-    TAG_RESTORED_FROM,
-    TAG_CHECKPOINT_DIR,
-)
+
+def _names_shaped(shape: Callable[[str], bool]) -> tuple[str, ...]:
+    """Every name constant above (upper case, a ``str``) whose value has ``shape``, in source order:
+    the groups below are read off the names, never a second list to keep in step with them."""
+    return tuple(v for k, v in list(globals().items()) if k.isupper() and isinstance(v, str) and shape(v))
 
 
-ABSENT_WHEN_UNDEFINED: tuple[str, ...] = (
-    HEAD_NOISE_SCALE,
-    GLOBAL_NOISE_SCALE,
-    HEAD_ENTROPY,
-    HEAD_ENTROPY_NORM,
-    HEAD_KL,
-)
+# The groups, for documentation checks and for readers (``metric_parsing``): per-head templates
+# (a ``{head}``), probe templates (a ``{bucket}``), scalars (a path, no placeholder), tags.
+PER_HEAD_TEMPLATES: tuple[str, ...] = _names_shaped(lambda n: "{head}" in n and "{bucket}" not in n)
+PROBE_TEMPLATES: tuple[str, ...] = _names_shaped(lambda n: "{bucket}" in n)
+SCALAR_NAMES: tuple[str, ...] = _names_shaped(lambda n: "/" in n and "{" not in n)
+TAG_NAMES: tuple[str, ...] = _names_shaped(lambda n: n.startswith("gradmon."))
+PROBE_COUNTERS = (PROBE_REQUESTS_SENT, PROBE_REQUESTS_DROPPED, PROBE_COMPLETED, PROBE_SKIPPED, PROBE_FAILURES)
+
+
+ABSENT_WHEN_UNDEFINED = (HEAD_NOISE_SCALE, GLOBAL_NOISE_SCALE, HEAD_ENTROPY, HEAD_ENTROPY_NORM, HEAD_KL)
 """Metrics the learner leaves out of an iteration while they are undefined. RLlib's metrics
 logger fills a key missing from one iteration with NaN; readers drop those NaNs again."""
 
@@ -363,42 +280,6 @@ _bucket_template = "bucket_{index}"
 def probe_metric(template: str, bucket: str, **parts: str) -> str:
     """Fill a probe template, e.g. ``probe_metric(PROBE_COMPONENT_NORM, "bucket_1", component="task")``."""
     return template.format(bucket=bucket, **parts)
-
-
-@functools.lru_cache(maxsize=4096)  # ~90 names per telemetry step, the same every step
-def module_metric(module: str | None, name: str) -> str:
-    """``name`` as the metric of ``module`` in a multi-module run (``_module_template``); None: ``name``."""
-    return name if module is None else _module_template.format(module=module, name=name)
-
-
-def head_label(module: str | None, head: str) -> str:
-    """How readers name a head: ``head`` in a one-module run, ``<module>/<head>`` otherwise."""
-    return head if module is None else f"{module}/{head}"
-
-
-def split_head_label(label: str) -> tuple[str | None, str]:
-    """``head_label``'s inverse: ``"p1/op"`` -> ``("p1", "op")``, ``"op"`` -> ``(None, "op")``."""
-    module, sep, head = label.rpartition("/")
-    return (module, head) if sep else (None, label)
-
-
-def is_value_head(label: str, value_heads: tuple[str, ...] = VALUE_HEAD_NAMES) -> bool:
-    """Whether the head (a name or a ``head_label``) is a value head: THE one definition."""
-    return split_head_label(label)[1] in value_heads
-
-
-def describe_head(label: str) -> str:
-    """``head 'op'``, or ``head 'op' of module 'p1'`` for a ``head_label`` with a module."""
-    module, head = split_head_label(label)
-    return f"head {head!r}" + (f" of module {module!r}" if module is not None else "")
-
-
-def head_metric(template: str, head: str) -> str:
-    """Fill a per-head template, e.g. ``head_metric(HEAD_GRAD_NORM, "op")``; a ``head_label`` with a
-    module gives that module's metric (``head_metric(HEAD_GRAD_NORM, "p1/op")`` is
-    ``module/p1/grad/head/op/norm``)."""
-    module, name = split_head_label(head)
-    return module_metric(module, template.format(head=name))
 
 
 def noise_scale_metrics(per_head: Mapping[str, float], global_scale: float | None = None) -> dict[str, float]:

@@ -1,8 +1,8 @@
 """The one parser of gradmon metric names, for every reader.
 
 The names themselves (constants and templates, and the helpers that fill them) live in
-``gradmon_ray.metric_names``; this module takes a name apart again: ``parse`` gives the template
-it fills and its parts, ``heads_of`` and ``probe_buckets`` read many names at once.
+``gradmon_ray.metric_names`` and ``gradmon_ray.head_labels``; this module takes a name apart again:
+``parse`` gives the template it fills and its parts, ``heads_of`` and ``probe_buckets`` read many names at once.
 """
 
 from __future__ import annotations
@@ -11,14 +11,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from gradmon_ray.metric_names import (
-    PER_HEAD_TEMPLATES,
-    PROBE_TEMPLATES,
-    SCALAR_NAMES,
-    _bucket_template,
-    _module_template,
-    head_label,
-)
+from gradmon_ray.head_labels import _module_template, head_label
+from gradmon_ray.metric_names import PER_HEAD_TEMPLATES, PROBE_TEMPLATES, SCALAR_NAMES, _bucket_template
 
 # Every metric name and template ``parse`` recognises (tags are not metric names).
 METRIC_TEMPLATES: tuple[str, ...] = (*PER_HEAD_TEMPLATES, *SCALAR_NAMES, *PROBE_TEMPLATES)

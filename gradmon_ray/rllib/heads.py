@@ -16,6 +16,10 @@ Parameter heads (the gradient norms), first that applies:
 
 Every trainable parameter (or row) outside the heads is the trunk (in the global norm only).
 
+Value heads (judged by the value bands, never action heads): ``value`` and ``vf``, plus those the
+module declares in its ``value_heads`` attribute or the settings' ``value_heads`` names
+(``declared_value_heads``); ``metric_names.is_value_head`` is the test.
+
 Latch heads (the log-prob NaN/Inf latches) are the components of the action distribution,
 named as the zero-config heads: ``FactoredCategorical``'s heads; a ``MultiDiscrete`` space's
 components (``a0``, ...) through RLlib's ``TorchMultiCategorical``; a flat ``Dict`` space's keys
@@ -26,7 +30,7 @@ no per-head log-probs, so the whole policy latches under one name, ``"policy"``.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import gymnasium as gym
@@ -45,6 +49,9 @@ POLICY_LATCH = "policy"
 
 SINGLE_COMPONENT_HEAD = "pi"
 """The zero-config head of a single ``Discrete`` or ``Box`` action space."""
+
+MODULE_VALUE_HEADS = "value_heads"
+"""The attribute by which a module declares its value heads (``declared_value_heads``)."""
 
 _HEADS_EXAMPLE = "learner_config_dict={'gradmon': {'heads': {'pi': r'^pi\\.', 'vf': r'^vf\\.'}}}"
 
@@ -202,9 +209,29 @@ def _unrecognised(module: Any, reason: str) -> ValueError:
     )
 
 
-def action_heads(groups: Mapping[str, Any]) -> list[str]:
-    """The reported heads judged as action heads: all but ``VALUE_HEAD_NAMES``."""
-    return [h for h in groups if not is_value_head(h)]
+def action_heads(groups: Mapping[str, Any], value_heads: Collection[str] = ()) -> list[str]:
+    """The reported heads judged as action heads: all but the value heads (``is_value_head``:
+    ``VALUE_HEAD_NAMES`` and the declared ``value_heads``)."""
+    return [h for h in groups if not is_value_head(h, value_heads)]
+
+
+def declared_value_heads(
+    module: Any, settings_value_heads: Sequence[str], groups: Mapping[str, Any], latch_heads: Sequence[str]
+) -> tuple[str, ...]:
+    """The value heads a module declares besides ``value`` and ``vf``: its own ``value_heads``
+    attribute (a class attribute or property, next to ``head_parameter_groups()``), then the gradmon
+    settings' ``value_heads``.  ``ValueError`` for one that is not a reported head (listing them) or
+    that is an action component (it has a log-prob latch)."""
+    own = getattr(module, MODULE_VALUE_HEADS, None) or ()
+    if isinstance(own, str) or not all(isinstance(h, str) for h in own):
+        raise ValueError(f"{type(module).__name__}.{MODULE_VALUE_HEADS} must be a sequence of head names, got {own!r}")
+    declared = tuple(dict.fromkeys((*own, *settings_value_heads)))
+    for head in declared:
+        if head not in groups:
+            raise ValueError(f"value head {head!r} is not one of the reported heads {list(groups)}")
+        if head in latch_heads:
+            raise ValueError(f"value head {head!r} is an action component (it has a log-prob latch), not a value head")
+    return declared
 
 
 def latch_heads(module: Any) -> tuple[str, ...]:

@@ -21,7 +21,7 @@ from gradmon_ray import compat
 from gradmon_ray.distributed import NoiseScaleHook
 from gradmon_ray.optim.scaled_step import UpdateScaler
 from gradmon_ray.rllib.head_health import HeadHealthRecorder, head_sizes
-from gradmon_ray.rllib.heads import action_heads, head_parameter_groups
+from gradmon_ray.rllib.heads import action_heads, declared_value_heads, head_parameter_groups
 from gradmon_ray.rllib.settings import GradmonSettings, VGSSettings
 from gradmon_ray.telemetry import (
     GradientNormPlan,
@@ -45,6 +45,7 @@ class ModuleSpecOfMonitor:
     """Head name -> its parameters (or ``ParamRows``), from ``rllib.heads.head_parameter_groups``."""
     latch_heads: tuple[str, ...]
     bands: BandSet
+    """The module's edges; ``bands.value_heads``: the value heads it declares besides ``value``, ``vf``."""
 
 
 class ModuleTelemetry:
@@ -68,7 +69,11 @@ class ModuleTelemetry:
         self.norm_plan = GradientNormPlan(groups, [p for p in rl_module.parameters() if p.requires_grad])
         sizes = head_sizes(rl_module, spec.latch_heads)
         self.tracker = TelemetryTracker(
-            list(groups), action_heads(groups), bands=spec.bands, latch_heads=spec.latch_heads, head_sizes=sizes
+            list(groups),
+            action_heads(groups, spec.bands.value_heads),
+            bands=spec.bands,
+            latch_heads=spec.latch_heads,
+            head_sizes=sizes,
         )
         self.head_health = HeadHealthRecorder(sizes, device)
         self.accumulator = IterationAccumulator(self.tracker.layout, device=device)
@@ -213,10 +218,15 @@ class FoundInfFlags:
 def resolve_module(
     module_id: str, rl_module: Any, settings: GradmonSettings, latch_heads: tuple[str, ...]
 ) -> ModuleSpecOfMonitor:
-    """The heads and bands of one module (raises ``ValueError`` naming the module)."""
+    """The heads and bands of one module (raises ``ValueError`` naming the module); the bands carry
+    the value heads the module and its settings declare (``rllib.heads.declared_value_heads``)."""
     own = settings.for_module(module_id)
     try:
         heads = head_parameter_groups(rl_module, own.heads)
+        value_heads = declared_value_heads(rl_module, own.value_heads or (), heads, latch_heads)
     except ValueError as exc:
         raise ValueError(f"module {module_id!r}: {exc}") from None
-    return ModuleSpecOfMonitor(module_id, heads, latch_heads, own.bands)
+    bands = own.bands if own.bands is not None else BandSet()
+    return ModuleSpecOfMonitor(
+        module_id, heads, latch_heads, bands.with_value_heads(value_heads) if value_heads else bands
+    )

@@ -1,17 +1,18 @@
-"""Health bands of a gradient norm: the edges, one set for the action heads and one for the value head.
+"""Health bands of a gradient norm: the edges, one set for the action heads and one for the value heads.
 
 Pure Python (no torch): a band is a function of one float and four edges; ``worst_head``
-ranks heads by their bands.
+ranks heads by their bands.  Which heads are value heads is ``metric_names.is_value_head``'s
+answer for the run's declared value heads, which a ``BandSet`` carries (``value_heads``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from gradmon_ray.metric_names import is_value_head
+from gradmon_ray import metric_names as mn
 
 # Action-head edges from the TELE-320 record: 10 x the clip norm of 0.5 is "exploding".
 DEAD_BELOW = 0.01
@@ -97,16 +98,29 @@ class CollapseBand:
 @dataclass(frozen=True)
 class BandSet:
     """The edges for every reported head: ``action`` for the action heads, ``value`` for the value
-    head; ``collapse``: the entropy collapse latch of each action-distribution head."""
+    heads; ``collapse``: the entropy collapse latch of each action-distribution head.
+
+    ``value_heads``: the run's declared value heads (names or ``head_label``s) besides the built-in
+    ``value`` and ``vf``: the learner's from the module and its settings, a reader's from the run's
+    ``gradmon.value_heads`` tag.  Not part of the config's ``telemetry.bands`` shape (``to_dict``)."""
 
     action: HealthBands = ACTION_BANDS
     value: HealthBands = VALUE_BANDS
     collapse: CollapseBand = CollapseBand()
+    value_heads: tuple[str, ...] = ()
+
+    def is_value_head(self, head: str) -> bool:
+        """``metric_names.is_value_head`` with this run's ``value_heads``: THE test, asked by every reader."""
+        return mn.is_value_head(head, self.value_heads)
 
     def for_head(self, head: str) -> HealthBands:
-        """The value edges for a value head (``metric_names.is_value_head``: ``value``, ``vf``, also as
-        a module's label ``p1/vf``), the action heads' for any other name."""
-        return self.value if is_value_head(head) else self.action
+        """The value edges for a value head (``is_value_head``: ``value``, ``vf`` and the declared ones,
+        also as a module's label ``p1/vf``), the action heads' for any other name."""
+        return self.value if self.is_value_head(head) else self.action
+
+    def with_value_heads(self, value_heads: Iterable[str]) -> BandSet:
+        """The same edges with ``value_heads`` declared too (added to this set's own)."""
+        return replace(self, value_heads=tuple(dict.fromkeys((*self.value_heads, *value_heads))))
 
     def to_dict(self) -> dict[str, dict[str, float]]:
         """``{"action": {...}, "value": {...}, "collapse": {...}}`` (the config's ``telemetry.bands`` shape)."""
@@ -145,7 +159,8 @@ def worst_head(norms: Mapping[str, float], *, bands: BandSet | HealthBands | Non
     healthy); ties go to the norm furthest, on a log scale, from the centre of the head's
     healthy band (sqrt(0.1 * 2.0) for the action edges), so a healthy run still names the
     head nearest an edge.  ``bands``: one ``HealthBands`` for every head (default: the
-    action heads' edges), or a ``BandSet``, which judges ``"value"`` by its own edges.
+    action heads' edges), or a ``BandSet``, which judges its value heads (``BandSet.is_value_head``)
+    by the value edges.  Every head given competes: leave value heads out to rank action heads only.
     """
     if not norms:
         raise ValueError("no heads")

@@ -6,13 +6,14 @@ fired, will not recover by itself; a sweep should stop spending compute on it.  
 iteration's flattened metrics (the names in ``metric_names``) and returns the first rule
 that fires, or None.  The dead / exploding rules read each head's ``grad/head/<head>/health``
 code, which the learner judged by that head's own band edges (``telemetry.bands``); they
-consider only the action heads unless ``include_value_head`` is set.
+consider only the action heads unless ``include_value_head`` is set.  Value heads:
+``metric_names.is_value_head`` with the run's declared ``value_heads`` (``value`` and ``vf`` always).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from gradmon_ray import metric_names as mn
@@ -26,8 +27,8 @@ STOP_REASON_CODES: dict[str, int] = {"dead": 1, "exploding": 2, "nan_latch": 3, 
 class HealthStopRules:
     """Which rules are on.  ``*_iterations = 0`` turns that rule off.
 
-    ``include_value_head``: the dead / exploding rules also watch the value head (judged by
-    its own band edges); off by default, they watch the action heads only.
+    ``include_value_head``: the dead / exploding rules also watch the value heads (judged by
+    their own band edges); off by default, they watch the action heads only.
     """
 
     dead_iterations: int = 0
@@ -63,13 +64,18 @@ class StopDecision:
 
 
 class HealthStopMonitor:
-    """Counts consecutive dead / exploding iterations per head; checks the latches."""
+    """Counts consecutive dead / exploding iterations per head; checks the latches.
 
-    def __init__(self, rules: HealthStopRules) -> None:
+    ``value_heads``: the run's declared value heads besides ``value`` and ``vf`` (names or
+    ``head_label``s, ``metric_names.is_value_head``), left alone unless ``include_value_head``.
+    """
+
+    def __init__(self, rules: HealthStopRules, value_heads: Collection[str] = ()) -> None:
         for name in ("dead_iterations", "exploding_iterations"):
             if getattr(rules, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(rules, name)}")
         self.rules = rules
+        self.value_heads = tuple(value_heads)
         self._streaks: dict[tuple[str, str], int] = {}
 
     def update(self, iteration: int, metrics: Mapping[str, float]) -> StopDecision | None:
@@ -92,7 +98,7 @@ class HealthStopMonitor:
         for state, needed in (("dead", self.rules.dead_iterations), ("exploding", self.rules.exploding_iterations)):
             code = mn.HEALTH_CODES[state]
             for head in mp.heads_of(metrics, mn.HEAD_GRAD_HEALTH):
-                if mn.is_value_head(head) and not self.rules.include_value_head:
+                if mn.is_value_head(head, self.value_heads) and not self.rules.include_value_head:
                     continue
                 value = metrics[mn.head_metric(mn.HEAD_GRAD_HEALTH, head)]
                 if math.isnan(value):

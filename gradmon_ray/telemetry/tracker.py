@@ -43,7 +43,8 @@ class IterationTelemetry:
     nan_first_iteration: dict[str, int] = field(default_factory=dict)
     inf_first_iteration: dict[str, int] = field(default_factory=dict)
     bands: BandSet = field(default_factory=BandSet)
-    """The edges ``health`` was judged by (the value head by its own)."""
+    """The edges ``health`` was judged by (the value heads by theirs; ``bands.value_heads`` names every
+    reported head that is not an action head)."""
     head_entropy: dict[str, float] = field(default_factory=dict)
     """Per latch head, the policy entropy of the step's last minibatch (empty: not measured)."""
     head_entropy_norm: dict[str, float] = field(default_factory=dict)
@@ -98,15 +99,18 @@ class TelemetryTracker:
     """Persistent host state of the learner's telemetry across training iterations.
 
     ``reported_heads`` are the heads that get gradient norms (e.g. the action heads then the
-    value head); ``action_heads`` (a subset of them) are judged by the action bands and enter
-    the norm CV.  ``latch_heads`` (default: ``action_heads``) get log-prob NaN/Inf latches: the
-    components of the action distribution, which need not be parameter groups (a module
-    without per-head log-probs latches one ``"policy"`` entry).  Before the first
-    iteration every ``prev`` value is NaN, so the first trend is "→".  ``bands`` holds the
-    health band edges: ``bands.action`` judge the action heads, ``bands.value`` every other
-    reported head (the value head); default ``BandSet()``.  ``head_sizes`` (one per latch
-    head: its number of actions) turns on the policy head health (entropy, KL, collapse latch
-    by ``bands.collapse``); None when the action distribution is not categorical per head.
+    value heads); ``action_heads`` (a subset of them) are judged by the action bands and enter
+    the norm CV; every other reported head is a value head (the iteration's ``bands.value_heads``
+    name them, so that its ``worst_head`` agrees with the health codes).  ``latch_heads``
+    (default: ``action_heads``) get log-prob NaN/Inf latches: the components of the action
+    distribution, which need not be parameter groups (a module without per-head log-probs
+    latches one ``"policy"`` entry).  Before the first iteration every ``prev`` value is NaN, so
+    the first trend is "→".  ``bands`` holds the health band edges: ``bands.action`` judge the
+    action heads, ``bands.value`` every other reported head (the value heads); default
+    ``BandSet()``.  An action head that ``bands.is_value_head`` calls a value head is an error.
+    ``head_sizes`` (one per latch head: its number of actions) turns on the policy head health
+    (entropy, KL, collapse latch by ``bands.collapse``); None when the action distribution is not
+    categorical per head.
     """
 
     def __init__(
@@ -121,9 +125,13 @@ class TelemetryTracker:
         self.reported_heads = tuple(reported_heads)
         self.action_heads = tuple(action_heads)
         self.latch_heads = tuple(self.action_heads if latch_heads is None else latch_heads)
-        self.bands = bands or BandSet()
         if not set(self.action_heads) <= set(self.reported_heads):
             raise ValueError("action_heads must be a subset of reported_heads")
+        self.bands = bands or BandSet()
+        if clash := [h for h in self.action_heads if self.bands.is_value_head(h)]:
+            raise ValueError(f"heads {clash} are value heads (metric_names.is_value_head), not action heads")
+        # What the iteration's worst_head judges by: every non-action head a value head, as ``health``.
+        self._judged_by = self.bands.with_value_heads(h for h in self.reported_heads if h not in self.action_heads)
         self.layout = TelemetryLayout(len(self.reported_heads), len(self.latch_heads))
         self.latches = HeadLatches(self.latch_heads)
         self.head_sizes = None if head_sizes is None else tuple(int(n) for n in head_sizes)
@@ -188,7 +196,7 @@ class TelemetryTracker:
             inf_latched=dict(self.latches.inf),
             nan_first_iteration=dict(self.latches.nan_first_iteration),
             inf_first_iteration=dict(self.latches.inf_first_iteration),
-            bands=self.bands,
+            bands=self._judged_by,
             head_entropy=entropy,
             head_entropy_norm=entropy_norm,
             head_kl=kl,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from gradmon_ray import metric_names as mn
@@ -17,7 +17,7 @@ ALL_MODULES = "__all_modules__"
 
 DEFAULT_MODULE_ID = "default_policy"
 VALUE_HEAD = mn.VALUE_HEAD
-"""The value head's reported name: always the last head."""
+"""gradmon's own modules' value head's reported name (value heads are always last: ``order_heads``)."""
 
 _GRADMON_PREFIXES = ("grad/", "policy/", "latch/", "update/", "vgs/", "probe/")
 # RLlib result paths -> gradmon names (the training-progress rows of docs/metrics.md).
@@ -121,14 +121,17 @@ def _module_metrics(result: Mapping[str, Any], module_id: str, updated: bool, pr
     return out
 
 
-def order_heads(heads: Iterable[str], order: Sequence[str] | None = None) -> list[str]:
-    """``heads`` in gradmon's head order: action heads, then the value head; never in the input's order.
+def order_heads(
+    heads: Iterable[str], order: Sequence[str] | None = None, value_heads: Collection[str] = ()
+) -> list[str]:
+    """``heads`` in gradmon's head order: action heads, then the value heads; never in the input's order.
 
     Heads named in ``order`` (the action-space order: a ``Dict`` space's sorted keys, a
     ``MultiDiscrete``'s ``model.head_names``; what ``resolve_heads`` gives and the
     ``gradmon.head_names`` tag holds) come first, in that order; any other action heads
-    follow, sorted (``a2`` before ``a10``); value heads (``metric_names.is_value_head``) are always last.  Without
-    ``order`` that is: sorted action heads, then the value head.  With module labels
+    follow, sorted (``a2`` before ``a10``); value heads (``metric_names.is_value_head`` with the run's
+    declared ``value_heads``) are always last.  Without ``order`` that is: sorted action heads, then
+    the value heads.  With module labels
     (``p1/op``) each module's heads stay together, modules in first-seen order of ``order``,
     then sorted.  Duplicates are dropped.
     """
@@ -142,7 +145,7 @@ def order_heads(heads: Iterable[str], order: Sequence[str] | None = None) -> lis
 
     def key(head: str) -> tuple[int, int, int, list[Any]]:
         module = mn.split_head_label(head)[0]
-        value = mn.is_value_head(head)
+        value = mn.is_value_head(head, value_heads)
         return (module_rank[module], int(value), rank.get(head, len(rank)) if not value else 0, _natural(head))
 
     return sorted(present, key=key)
@@ -153,13 +156,15 @@ def _natural(text: str) -> list[Any]:
     return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", text) if part]
 
 
-def heads_in(metrics: Mapping[str, float], order: Sequence[str] | None = None) -> list[str]:
-    """Head names that have a ``grad/head/<head>/norm`` entry, in ``order_heads(..., order)``'s order.
+def heads_in(
+    metrics: Mapping[str, float], order: Sequence[str] | None = None, value_heads: Collection[str] = ()
+) -> list[str]:
+    """Head names that have a ``grad/head/<head>/norm`` entry, in ``order_heads(..., order, value_heads)``'s order.
 
     Never in the metrics' key order: RLlib's ``MetricsLogger.aggregate`` merges the learners'
     results through a ``set`` of key paths, so that order changes from process to process.
     """
-    return order_heads(mp.heads_of(metrics, mn.HEAD_GRAD_NORM), order)
+    return order_heads(mp.heads_of(metrics, mn.HEAD_GRAD_NORM), order, value_heads)
 
 
 def latched_heads(metrics: Mapping[str, float], kind: str) -> list[str]:
@@ -180,13 +185,16 @@ def progress_line(
     *,
     bands: _bands.BandSet | None = None,
     include_value_head: bool = False,
+    value_heads: Collection[str] = (),
 ) -> str:
     """One human line per iteration: steps, return, worst head and its band, latched heads.
 
     The worst head is the worst action head (``worst_head``, by ``bands.action``, default
-    ``BandSet()``); with ``include_value_head`` the value head competes too, judged by
-    ``bands.value``.
+    ``BandSet()``); with ``include_value_head`` the value heads compete too, judged by
+    ``bands.value``.  Value heads: ``value``, ``vf``, ``bands.value_heads`` and ``value_heads``
+    (the run's declared ones, ``run_value_heads``).
     """
+    bands = (bands or _bands.DEFAULT_BANDS).with_value_heads(value_heads)
     steps = metrics.get(mn.ENV_STEPS_SAMPLED_LIFETIME)
     ret = metrics.get(mn.EPISODE_RETURN_MEAN)
     parts = [
@@ -194,16 +202,16 @@ def progress_line(
         f"env steps {int(steps)}" if steps is not None else "env steps ?",
         f"return {ret:.3f}" if ret is not None else "return n/a",
     ]
-    heads = heads_in(metrics)
+    heads = heads_in(metrics, value_heads=bands.value_heads)
     if metrics.get(mn.LEARNERS_UPDATED) == 0.0:
         healthy = metrics.get(mn.ENV_RUNNERS_HEALTHY)
         parts.append(
             "no update: nothing to train on" + (f" ({int(healthy)} EnvRunners healthy)" if healthy is not None else "")
         )
     elif heads:
-        judged = [h for h in heads if include_value_head or not mn.is_value_head(h)] or heads
+        judged = [h for h in heads if include_value_head or not bands.is_value_head(h)] or heads
         norms = {h: metrics[mn.head_metric(mn.HEAD_GRAD_NORM, h)] for h in judged}
-        worst, band = worst_head(norms, bands=bands or _bands.DEFAULT_BANDS)
+        worst, band = worst_head(norms, bands=bands)
         parts.append(f"worst head {worst} {norms[worst]:.3f} ({band})")
     else:
         parts.append("telemetry off")
@@ -212,16 +220,52 @@ def progress_line(
     return " | ".join(parts)
 
 
-def latch_tags(metrics: dict[str, float], heads_named: bool, head_order: Sequence[str] = ()) -> dict[str, str]:
-    """The head-names tag (once: while not ``heads_named``) and the latched-heads tags, in ``head_order``.
+def latch_tags(
+    metrics: dict[str, float], heads_named: bool, head_order: Sequence[str] = (), value_heads: Collection[str] = ()
+) -> dict[str, str]:
+    """The head-names and value-heads tags (once: while not ``heads_named``) and the latched-heads
+    tags, in ``head_order``.
 
-    Heads missing from ``head_order`` follow it sorted, ``value`` last (``order_heads``): never
-    in the metrics' key order.
+    Heads missing from ``head_order`` follow it sorted, value heads last (``order_heads``): never
+    in the metrics' key order.  ``value_heads``: the run's declared value heads besides ``value``
+    and ``vf`` (``run_value_heads``); when there are any, ``gradmon.value_heads`` lists every
+    reported value head.
     """
-    heads = heads_in(metrics, head_order)
-    tags = {mn.TAG_HEAD_NAMES: ",".join(heads)} if heads and not heads_named else {}
+    heads = heads_in(metrics, head_order, value_heads)
+    tags = {}
+    if heads and not heads_named:
+        tags[mn.TAG_HEAD_NAMES] = ",".join(heads)
+        if value_heads:  # none declared: no tag, and readers take value and vf, as the learner did
+            tags[mn.TAG_VALUE_HEADS] = mn.format_value_heads(mn.value_heads_among(heads, value_heads))
     for kind, tag in (("nan", mn.TAG_NAN_LATCHED_HEADS), ("inf", mn.TAG_INF_LATCHED_HEADS)):
-        heads = order_heads(latched_heads(metrics, kind), head_order)
+        heads = order_heads(latched_heads(metrics, kind), head_order, value_heads)
         if heads:
             tags[tag] = ",".join(heads)
     return tags
+
+
+def run_value_heads(algorithm: Any, module_id: str | None = None) -> tuple[str, ...]:
+    """The value heads an algorithm's module(s) declare besides ``value`` and ``vf``, for
+    ``latch_tags``: each module's own ``value_heads`` attribute, then ``learner_config_dict["gradmon"]``'s
+    ``value_heads`` (a ``per_module`` entry's replacing the top level's), as the learner reads them
+    (``rllib.heads.declared_value_heads``, ``GradmonSettings.for_module``; the learner refuses bad
+    ones, so nothing is checked here).
+
+    ``module_id`` None: every policy, each head as ``<module>/<head>`` when there are several.
+    Duck-typed (tracking imports nothing from ``gradmon_ray.rllib``): a module the driver cannot
+    reach declares nothing.
+    """
+    policies = [module_id] if module_id is not None else list(getattr(algorithm.config, "policies", None) or [])
+    policies = [str(p) for p in policies] or [DEFAULT_MODULE_ID]
+    entry = (getattr(algorithm.config, "learner_config_dict", None) or {}).get("gradmon") or {}
+    out: list[str] = []
+    for mid in policies:
+        try:
+            own = tuple(getattr(algorithm.get_module(mid), "value_heads", None) or ())
+        except Exception:  # no module on the driver (e.g. remote EnvRunners only)
+            own = ()
+        per_module = (entry.get("per_module") or {}).get(mid) or {}
+        given = per_module["value_heads"] if per_module.get("value_heads") is not None else entry.get("value_heads")
+        prefix = mid if module_id is None and len(policies) > 1 else None
+        out += [mn.head_label(prefix, h) for h in dict.fromkeys((*own, *(given or ())))]
+    return tuple(out)

@@ -1,5 +1,6 @@
 """How the panel, the plots and the report lay heads out: by module, with short unique names, and
-the band edges each head is judged by (the run's own, read back from its params).
+the band edges each head is judged by (the run's own, read back from its params, and its value
+heads, read back from its ``gradmon.value_heads`` tag).
 
 Pure logic, no MLflow, no drawing: every reader groups and names heads the same way.
 """
@@ -70,10 +71,11 @@ def legend(short: Mapping[str, str]) -> str:
     return ", ".join(f"{s} = {n}" for n, s in short.items() if s != n)
 
 
-def run_bands(params: Mapping[str, str]) -> BandSet:
+def run_bands(params: Mapping[str, str], tags: Mapping[str, str] | None = None) -> BandSet:
     """The edges the run judged its heads by, from its ``telemetry.bands.*`` params (``gradmon-ray
     train`` logs its whole config); the defaults for a run without them (a user's own callback) or
-    with edges that do not parse."""
+    with edges that do not parse.  Its value heads (``BandSet.value_heads``) are the
+    ``gradmon.value_heads`` tag's; a run without the tag has ``value`` and ``vf`` only."""
     edges: dict[str, HealthBands] = {}
     for kind, default in (("action", DEFAULT_BANDS.action), ("value", DEFAULT_BANDS.value)):
         try:
@@ -81,7 +83,10 @@ def run_bands(params: Mapping[str, str]) -> BandSet:
             edges[kind] = HealthBands(**given) if all(math.isfinite(v) for v in given.values()) else default
         except (KeyError, ValueError, TypeError):
             edges[kind] = default
-    return BandSet(action=edges["action"], value=edges["value"], collapse=DEFAULT_BANDS.collapse)
+    value_heads = mn.parse_value_heads((tags or {}).get(mn.TAG_VALUE_HEADS))
+    return BandSet(
+        action=edges["action"], value=edges["value"], collapse=DEFAULT_BANDS.collapse, value_heads=value_heads
+    )
 
 
 def band_edges_text(bands: HealthBands) -> str:

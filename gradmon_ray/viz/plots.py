@@ -1,7 +1,8 @@
 """Plots of a run's gradient health, as PNG files (MLflow artifacts and ``gradmon-ray report``).
 
-Every head is drawn against its own band edges (``RunHistory.bands.for_head``): the lines plot
-puts each module's action heads and its value head on separate axes, each shaded with its own
+Every head is drawn against its own band edges (``RunHistory.bands.for_head``, a value head, the
+run's ``gradmon.value_heads`` included, by the value edges): the lines plot puts each module's
+action heads and its value heads on separate axes, each shaded with its own
 bands; the heatmap draws each row's own edges.  A multi-module run gets one row of axes per
 module (heatmap rows labelled ``<module>/<head>``, modules set apart by a black line).
 
@@ -143,7 +144,8 @@ def shaded_norm_axes(ax: Axes, history: RunHistory, heads: Sequence[str], bands:
     for head in heads:
         steps, raw = _series(history, mn.HEAD_GRAD_NORM, head)
         values = [max(v, _FLOOR) if math.isfinite(v) else np.nan for v in raw]
-        ax.plot(steps, values, marker=".", label=short_head(head), linestyle="--" if mn.is_value_head(head) else "-")
+        style = "--" if history.bands.is_value_head(head) else "-"
+        ax.plot(steps, values, marker=".", label=short_head(head), linestyle=style)
         drawn += [v for v in values if math.isfinite(v)]
     ax.set_yscale("log")
     bottom, top = min(drawn) / 2, max(drawn) * 2
@@ -161,13 +163,12 @@ def shaded_norm_axes(ax: Axes, history: RunHistory, heads: Sequence[str], bands:
 
 
 def lines_figure(history: RunHistory) -> Figure:
-    """Per module, its action heads' norms shaded with the action bands and its value head's
-    shaded with the value bands, side by side; one row per module."""
+    """Per module, its action heads' norms shaded with the action bands and its value heads'
+    shaded with the value bands (``BandSet.is_value_head``: the run's own), side by side; one row
+    per module."""
     groups = group_heads(history.heads) or [(None, [])]
-    split = [
-        (module, [h for h in heads if not mn.is_value_head(h)], [h for h in heads if mn.is_value_head(h)])
-        for module, heads in groups
-    ]
+    is_value = history.bands.is_value_head
+    split = [(m, [h for h in heads if not is_value(h)], [h for h in heads if is_value(h)]) for m, heads in groups]
     with_value = any(value for _, _, value in split)
     figure = _new_figure(13.0 if with_value else 10.0, 0.6 + 3.6 * len(split))
     axes = figure.subplots(len(split), 2 if with_value else 1, squeeze=False, width_ratios=[3, 2][: 1 + with_value])

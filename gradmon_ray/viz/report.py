@@ -93,10 +93,11 @@ def summary_markdown(history: RunHistory, probe: ProbeView, run_name: str = "") 
     groups = group_heads(history.heads)
     several = len(groups) > 1
     lines += ["", "## Heads, worst first", ""]
+    values = [short_head(h) for h in history.heads if history.bands.is_value_head(h)]
     lines.append(
         f"Bands: action heads {band_edges_text(history.bands.action)}, value heads "
-        f"({', '.join(mn.VALUE_HEAD_NAMES)}) {band_edges_text(history.bands.value)} (dead | weak | healthy | "
-        "elevated | exploding)."
+        f"({', '.join(dict.fromkeys(values)) or 'none'}) {band_edges_text(history.bands.value)} (dead | weak | "
+        "healthy | elevated | exploding)."
     )
     summaries: list[HeadSummary] = []
     for module, heads in groups:

@@ -60,16 +60,17 @@ def resolve_run(client: Any, *, run_id: str | None = None, experiment: str | Non
 
 
 def run_heads(metrics: Mapping[str, float], tags: Mapping[str, str]) -> list[str]:
-    """Reported heads in the ``gradmon.head_names`` tag's order, each module's value head
-    (``metric_names.is_value_head``) last.
+    """Reported heads in the ``gradmon.head_names`` tag's order, each module's value heads
+    (``metric_names.is_value_head`` with the ``gradmon.value_heads`` tag's) last.
 
-    A run without the tag gets sorted action heads, then the value head: never the order of the
+    A run without the tag gets sorted action heads, then the value heads: never the order of the
     metric keys, which MLflow and RLlib do not keep stable.
     """
     from gradmon_ray.tracking.result_metrics import heads_in, order_heads  # imports torch: not at CLI start-up
 
     tagged = [h for h in tags.get(mn.TAG_HEAD_NAMES, "").split(",") if h]
-    return order_heads(tagged, tagged) if tagged else heads_in(metrics)
+    value_heads = mn.parse_value_heads(tags.get(mn.TAG_VALUE_HEADS))
+    return order_heads(tagged, tagged, value_heads) if tagged else heads_in(metrics, value_heads=value_heads)
 
 
 _BAND_OF_CODE = {code: band for band, code in mn.HEALTH_CODES.items()}
@@ -78,7 +79,8 @@ _BAND_OF_CODE = {code: band for band, code in mn.HEALTH_CODES.items()}
 def head_band(code: float | None, norm: float | None, head: str, bands: BandSet = DEFAULT_BANDS) -> str:
     """A head's health band as the learner logged it (``grad/head/<h>/health``: judged by the
     run's configured edges, a value head by its own); a run without the code judges the norm by
-    ``bands.for_head(head)`` (a value head, ``metric_names.is_value_head``, by the value edges)."""
+    ``bands.for_head(head)`` (a value head, ``BandSet.is_value_head``: ``value``, ``vf`` and the
+    run's ``gradmon.value_heads``, by the value edges)."""
     if code is not None and math.isfinite(code) and int(code) in _BAND_OF_CODE:
         return _BAND_OF_CODE[int(code)]
     if norm is None:
@@ -157,7 +159,7 @@ class RunSnapshot:
     policy_heads: list[str] = field(default_factory=list)
     """Heads with a policy entropy or collapse latch (``policy_heads``)."""
     bands: BandSet = DEFAULT_BANDS
-    """The edges the run judged its heads by (``layout.run_bands``)."""
+    """The edges the run judged its heads by, and its value heads (``layout.run_bands``)."""
 
     def head_value(self, template: str, head: str) -> float | None:
         """The latest value of the per-head ``template`` for ``head`` (a label), None if never logged."""
@@ -191,7 +193,7 @@ def snapshot(client: Any, run: Any) -> RunSnapshot:
         iteration=iteration,
         probe=probe,
         policy_heads=policy_heads(metrics, heads),
-        bands=run_bands(run.data.params),
+        bands=run_bands(run.data.params, tags),
     )
 
 
@@ -207,7 +209,7 @@ class RunHistory:
     policy_heads: list[str] = field(default_factory=list)
     """Heads with a policy entropy or collapse latch, whose series are loaded too."""
     bands: BandSet = DEFAULT_BANDS
-    """The edges the run judged its heads by (``layout.run_bands``)."""
+    """The edges the run judged its heads by, and its value heads (``layout.run_bands``)."""
 
     def steps(self, name: str) -> list[int]:
         """The steps at which ``name`` was logged, ascending."""
@@ -265,5 +267,5 @@ def load_history(client: Any, run_id: str, extra: Iterable[str] = ()) -> RunHist
         latest=latest,
         tags=tags,
         policy_heads=policy,
-        bands=run_bands(run.data.params),
+        bands=run_bands(run.data.params, tags),
     )

@@ -102,7 +102,7 @@ def test_unknown_key_lists_the_full_learners_allowed_keys():
         ({"bands": {"actoin": {}}}, "['bands']", ["action", "collapse", "value"]),
         ({"bands": {"action": {"healthy": 1.0}}}, "['bands']['action']", [f.name for f in fields(HealthBands)]),
         ({"bands": {"collapse": {"iters": 3}}}, "['bands']['collapse']", [f.name for f in fields(CollapseBand)]),
-        ({"per_module": {"a": {"head": {}}}}, "['per_module']['a']", ["bands", "heads"]),
+        ({"per_module": {"a": {"head": {}}}}, "['per_module']['a']", ["bands", "heads", "value_heads"]),
         ({"per_module": {"a": {"bands": {"value": {"max": 1}}}}}, "['per_module']['a']['bands']['value']", None),
         ({"vgs": {"betta": 0.9}}, "['vgs']", None),
     ],
@@ -197,15 +197,15 @@ def test_for_module_falls_back_field_by_field_to_the_top_level():
     narrow = BandSet(action=ACTION_BANDS, value=HealthBands(0.01, 0.1, 4.0, 8.0))
     assert settings.bands == wide
 
-    assert settings.for_module("both") == ModuleSettings(heads={"x": "^x"}, bands=narrow)
-    assert settings.for_module("heads_only") == ModuleSettings(heads={"y": "^y"}, bands=wide)
-    assert settings.for_module("bands_only") == ModuleSettings(heads=top_heads, bands=narrow)
+    assert settings.for_module("both") == ModuleSettings(heads={"x": "^x"}, bands=narrow, value_heads=())
+    assert settings.for_module("heads_only") == ModuleSettings(heads={"y": "^y"}, bands=wide, value_heads=())
+    assert settings.for_module("bands_only") == ModuleSettings(heads=top_heads, bands=narrow, value_heads=())
     # an explicit empty heads mapping is the entry's own choice (the module's own / zero-config heads)
-    assert settings.for_module("empty_heads") == ModuleSettings(heads={}, bands=wide)
-    assert settings.for_module("no_entry") == ModuleSettings(heads=top_heads, bands=wide)
+    assert settings.for_module("empty_heads") == ModuleSettings(heads={}, bands=wide, value_heads=())
+    assert settings.for_module("no_entry") == ModuleSettings(heads=top_heads, bands=wide, value_heads=())
     # an entry's bands replace the top level's whole: the action edges are the defaults, not WIDE's
     assert settings.for_module("bands_only").bands.action == ACTION_BANDS != wide.action
-    assert GradmonSettings().for_module("default_policy") == ModuleSettings(heads={}, bands=BandSet())
+    assert GradmonSettings().for_module("default_policy") == ModuleSettings(heads={}, bands=BandSet(), value_heads=())
 
 
 def test_check_modules_names_the_missing_ids_and_lists_the_modules_ids():

@@ -23,6 +23,7 @@ def log_run(
     entropy: Mapping[str, float] | None = None,
     module_scalars: Mapping[str, Sequence[float]] | None = None,
     params: Mapping[str, str] | None = None,
+    value_heads: Sequence[str] = (),
 ) -> str:
     """A finished run; returns its id.
 
@@ -31,7 +32,9 @@ def log_run(
     ``trends``: the last iteration's trend code per head; ``latches``: ``(nan, inf)`` per head,
     logged at every step (a head not named gets no latch metric, as the value head);
     ``entropy``: the last normalised entropy per head (and a clear collapse latch);
-    ``module_scalars``: full metric name (``module/<id>/update/skipped_total`` or plain) -> values.
+    ``module_scalars``: full metric name (``module/<id>/update/skipped_total`` or plain) -> values;
+    ``value_heads``: the ``gradmon.value_heads`` tag, as a run that declares value heads writes it
+    (none: no tag, as a run without declared value heads or one written before the tag existed).
     """
     exp = client.get_experiment_by_name(experiment)
     exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
@@ -55,6 +58,7 @@ def log_run(
     for name, values in (module_scalars or {}).items():
         put(name, values)
     tags = [RunTag(mn.TAG_HEAD_NAMES, ",".join(tag if tag is not None else norms)), RunTag(mn.TAG_STATUS, "finished")]
+    tags += [RunTag(mn.TAG_VALUE_HEADS, ",".join(value_heads))] if value_heads else []
     client.log_batch(run_id, metrics=metrics, params=[Param(k, v) for k, v in (params or {}).items()], tags=tags)
     client.set_terminated(run_id)
     return run_id

@@ -27,17 +27,27 @@ from tests.viz.module_runs import log_run
 RUNS = {
     "value": ["op", "value"],
     "vf": ["op", "vf"],
+    "critic": ["op", "critic"],  # a value head the run declared: its gradmon.value_heads tag says so
     "modules": ["p1/op", "p1/vf", "p2/op", "p2/value"],
 }
+DECLARED = {"critic": ["critic"], "heatmap_critic": ["critic"]}
+"""The runs' ``gradmon.value_heads`` tags (the others declare none: ``value`` and ``vf`` are built in)."""
+VALUE_NAMES = ("value", "vf", "critic")
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     uri = f"sqlite:///{tmp_path_factory.mktemp('plots') / 'mlflow.db'}"
     client = MlflowClient(uri)
-    runs = {name: log_run(client, name, {h: [8.0, 8.0] for h in heads}) for name, heads in RUNS.items()}
+    runs = {
+        name: log_run(client, name, {h: [8.0, 8.0] for h in heads}, value_heads=DECLARED.get(name, ()))
+        for name, heads in RUNS.items()
+    }
     # log10 norms 0, 0.477, 1.079: crossing 2 at x = log 2 / log 3, 5 and 10 between x = 1 and 2
     runs["heatmap"] = log_run(client, "heatmap", {"op": [1.0, 3.0, 12.0], "value": [1.0, 3.0, 12.0]})
+    runs["heatmap_critic"] = log_run(
+        client, "heatmap_critic", {"op": [1.0, 3.0, 12.0], "critic": [1.0, 3.0, 12.0]}, value_heads=["critic"]
+    )
     runs["heatmap_modules"] = log_run(
         client, "heatmap_modules", {h: [1.0, 3.0, 12.0] for h in ["p1/op", "p1/vf", "p2/op", "p2/value"]}
     )
@@ -106,7 +116,7 @@ def _white_crossings(image: np.ndarray, ax, row: int, n_steps: int) -> list[floa
     return [float(inverse.transform((x0 + 1 + c, y))[0]) for c in runs]
 
 
-@pytest.mark.parametrize("run", ["heatmap", "heatmap_modules"])
+@pytest.mark.parametrize("run", ["heatmap", "heatmap_critic", "heatmap_modules"])
 def test_heatmap_rows_draw_their_own_heads_edges(store, run, tmp_path):
     """op and value both go 1 -> 3 -> 12: op's row crosses its edges 2 and 5, the value row only its
     edge 10 (never 2 or 5), at x interpolated in log10 between the steps."""
@@ -122,10 +132,11 @@ def test_heatmap_rows_draw_their_own_heads_edges(store, run, tmp_path):
         10.0: 1 + (1 - math.log10(3)) / (math.log10(12) - math.log10(3)),
     }
     expected_action, expected_value = [crossing[2.0], crossing[5.0]], [crossing[10.0]]
-    assert labels == (["op", "value"] if run == "heatmap" else ["p1/op", "p1/vf", "p2/op", "p2/value"])
+    expected_labels = {"heatmap": ["op", "value"], "heatmap_critic": ["op", "critic"]}
+    assert labels == expected_labels.get(run, ["p1/op", "p1/vf", "p2/op", "p2/value"])
     for row, label in enumerate(labels):
         found = _white_crossings(image, ax, row, 3)
-        expected = expected_value if label.split("/")[-1] in ("value", "vf") else expected_action
+        expected = expected_value if label.split("/")[-1] in VALUE_NAMES else expected_action
         assert found == pytest.approx(expected, abs=0.05), (label, found)
     if run == "heatmap_modules":  # a black line between the modules, none inside one
         assert np.all(_pixel(image, ax, 1.0, 1.5) < 0.1)
@@ -138,7 +149,7 @@ def test_report_a_value_head_at_8_is_healthy_an_action_head_exploding(store, run
     text = summary_markdown(load_history(client, runs[run]), ProbeView(None))
     rows = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in text.splitlines() if "| 8 |" in line}
     heads = [h.split("/")[-1] for h in RUNS[run]]
-    assert rows == {h: ("healthy" if h in ("value", "vf") else "exploding") for h in heads}
+    assert rows == {h: ("healthy" if h in VALUE_NAMES else "exploding") for h in heads}
     if run == "modules":
         assert text.index("### module p1") < text.index("### module p2")
         sections = text.split("### module ")
