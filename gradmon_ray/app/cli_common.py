@@ -73,11 +73,17 @@ _STARTUP_NOISE = (
     "Creating initial MLflow database tables",
     "Updating database tables",
     "DeprecationWarning: `RLModule(config=[RLModuleConfig object])` has been deprecated",  # RLlib's own call
+    # Tune's advice when building the algorithm (a Trainable) took over 10 s; reuse_actors is a Tune
+    # setting that no ``train`` run has, and a sweep trial's own log never reaches the terminal.
+    "consider setting reuse_actors=True to reduce actor creation overheads",
 )
 
 
 class StartupNoiseFilter(logging.Filter):
-    """Drops Ray's and MLflow's start-up notices that ask nothing of the user (``--debug`` keeps them)."""
+    """Drops Ray's and MLflow's start-up notices that ask nothing of the user (``--debug`` keeps them).
+
+    Ray's one-time ``Generated new authentication token and saved to ~/.ray/auth_token`` stays: it
+    says where a credential was written."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -85,16 +91,21 @@ class StartupNoiseFilter(logging.Filter):
 
 
 def filter_startup_noise() -> None:
+    """Python-level: the ``_STARTUP_NOISE`` log records and RLlib's env re-registration warning.
+    Native: Ray's C++ actor restart notice, dropped while the algorithm is built (``ray_noise``)."""
     import warnings
 
     import mlflow  # noqa: F401  (the imports set up these loggers' own handlers)
     import ray.rllib  # noqa: F401
+
+    from gradmon_ray.app.ray_noise import want_quiet_ray
 
     for name in ("ray", "ray.rllib", "mlflow"):
         for handler in logging.getLogger(name).handlers:
             handler.addFilter(StartupNoiseFilter())
     # RLlib re-registers its own env wrapper on every EnvRunner build.
     warnings.filterwarnings("ignore", message=".*Overriding environment rllib-single-agent-env.*")
+    want_quiet_ray()
 
 
 def print_advisories(cfg: Any) -> None:

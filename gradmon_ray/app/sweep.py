@@ -1,12 +1,12 @@
 """Ray Tune sweeps over any config field, one MLflow child run per trial.
 
 The sweep file, its validation and its search space: ``gradmon_ray.app.sweep_config`` (re-exported
-here).  Each trial runs ``run_training`` (so the telemetry, the probe and the
-``health_stop`` rules are the same as ``gradmon-ray train``), writes an MLflow run nested
-under the sweep's parent run, reports every iteration to Tune, and checkpoints the
-algorithm (learner state, telemetry latches included) plus its MLflow run id and health
-streaks, so that Tune's ``FailureConfig`` retries resume the trial where it stopped and in
-the same MLflow run.
+here).  Each trial (``sweep_trial.run_trial``) runs ``run_training`` (so the telemetry, the probe
+and the ``health_stop`` rules are the same as ``gradmon-ray train``), writes an MLflow run nested
+under the sweep's parent run, reports every iteration to Tune and checkpoints, so that Tune's
+``FailureConfig`` retries resume it where it stopped and in the same MLflow run.  While the
+sweep runs, ``progress`` gets one line per trial iteration (``sweep_callback.TrialProgress``),
+then one summary line per trial.
 """
 
 from __future__ import annotations
@@ -15,21 +15,35 @@ import copy
 import json
 import math
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.app.sweep_config import SweepConfig, tune_search_space
 from gradmon_ray.app.sweep_config import load_sweep as load_sweep  # re-exported: the CLI and tests import it from here
+from gradmon_ray.app.sweep_progress import trial_summary_line
+from gradmon_ray.app.sweep_trial import (  # re-exported: tests and the multi-node tests import them from here
+    PARENT_RUN_TAG,
+    TRIAL_STATE_FILE,
+    MetricCarry,
+    run_trial,
+)
 from gradmon_ray.config import GradmonConfig, apply_overrides, config_from_dict
+from gradmon_ray.telemetry.bands import BandSet
 from gradmon_ray.tracking.mlflow_io import mlflow_value
 from gradmon_ray.tracking.redact import redact_uri
 
-TRIAL_STATE_FILE = "gradmon_trial.json"
-PARENT_RUN_TAG = "mlflow.parentRunId"  # MLflow's own tag: the UI nests runs under their parent
+__all__ = [
+    "PARENT_RUN_TAG",
+    "TRIAL_STATE_FILE",
+    "MetricCarry",
+    "SweepConfig",
+    "SweepOutcome",
+    "TrialSummary",
+    "absolute_tracking_uri",
+    "load_sweep",
+    "run_sweep",
+]
 
 
 @dataclass
@@ -67,12 +81,17 @@ def absolute_tracking_uri(uri: str) -> str:
 
 
 def run_sweep(sweep: SweepConfig, base: dict[str, Any], *, progress: Any = print) -> SweepOutcome:
-    """Run the sweep with Ray Tune; one nested MLflow run per trial under a parent run."""
+    """Run the sweep with Ray Tune; one nested MLflow run per trial under a parent run.
+
+    ``progress`` (None: silent) gets a line per trial iteration as Tune receives it, then one per trial.
+    """
     import ray
     from mlflow.tracking import MlflowClient
     from ray import tune
 
+    from gradmon_ray.app.ray_noise import quiet_wanted
     from gradmon_ray.app.resource_wait import check_fits
+    from gradmon_ray.app.sweep_callback import TrialProgress
     from gradmon_ray.app.train import ensure_ray, ray_address_of
     from gradmon_ray.rllib.config import build_ppo_config
     from gradmon_ray.rllib.preflight import preflight
@@ -81,7 +100,7 @@ def run_sweep(sweep: SweepConfig, base: dict[str, Any], *, progress: Any = print
     preflight(base_cfg)  # env, model, restore_from: refused before Ray starts or any run exists
     uri = absolute_tracking_uri(base_cfg.mlflow.tracking_uri)
     # Tune writes the param space to disk (params.json, experiment state): it gets the URI with its
-    # credentials masked, and the trials get the real one through the object store (_trial's tracking_uri).
+    # credentials masked, and the trials get the real one through the object store (run_trial's tracking_uri).
     fixed: dict[str, Any] = {"mlflow.tracking_uri": redact_uri(uri)}
     if base_cfg.restore_from:  # trials run in their own working directories
         fixed["restore_from"] = os.path.abspath(base_cfg.restore_from)
@@ -108,8 +127,17 @@ def run_sweep(sweep: SweepConfig, base: dict[str, Any], *, progress: Any = print
         client.log_param(parent_id, f"search_space.{key}", json.dumps(spec))
     status = "FAILED"
     try:
+        callbacks = []
+        if progress is not None:
+            bands = BandSet.from_dict(base_cfg.telemetry.bands.model_dump())
+            include_value = base_cfg.health_stop.include_value_head
+            callbacks.append(
+                TrialProgress(progress, base_cfg.iterations, bands=bands, include_value_head=include_value)
+            )
+        if quiet_wanted():  # Tune's new output engine prints its tables at start and end even at verbose=0
+            os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
         tuner = tune.Tuner(
-            tune.with_resources(tune.with_parameters(_trial, tracking_uri=uri), resources),
+            tune.with_resources(tune.with_parameters(run_trial, tracking_uri=uri), resources),
             param_space={
                 **tune_search_space(sweep.search_space),
                 "__gradmon__": {
@@ -131,6 +159,7 @@ def run_sweep(sweep: SweepConfig, base: dict[str, Any], *, progress: Any = print
                 storage_path=os.path.abspath(sweep.storage_path or "tune_results"),
                 failure_config=tune.FailureConfig(max_failures=sweep.max_failures),
                 checkpoint_config=tune.CheckpointConfig(num_to_keep=sweep.keep_checkpoints),
+                callbacks=callbacks,
                 verbose=0,
             ),
         )
@@ -144,9 +173,16 @@ def run_sweep(sweep: SweepConfig, base: dict[str, Any], *, progress: Any = print
             client.set_tag(parent_id, "gradmon.best_run_id", best.run_id or "")
         if progress is not None:
             for t in trials:
-                extra = f" | stopped: {t.stop_reason}" if t.stop_reason else ""
                 progress(
-                    f"trial {t.trial_id} {t.status} | {t.iterations} iterations | {sweep.metric} {t.metric}{extra}"
+                    trial_summary_line(
+                        t.trial_id,
+                        t.status,
+                        t.iterations,
+                        sweep.metric,
+                        t.metric,
+                        run_id=t.run_id,
+                        stop_reason=t.stop_reason,
+                    )
                 )
         status = "FINISHED" if any(t.status == "finished" for t in trials) else "FAILED"
         return SweepOutcome(name, parent_id, trials, best)
@@ -188,25 +224,6 @@ def _trial_resources(cfg: GradmonConfig, build_ppo_config: Any) -> Any:
     return tune.PlacementGroupFactory(bundles, strategy=request.strategy)
 
 
-class MetricCarry:
-    """Every result a trial reports to Tune carries the sweep's metric, or Tune fails the whole sweep.
-
-    An iteration that trained nothing (its only EnvRunner lost with its node, and being restarted)
-    has no episode return and no telemetry; it repeats the metric's last value of this attempt
-    (NaN before there is one; a NaN never ranks a trial).  MLflow gets only what was measured.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.last = math.nan
-
-    def fill(self, metrics: dict[str, float]) -> dict[str, float]:
-        if self.name in metrics:
-            self.last = metrics[self.name]
-            return metrics
-        return {**metrics, self.name: self.last}
-
-
 def _summary(result: Any, metric: str) -> TrialSummary:
     metrics = result.metrics or {}
     reason = metrics.get(mn.HEALTH_STOP_REASON)
@@ -221,78 +238,3 @@ def _summary(result: Any, metric: str) -> TrialSummary:
         stop_reason=metrics.get("stop_reason_text") or None,
         config=config,
     )
-
-
-def _trial(params: dict[str, Any], tracking_uri: str) -> None:
-    """One Tune trial: ``run_training`` with the sampled overrides, reporting to Tune.
-
-    ``tracking_uri``: the real URI (credentials and all), which the param space holds masked.
-    """
-    from ray import tune
-
-    from gradmon_ray.app.checkpointing import RUN_ID_WAIT_S, resume_state
-    from gradmon_ray.app.train import ResumePoint, last_logged_iteration, mlflow_params, plotter, run_training
-    from gradmon_ray.tracking import MlflowSink
-    from gradmon_ray.tracking.spill import default_spill_path
-
-    meta = params["__gradmon__"]
-    overrides = {k: v for k, v in params.items() if k != "__gradmon__"}
-    cfg = config_from_dict(apply_overrides(copy.deepcopy(meta["base"]), overrides))
-    if cfg.mlflow.tracking_uri == redact_uri(tracking_uri):  # the masked copy of the sweep's own URI
-        cfg.mlflow.tracking_uri = tracking_uri
-    context = tune.get_context()
-    resume, run_id = None, None
-    checkpoint = tune.get_checkpoint()
-    if checkpoint is not None:
-        local = tempfile.mkdtemp(prefix="gradmon-resume-")
-        with checkpoint.as_directory() as directory:
-            shutil.copytree(directory, local, dirs_exist_ok=True)
-        state = json.loads((Path(local) / TRIAL_STATE_FILE).read_text())
-        run_id = state["run_id"]
-        resume = ResumePoint(
-            str(Path(local) / "algo"),
-            int(state["iterations_done"]),
-            state.get("health", {}),
-            state_digest=state.get("state_digest"),
-            logged_through=last_logged_iteration(cfg.mlflow.tracking_uri, run_id),
-        )
-    sink = MlflowSink(
-        cfg.mlflow.tracking_uri,
-        cfg.mlflow.experiment,
-        run_name=context.get_trial_name(),
-        params={**mlflow_params(cfg), **{f"trial.{k}": v for k, v in overrides.items()}},
-        tags={PARENT_RUN_TAG: meta["parent_run_id"], mn.TAG_SWEEP: meta["sweep"], mn.TAG_STATUS: "running"},
-        max_pending=cfg.mlflow.queue_size,
-        plots_every=cfg.mlflow.plots_every,
-        plot_fn=plotter(cfg.mlflow.plots_every),
-        spill_path=default_spill_path(cfg.mlflow.spill_dir, context.get_trial_name()),
-        run_id=run_id,
-        end_run=True,
-    )
-    every = int(meta["every"])
-    metric = MetricCarry(meta.get("metric", mn.EPISODE_RETURN_MEAN))
-
-    def report(iteration: int, metrics: dict[str, float], algo: Any, monitor: Any, stop_reason: str | None) -> None:
-        stopping = stop_reason is not None
-        payload: dict[str, Any] = {
-            **metric.fill(metrics),
-            "gradmon_iteration": iteration,
-            "mlflow_run_id": sink.run_id_waiting_once(RUN_ID_WAIT_S),
-        }
-        if stopping:
-            payload["stop_reason_text"] = stop_reason
-        if not (iteration % every == 0 or iteration == cfg.iterations or stopping):
-            tune.report(payload)
-            return
-        # tune.report copies the checkpoint into the trial's storage before it returns (Ray's own pattern).
-        with tempfile.TemporaryDirectory(prefix="gradmon-ckpt-") as directory:
-            algo.save_to_path(os.path.join(directory, "algo"))
-            state = resume_state(algo, iteration, sink.run_id, monitor)
-            (Path(directory) / TRIAL_STATE_FILE).write_text(json.dumps(state))
-            tune.report(payload, checkpoint=tune.Checkpoint.from_directory(directory))
-
-    try:
-        run_training(cfg, progress=None, sink=sink, reporter=report, resume=resume)
-    finally:
-        if resume is not None:
-            shutil.rmtree(Path(resume.checkpoint_path).parent, ignore_errors=True)

@@ -14,6 +14,7 @@ from gradmon_ray.app.cli_common import (
     set_overrides,
     use_uri,
 )
+from gradmon_ray.config import ConfigError
 
 
 def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,15 +23,35 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mlflow-uri", help="MLflow tracking URI for the parent and trial runs")
     parser.add_argument("--ray-address", help="Ray cluster address (default: local Ray or RAY_ADDRESS)")
     parser.add_argument("--iterations", type=int, help="training iterations per trial (base config: iterations)")
+    parser.add_argument(
+        "--num-samples", metavar="N", help="samples of the search space, N >= 1 (sweep file: num_samples)"
+    )
     add_set_flag(parser, "override a base config field for every trial, e.g. --set ppo.train_batch_size=512")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
+def num_samples_flag(raw: str | None) -> int | None:
+    """``--num-samples``: a whole number >= 1 (None: the sweep file's); else a one-line ``ConfigError``."""
+    if raw is None:
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ConfigError("--num-samples", f"must be a whole number >= 1, got {raw!r}") from None
+    if value < 1:
+        raise ConfigError("--num-samples", f"must be >= 1, got {value}")
+    return value
+
+
 def tune_command(args: argparse.Namespace) -> int:
     from gradmon_ray.app.sweep import load_sweep, run_sweep
+    from gradmon_ray.app.sweep_progress import fmt4, trial_count
     from gradmon_ray.config import apply_overrides, config_from_dict
 
+    num_samples = num_samples_flag(args.num_samples)  # before the sweep file is even read
     sweep, base = load_sweep(args.sweep_file)
+    if num_samples is not None:
+        sweep.num_samples = num_samples
     flags = {
         "mlflow.tracking_uri": args.mlflow_uri,
         "resources.ray_address": args.ray_address,
@@ -43,8 +64,13 @@ def tune_command(args: argparse.Namespace) -> int:
         filter_startup_noise()
     check_tracking_server(cfg)
     print_advisories(cfg)
-    print(f"gradmon-ray: sweep '{sweep.name}' over {', '.join(sweep.search_space)}", flush=True)
+    trials = trial_count(sweep.search_space, sweep.num_samples)
+    print(
+        f"gradmon-ray: sweep '{sweep.name}' over {', '.join(sweep.search_space)}: {trials} trials "
+        f"of {cfg.iterations} iterations",
+        flush=True,
+    )
     outcome = run_sweep(sweep, base, progress=lambda line: print(line, flush=True))
-    best = f"best run {outcome.best.run_id} ({sweep.metric} {outcome.best.metric:.4g})" if outcome.best else "no best"
+    best = f"best run {outcome.best.run_id} ({sweep.metric} {fmt4(outcome.best.metric)})" if outcome.best else "no best"
     print(f"gradmon-ray: sweep done; MLflow parent run {outcome.parent_run_id}; {best}", flush=True)
     return EXIT_OK if any(t.status != "failed" for t in outcome.trials) else EXIT_FAILED
