@@ -36,12 +36,12 @@ def worst_of(
     """The worst head of one iteration's metrics: ``(head, gradient norm, band)``; None without telemetry.
 
     As ``gradmon-ray train``'s progress line judges it: the action heads by ``bands.action``
-    (``worst_head``), the value head too with ``include_value_head``.
+    (``worst_head``), the value heads (``bands.is_value_head``) too with ``include_value_head``.
     """
-    heads = heads_in({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+    heads = heads_in({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, value_heads=bands.value_heads)
     if not heads:
         return None
-    judged = [h for h in heads if include_value_head or not mn.is_value_head(h)] or heads
+    judged = [h for h in heads if include_value_head or not bands.is_value_head(h)] or heads
     norms = {h: float(metrics[mn.head_metric(mn.HEAD_GRAD_NORM, h)]) for h in judged}
     head, band = worst_head(norms, bands=bands)
     return head, norms[head], band
