@@ -65,7 +65,8 @@ def tiny_config_data(tmp_path):
 #
 # Processes that are not "a subprocess the test starts": torch's compile workers and the
 # tool look-ups some libraries run when they are imported (ctypes' find_library).
-_IMPLICIT_PROCESSES = ("torch._inductor", "torch/_inductor", "ldconfig", "gcc", "cc", "ld", "objdump", "uname")
+_TOOLS = {"ldconfig", "gcc", "g++", "cc", "c++", "clang", "clang++", "ld", "objdump", "uname", "nvcc", "which"}
+_TORCH_WORKERS = ("torch._inductor", "torch/_inductor", "torchinductor")  # its workers, its .so load check
 _RAY_FIXTURES = ("ray_session", "without_shared_ray")
 
 
@@ -78,9 +79,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _implicit(args) -> bool:
-    words = [str(a) for a in ([args] if isinstance(args, (str, bytes, os.PathLike)) else args)]
-    first = os.path.basename(words[0]) if words else ""
-    return first in _IMPLICIT_PROCESSES or any(p in w for w in words for p in _IMPLICIT_PROCESSES[:2])
+    """A C/C++ tool (torch.compile builds its kernels with one) or one of torch's compile workers."""
+    words = [os.fsdecode(a) for a in ([args] if isinstance(args, (str, bytes, os.PathLike)) else args)]
+    line = " ".join(words)
+    first = os.path.basename(line.split()[0]) if line.split() else ""
+    return first in _TOOLS or any(worker in line for worker in _TORCH_WORKERS)
 
 
 @pytest.fixture(autouse=True)
