@@ -65,7 +65,7 @@ def tiny_config_data(tmp_path):
 #
 # Processes that are not "a subprocess the test starts": torch's compile workers and the
 # tool look-ups some libraries run when they are imported (ctypes' find_library).
-_TOOLS = {"ldconfig", "gcc", "g++", "cc", "c++", "clang", "clang++", "ld", "objdump", "uname", "nvcc", "which"}
+_TOOLS = {"ldconfig", "gcc", "g++", "cc", "c++", "clang", "clang++", "ld", "objdump", "uname", "nvcc", "which", "openssl"}
 _TORCH_WORKERS = ("torch._inductor", "torch/_inductor", "torchinductor")  # its workers, its .so load check
 _RAY_FIXTURES = ("ray_session", "without_shared_ray")
 
