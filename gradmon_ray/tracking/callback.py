@@ -45,7 +45,7 @@ from gradmon_ray.tracking.callback_settings import (  # re-exported: their docum
 )
 from gradmon_ray.tracking.mlflow_sink import MlflowSink
 from gradmon_ray.tracking.redact import redact_text, redact_uri
-from gradmon_ray.tracking.result_metrics import latch_tags, result_to_metrics
+from gradmon_ray.tracking.result_metrics import latch_tags, result_to_metrics, run_value_heads
 from gradmon_ray.tracking.spill import default_spill_path
 from gradmon_ray.tracking.store_check import local_store_problem
 
@@ -146,11 +146,13 @@ class GradmonMLflowCallback(RLlibCallback, metaclass=_PinnedWhenShipped):
         self._last_step = 0
         self._heads_named = False
         self._head_order: tuple[str, ...] = ()
+        self._value_heads: tuple[str, ...] = ()
 
     # --- RLlib hooks (on the algorithm: the driver, or the Tune trial's actor) --------------
     def on_algorithm_init(self, *, algorithm: Any, metrics_logger: Any = None, **kwargs: Any) -> None:
         try:
             self._head_order = module_head_order(algorithm, self.settings.module_id)
+            self._value_heads = run_value_heads(algorithm, self.settings.module_id)
             self._hook_stop(algorithm)  # close() is a no-op until the sink exists
             self.sink = self._open_sink(algorithm)  # last: nothing after it can leave a run open
             self._announce_run(self.sink)
@@ -164,7 +166,7 @@ class GradmonMLflowCallback(RLlibCallback, metaclass=_PinnedWhenShipped):
         try:
             step = int(result.get("training_iteration") or algorithm.iteration)
             metrics = result_to_metrics(result, self.settings.module_id)
-            tags = latch_tags(metrics, self._heads_named, self._head_order)
+            tags = latch_tags(metrics, self._heads_named, self._head_order, self._value_heads)
             self._heads_named = self._heads_named or mn.TAG_HEAD_NAMES in tags
             self.sink.log_iteration(step, metrics, tags)  # non-blocking
             self._last_step = step
