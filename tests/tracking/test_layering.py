@@ -52,7 +52,13 @@ MODULES = sorted(TRACKING.glob("*.py"))
 
 
 def test_the_scan_sees_every_tracking_module_and_catches_each_kind_of_import(tmp_path):
-    assert {p.name for p in MODULES} >= {"__init__.py", "mlflow_sink.py", "mlflow_io.py", "results.py", "callback.py"}
+    assert {p.name for p in MODULES} >= {
+        "__init__.py",
+        "mlflow_sink.py",
+        "mlflow_io.py",
+        "result_metrics.py",
+        "callback.py",
+    }
     probe = tmp_path / "probe.py"
     probe.write_text(
         "import gradmon_ray.viz.plots\n"
