@@ -210,7 +210,8 @@ def newest_version(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
 
 class CheckpointReporter:
     """A ``run_training`` reporter that saves a resumable checkpoint every ``cfg.checkpoint_every``
-    iterations (and when a health rule stops the run) into ``<root>/<run id>``.
+    iterations (and when a health rule stops the run) into ``<root>/<run id>``; ``run_training``
+    also calls ``save`` after the iteration Ctrl-C interrupted and at the run's last iteration.
 
     ``--resume`` accepts a checkpoint only if it names the run, and the sink creates the run on
     its own thread: the first checkpoint waits (at most ``RUN_ID_WAIT_S``) for the run id.  A
@@ -229,10 +230,20 @@ class CheckpointReporter:
         self._run_id = run_id
         self._unnamed: Path | None = None  # the run directory used while the run id was unknown
         self.last_version: Path | None = None
+        self.last_iteration: int | None = None
+        """The iteration of the newest checkpoint this reporter saved (None: none yet)."""
+
+    @property
+    def root(self) -> Path:
+        """The checkpoint root: this run's checkpoints go to ``<root>/<run id>``."""
+        return self._root
 
     def __call__(self, iteration: int, metrics: dict[str, float], algo: Any, monitor: Any, stop: str | None) -> None:
-        if iteration % self._cfg.checkpoint_every != 0 and stop is None:
-            return
+        if iteration % self._cfg.checkpoint_every == 0 or stop is not None:
+            self.save(iteration, algo, monitor)
+
+    def save(self, iteration: int, algo: Any, monitor: Any) -> None:
+        """Save a checkpoint of ``iteration`` now, whatever the cadence (Ctrl-C asks for one)."""
         run_id = self._run_id(RUN_ID_WAIT_S)
         if run_id is None and self._unnamed is None:
             logger.warning(
@@ -245,6 +256,7 @@ class CheckpointReporter:
         run_dir = self._root / run_id if run_id is not None else self._unnamed
         state = {**resume_state(algo, iteration, run_id, monitor), "config": redacted_config(self._cfg)}
         self.last_version = save_checkpoint(run_dir, iteration, lambda path: algo.save_to_path(str(path)), state)
+        self.last_iteration = iteration
         if run_id is not None and self._unnamed is not None:  # superseded by a checkpoint that names the run
             _discard(self._unnamed)
             self._unnamed = None

@@ -9,7 +9,7 @@ logged after its last checkpoint are trained again but not logged twice.
 
 **Only under the checkpoint root.** A checkpoint is a pickle, and anyone who can write a tag on
 the tracking server can point ``gradmon.checkpoint_dir`` anywhere: the tag alone never decides
-what is loaded.  The allowed root is ``checkpoint_dir`` (given by the caller), else
+what is loaded.  The allowed root is ``checkpoint_dir`` (given by the caller: ``--checkpoint-dir``), else
 ``$GRADMON_CHECKPOINT_DIR``, else ``./gradmon-checkpoints``.  The run's checkpoints are looked
 for in the directory given (the root, or the run's own directory in it), then where the run's
 tag points if that is inside the allowed root.  Every path is compared after resolving symlinks and
@@ -87,7 +87,7 @@ def resume_point(
     outside = ConfigError(
         "--resume",
         f"run {run_id}'s checkpoints are in {tag}, outside the allowed checkpoint root {root}; "
-        f"set {CHECKPOINT_ROOT_ENV}={tag} to load from there",
+        f"give --checkpoint-dir {tag} (or set {CHECKPOINT_ROOT_ENV}={tag}) to load from there",
     )
     found, missing = None, None
     for where in places:

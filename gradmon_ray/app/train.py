@@ -4,17 +4,30 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.app.checkpointing import (
+    RUN_ID_WAIT_S,
     CheckpointReporter,
     CheckpointStateMismatchError,  # noqa: F401  (re-exported: callers catch it from train)
-    checkpoint_root,
     learner_state_digest,
     verify_restored_state,
+)
+from gradmon_ray.app.head_order import declared_head_names, reported_head_order  # noqa: F401  (re-exported)
+from gradmon_ray.app.head_order import head_order as _head_order
+from gradmon_ray.app.interrupts import GracefulInterrupt, TrainingInterrupted
+from gradmon_ray.app.mlflow_run import (  # noqa: F401  (re-exported: sweep and resume import them from here)
+    RunStarted,
+    last_logged_iteration,
+    mlflow_params,
+    named,
+    open_run_sink,
+    plotter,
+    warn_undelivered,
 )
 from gradmon_ray.app.resource_wait import ResourceWait, check_fits, ray_address_problem, requested_resources
 from gradmon_ray.config import ConfigError, GradmonConfig
@@ -22,10 +35,7 @@ from gradmon_ray.probe.lifecycle import flush_probe, start_probe, stop_probe
 from gradmon_ray.telemetry.bands import BandSet
 from gradmon_ray.telemetry.health_stop import HealthStopMonitor, HealthStopRules
 from gradmon_ray.tracking import MlflowSink, progress_line, result_to_metrics
-from gradmon_ray.tracking.mlflow_sink import PlotFn
-from gradmon_ray.tracking.redact import redact_text, redact_uri
 from gradmon_ray.tracking.result_metrics import latch_tags
-from gradmon_ray.tracking.spill import default_spill_path
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +56,10 @@ class TrainingOutcome:
     """Set when a ``health_stop`` rule ended the run early (it still counts as FINISHED)."""
     spill_path: str | None = None
     """Iterations MLflow could not take, kept locally (``gradmon-ray replay``); None when nothing was."""
+    checkpoint_root: str | None = None
+    """Where this run's resumable checkpoints go (``<root>/<run id>``); None: checkpoints off."""
+    checkpointed_iteration: int | None = None
+    """The iteration of the newest resumable checkpoint this attempt saved (None: none)."""
 
 
 @dataclass
@@ -64,39 +78,8 @@ class ResumePoint:
     renews it there, wherever it is started from. None: ``checkpoint_root(cfg)``."""
 
 
-def _checkpoint_tags(cfg: GradmonConfig) -> dict[str, str]:
-    return {mn.TAG_CHECKPOINT_DIR: str(checkpoint_root(cfg))} if cfg.checkpoint_every > 0 else {}
-
-
-def last_logged_iteration(tracking_uri: str, run_id: str) -> int:
-    """The last step of ``run_id``'s ``update/trained`` history in MLflow (0: none, or unreadable)."""
-    from mlflow.tracking import MlflowClient
-
-    try:
-        history = MlflowClient(tracking_uri).get_metric_history(run_id, mn.LEARNERS_UPDATED)
-    except Exception as exc:  # MLflow down: at worst some iterations get a second point
-        why = redact_text(str(exc))
-        logger.warning("could not read run %s's history (%s): recomputed iterations may be logged twice", run_id, why)
-        return 0
-    return max((point.step for point in history), default=0)
-
-
 IterationReporter = Callable[[int, dict[str, float], Any, "HealthStopMonitor | None", "str | None"], None]
 """``reporter(iteration, metrics, algo, health_monitor, stop_reason)``, after every iteration (Tune uses it)."""
-
-
-def plotter(plots_every: int) -> PlotFn | None:
-    """The sink's ``plot_fn`` when plots are on: viz's ``log_plots``, wired here because tracking never imports viz."""
-    if plots_every <= 0:
-        return None
-    from gradmon_ray.viz.report import log_plots  # matplotlib: only when plots are drawn
-
-    return log_plots
-
-
-def mlflow_params(cfg: GradmonConfig) -> dict[str, Any]:
-    """``cfg.to_flat_dict()`` as the run's MLflow params (and spill header): credentials masked."""
-    return {k: redact_text(v) if isinstance(v, str) else v for k, v in cfg.to_flat_dict().items()}
 
 
 def ray_address_of(cfg: GradmonConfig) -> str | None:
@@ -138,7 +121,11 @@ def run_training(
     (``outcome.stop_reason``, the MLflow tag ``gradmon.stop_reason`` and the metric
     ``health/stop_reason``).  ``resume`` continues from a checkpoint (Tune's trial restarts).
     The sink is closed (flushed, run ended as FINISHED, FAILED, or KILLED on Ctrl-C) on the way
-    out, whatever happens.
+    out, whatever happens.  Without a ``sink`` the run is named ``default_run_name`` unless
+    ``mlflow.run_name`` is set.  ``progress`` gets each iteration's line; if it also has a
+    ``run_started(RunStarted)`` method, that is called once the MLflow run exists, before the
+    first iteration.  With resumable checkpoints (``checkpoint_every``), Ctrl-C finishes the
+    iteration and checkpoints it first (``interrupts``); it ends as ``TrainingInterrupted``.
     """
     import ray
 
@@ -157,22 +144,15 @@ def run_training(
             ray.shutdown()
         raise
     if sink is None:
-        sink = MlflowSink(
-            cfg.mlflow.tracking_uri,
-            cfg.mlflow.experiment,
-            run_name=cfg.mlflow.run_name,
-            params=mlflow_params(cfg),
-            tags={mn.TAG_STATUS: "running", **_checkpoint_tags(cfg)},
-            max_pending=cfg.mlflow.queue_size,
-            plots_every=cfg.mlflow.plots_every,
-            plot_fn=plotter(cfg.mlflow.plots_every),
-            spill_path=default_spill_path(cfg.mlflow.spill_dir, cfg.mlflow.run_name),
-        )
+        cfg = named(cfg)
+        sink = open_run_sink(cfg)
     outcome = TrainingOutcome(run_id=None, iterations_done=resume.iterations_done if resume else 0)
     checkpoints = None
     if reporter is None and cfg.checkpoint_every > 0:  # the CLI's own runs: resumable with --resume
         root = resume.checkpoint_root if resume is not None else None
         reporter = checkpoints = CheckpointReporter(cfg, sink.run_id_waiting_once, root=root)
+        outcome.checkpoint_root = str(checkpoints.root)
+    interrupt = GracefulInterrupt() if checkpoints is not None else None
     rules = HealthStopRules(**cfg.health_stop.model_dump())
     monitor = HealthStopMonitor(rules) if rules.any else None
     bands = BandSet.from_dict(cfg.telemetry.bands.model_dump())  # the progress line judges heads by these
@@ -203,51 +183,57 @@ def run_training(
         elif cfg.restore_from:
             algo.restore_from_path(os.path.abspath(cfg.restore_from))
             resumed_tags[mn.TAG_RESTORED_FROM] = os.path.abspath(cfg.restore_from)
+        announce = getattr(progress, "run_started", None)
+        if announce is not None:  # the CLI: the run id and where it is, before the first iteration
+            run_id = sink.run_id_waiting_once(RUN_ID_WAIT_S)
+            announce(RunStarted(run_id, sink.run_name, sink.experiment, sink.tracking_uri))
         logged_through = resume.logged_through if resume is not None else 0
-        for iteration in range(outcome.iterations_done + 1, cfg.iterations + 1):
-            result = algo.train()
-            metrics = result_to_metrics(result)
-            tags = latch_tags(metrics, named_heads, head_order)
-            named_heads = named_heads or mn.TAG_HEAD_NAMES in tags
-            if iteration > logged_through:  # the first iteration MLflow has not seen carries the resume tags
-                tags.update(resumed_tags)
-                resumed_tags = {}
-            trained = metrics[mn.LEARNERS_UPDATED] > 0  # no update: no telemetry to judge the heads by
-            decision = monitor.update(iteration, metrics) if monitor is not None and trained else None
-            if decision is not None:
-                metrics[mn.HEALTH_STOP_REASON] = float(decision.code)
-                tags[mn.TAG_STOP_REASON] = f"iteration {iteration}: {decision.message}"
-                outcome.stop_reason = tags[mn.TAG_STOP_REASON]
-            if iteration > logged_through:
-                sink.log_iteration(iteration, metrics, tags)
-            elif decision is not None:  # recomputed and already logged, but the stop must be recorded
-                sink.log_iteration(iteration, {mn.HEALTH_STOP_REASON: metrics[mn.HEALTH_STOP_REASON]}, tags)
-            outcome.iterations_done = iteration
-            outcome.last_metrics = metrics
-            if reporter is not None:
-                reporter(iteration, metrics, algo, monitor, tags.get(mn.TAG_STOP_REASON))
-            if progress is not None:
-                progress(
-                    progress_line(
-                        iteration,
-                        cfg.iterations,
-                        metrics,
-                        bands=bands,
-                        include_value_head=cfg.health_stop.include_value_head,
-                    )
-                )
-            if decision is not None:
-                logger.warning("gradmon: stopping early: %s", outcome.stop_reason)
+        with interrupt if interrupt is not None else nullcontext():
+            for iteration in range(outcome.iterations_done + 1, cfg.iterations + 1):
+                result = algo.train()
+                metrics = result_to_metrics(result)
+                tags = latch_tags(metrics, named_heads, head_order)
+                named_heads = named_heads or mn.TAG_HEAD_NAMES in tags
+                if iteration > logged_through:  # the first iteration MLflow has not seen carries the resume tags
+                    tags.update(resumed_tags)
+                    resumed_tags = {}
+                trained = metrics[mn.LEARNERS_UPDATED] > 0  # no update: no telemetry to judge the heads by
+                decision = monitor.update(iteration, metrics) if monitor is not None and trained else None
+                if decision is not None:
+                    metrics[mn.HEALTH_STOP_REASON] = float(decision.code)
+                    tags[mn.TAG_STOP_REASON] = f"iteration {iteration}: {decision.message}"
+                    outcome.stop_reason = tags[mn.TAG_STOP_REASON]
+                if iteration > logged_through:
+                    sink.log_iteration(iteration, metrics, tags)
+                elif decision is not None:  # recomputed and already logged, but the stop must be recorded
+                    sink.log_iteration(iteration, {mn.HEALTH_STOP_REASON: metrics[mn.HEALTH_STOP_REASON]}, tags)
+                outcome.iterations_done = iteration
+                outcome.last_metrics = metrics
+                if reporter is not None:
+                    reporter(iteration, metrics, algo, monitor, tags.get(mn.TAG_STOP_REASON))
                 if progress is not None:
-                    progress(f"stopped by health rule: {outcome.stop_reason}")
-                break
+                    value_head = cfg.health_stop.include_value_head
+                    progress(
+                        progress_line(iteration, cfg.iterations, metrics, bands=bands, include_value_head=value_head)
+                    )
+                if decision is not None:
+                    logger.warning("gradmon: stopping early: %s", outcome.stop_reason)
+                    if progress is not None:
+                        progress(f"stopped by health rule: {outcome.stop_reason}")
+                    break
+                if interrupt is not None and interrupt.requested:  # Ctrl-C: this iteration checkpointed, then stop
+                    if checkpoints is not None and checkpoints.last_iteration != iteration:
+                        checkpoints.save(iteration, algo, monitor)
+                    raise KeyboardInterrupt
+        if checkpoints is not None and outcome.last_metrics and checkpoints.last_iteration != outcome.iterations_done:
+            checkpoints.save(outcome.iterations_done, algo, monitor)  # the end: `--resume --iterations` extends it
         if cfg.checkpoint_dir:
             outcome.checkpoint_path = str(algo.save_to_path(os.path.abspath(cfg.checkpoint_dir)))
         status = "FINISHED"
         return outcome
     except KeyboardInterrupt:
         status = "KILLED"  # MLflow's status for a run stopped by its user (Ctrl-C), not a failure
-        raise
+        raise TrainingInterrupted(outcome) from None
     finally:
         # The last probe usually finishes after the last iteration's metrics were logged:
         # wait for it (the learner's client, before the learner stops) and log the final
@@ -263,67 +249,9 @@ def run_training(
         outcome.run_id = sink.run_id
         if checkpoints is not None:
             checkpoints.stamp_run_id(outcome.run_id)
+            outcome.checkpointed_iteration = checkpoints.last_iteration
         outcome.spill_path = str(sink.spill_path) if sink.spill_path is not None else None
         if not outcome.mlflow_complete:
-            logger.warning(
-                "MLflow at %s did not receive everything (%d iterations kept in %s, %d lost; last error: %s)%s",
-                redact_uri(sink.tracking_uri),
-                sink.spilled_iterations,
-                outcome.spill_path,
-                sink.dropped_iterations,
-                redact_text(sink.last_error or ""),
-                f"; replay with: gradmon-ray replay {outcome.spill_path}" if outcome.spill_path else "",
-            )
+            warn_undelivered(sink, outcome.spill_path)
         if started_ray:
             ray.shutdown()
-
-
-def reported_head_order(action_space: Any, head_names: Sequence[str] | None = None) -> tuple[str, ...]:
-    """The heads the learner reports, in display order: ``head_names`` (the environment's declared
-    order; checked against the space by ``resolve_heads``) when given, else the action space's
-    order (a ``Dict``'s sorted keys), then ``value``.  The ``gradmon.head_names`` tag holds this;
-    watch, the plots and the report follow the tag.  Only the display order: the logits stay in
-    dm-tree's sorted-key order."""
-    from gradmon_ray.rllib.module import VALUE_HEAD, resolve_heads
-
-    layout = resolve_heads(action_space, head_names)
-    return (*(tuple(head_names) if head_names is not None else layout.names), VALUE_HEAD)
-
-
-def declared_head_names(cfg: GradmonConfig) -> Sequence[str] | None:
-    """``model.head_names``, else the built-in environments' own order (``op`` first), else None."""
-    from gradmon_ray.envs import BUILTIN_ENV_IDS, HEAD_NAMES
-
-    if cfg.model.head_names is not None:
-        return cfg.model.head_names
-    return HEAD_NAMES if cfg.env.id in BUILTIN_ENV_IDS else None
-
-
-def _head_order(algo: Any, cfg: GradmonConfig) -> tuple[str, ...]:
-    """``reported_head_order`` for the algorithm's module(s) (empty, with a warning, if the spaces are unknown).
-
-    A multi-agent run (several modules) names each head ``<module>/<head>``
-    (``metric_names.head_label``), module by module.  Computed here, not read off the result
-    dict: RLlib's ``MetricsLogger.aggregate`` merges the learners' results through a ``set`` of
-    keys, so their order changes from run to run.
-    """
-    from gradmon_ray.metric_names import head_label
-
-    try:
-        # RLlib's ``algo.spaces`` also holds the env's own entry ("__env__"...) and, for a
-        # multi-agent env, entries without an action space: only the modules' count.
-        known = dict(getattr(algo, "spaces", None) or {})
-        spaces = {mid: s for mid, s in known.items() if not str(mid).startswith("__") and s[1] is not None}
-        if not spaces:
-            from gradmon_ray.rllib.local_learner import module_spaces
-
-            spaces = module_spaces(cfg)
-        several = len(spaces) > 1
-        return tuple(
-            head_label(module_id if several else None, head)
-            for module_id, (_, action_space) in spaces.items()
-            for head in reported_head_order(action_space, declared_head_names(cfg))
-        )
-    except Exception as exc:  # only the tag's order depends on it: sorted heads, then value
-        logger.warning("could not work out the head order (%s: %s); heads are tagged sorted", type(exc).__name__, exc)
-        return ()

@@ -14,7 +14,7 @@ from gradmon_ray.app.cli_common import (
     set_overrides,
     use_uri,
 )
-from gradmon_ray.config import ConfigError, load_config
+from gradmon_ray.config import ConfigError, GradmonConfig, load_config
 from gradmon_ray.tracking.redact import redact_uri
 
 
@@ -28,15 +28,23 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--mlflow-uri", help="MLflow tracking URI (config: mlflow.tracking_uri; default $MLFLOW_TRACKING_URI)"
     )
     parser.add_argument("--experiment", help="MLflow experiment (config: mlflow.experiment)")
-    parser.add_argument("--run-name", help="MLflow run name (config: mlflow.run_name)")
+    parser.add_argument(
+        "--run-name", help="MLflow run name (config: mlflow.run_name; default <env>-<YYYYmmdd-HHMMSS>-<4 random chars>)"
+    )
     parser.add_argument("--seed", type=int, help="seed (config: seed)")
     parser.add_argument("--ray-address", help="Ray cluster address (config: resources.ray_address)")
+    parser.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="checkpoint root: each run's resumable checkpoints go to DIR/<run id> (config: checkpoint_dir; "
+        "default ./gradmon-checkpoints); with --resume, the root to load from (like $GRADMON_CHECKPOINT_DIR)",
+    )
     add_set_flag(parser, "override any config field, e.g. --set ppo.lr=1e-3")
     parser.add_argument(
         "--resume",
         metavar="RUN_ID",
-        help="continue this interrupted MLflow run from its last checkpoint (trained with checkpoint_every > 0), "
-        "with its own config; --iterations may extend it",
+        help="continue this interrupted MLflow run (same run id and name) from its last checkpoint, with its own "
+        "config; --iterations may extend it",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks and Ray's logs")
 
@@ -51,27 +59,30 @@ def train_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "mlflow.run_name": args.run_name,
         "seed": args.seed,
         "resources.ray_address": args.ray_address,
+        "checkpoint_dir": args.checkpoint_dir,
     }
     return {**{k: v for k, v in flags.items() if v is not None}, **set_overrides(args.set)}
 
 
 def resume_command(args: argparse.Namespace) -> int:
+    from gradmon_ray.app.mlflow_run import plotter
     from gradmon_ray.app.resume import resume_point
-    from gradmon_ray.app.train import plotter, run_training
     from gradmon_ray.config import default_tracking_uri
     from gradmon_ray.tracking import MlflowSink
     from gradmon_ray.tracking.spill import default_spill_path
     from gradmon_ray.tracking.store_check import uri_scheme_problem
 
-    others = {k: v for k, v in vars(args).items() if k in ("config", "num_learners", "num_env_runners", "seed")}
-    if any(v is not None for v in others.values()) or args.set:
-        raise ConfigError("--resume", "takes the run's own config; only --iterations and --mlflow-uri may be given")
+    own = ("config", "num_learners", "num_env_runners", "seed", "experiment", "run_name")  # the run keeps its own
+    if any(getattr(args, k) is not None for k in own) or args.set:
+        raise ConfigError(
+            "--resume", "takes the run's own config; only --iterations, --mlflow-uri and --checkpoint-dir may be given"
+        )
     uri = args.mlflow_uri or default_tracking_uri()
     use_uri(uri)
     problem = uri_scheme_problem(uri)
     if problem:
         raise ConfigError("--mlflow-uri", problem)
-    cfg, point = resume_point(uri, args.resume)
+    cfg, point = resume_point(uri, args.resume, args.checkpoint_dir)
     cfg.mlflow.tracking_uri = uri
     if args.iterations is not None:
         cfg.iterations = args.iterations
@@ -82,6 +93,7 @@ def resume_command(args: argparse.Namespace) -> int:
     sink = MlflowSink(
         uri,
         cfg.mlflow.experiment,
+        run_name=cfg.mlflow.run_name,  # the spill file's header: a replay into another store keeps the name
         params=None,
         max_pending=cfg.mlflow.queue_size,
         plots_every=cfg.mlflow.plots_every,
@@ -90,9 +102,23 @@ def resume_command(args: argparse.Namespace) -> int:
         run_id=args.resume,
         end_run=True,
     )
-    outcome = run_training(cfg, progress=lambda line: print(line, flush=True), sink=sink, resume=point)
+    outcome = _train(cfg, sink=sink, resume=point)
     print(f"gradmon-ray: done. MLflow run {outcome.run_id} (resumed)", flush=True)
     return EXIT_OK
+
+
+def _train(cfg: GradmonConfig, **kwargs: Any) -> Any:
+    """``run_training`` printing its progress; after Ctrl-C, the run id and how to resume it."""
+    from gradmon_ray.app import train
+    from gradmon_ray.app.interrupts import TrainingInterrupted
+    from gradmon_ray.app.train_messages import ProgressPrinter, interrupted_lines
+
+    try:
+        return train.run_training(cfg, progress=ProgressPrinter(), **kwargs)
+    except TrainingInterrupted as stop:
+        for line in interrupted_lines(stop.outcome, cfg.mlflow.tracking_uri, cfg.iterations):
+            print(line, flush=True)
+        raise
 
 
 def train_command(args: argparse.Namespace) -> int:
@@ -100,7 +126,6 @@ def train_command(args: argparse.Namespace) -> int:
         return resume_command(args)
     cfg = load_config(args.config, train_overrides(args))
     use_uri(cfg.mlflow.tracking_uri)  # the config file may hold it too
-    from gradmon_ray.app.train import run_training
     from gradmon_ray.rllib.preflight import preflight
 
     if not args.debug:
@@ -110,7 +135,7 @@ def train_command(args: argparse.Namespace) -> int:
     print_advisories(cfg)
     shown = redact_uri(cfg.mlflow.tracking_uri)
     print(f"gradmon-ray: training {cfg.iterations} iterations on {cfg.env.id}; MLflow: {shown}", flush=True)
-    outcome = run_training(cfg, progress=lambda line: print(line, flush=True), checked=True)
+    outcome = _train(cfg, checked=True)
     if outcome.run_id is None:  # MLflow never answered (mlflow.offline_ok): everything is in the spill file
         where = f"; replay it with: gradmon-ray replay {outcome.spill_path}" if outcome.spill_path else ""
         print(f"gradmon-ray: done, but MLflow at {shown} never took the run{where}", flush=True)

@@ -97,12 +97,17 @@ class GradmonConfig(ConfigModel):
 
     iterations: int = Field(20, ge=1, description="Training iterations.")
     seed: Union[int, None] = Field(0, ge=0, description="Seed for RLlib and the envs (null: random).")
-    checkpoint_dir: Union[Text, None] = Field(None, description="Save a checkpoint here at the end.")
+    checkpoint_dir: Union[Text, None] = Field(
+        None,
+        description="Checkpoint root: each run's resumable checkpoints go to <dir>/<run id> (null: "
+        "./gradmon-checkpoints); when set, an RLlib checkpoint is also saved into it at the end (restore_from).",
+    )
     checkpoint_every: int = Field(
-        0,
+        5,
         ge=0,
-        description="Also keep a resumable checkpoint, renewed every N iterations, in checkpoint_dir (default "
-        "gradmon-checkpoints): `gradmon-ray train --resume RUN_ID` continues the run from it (0: off).",
+        description="Keep a resumable checkpoint, renewed every N iterations (and at Ctrl-C), under the checkpoint "
+        "root: `gradmon-ray train --resume RUN_ID` continues the run from it (0: off). Costs about 0.5% of "
+        "training time at 5 (docs/checkpoints.md).",
     )
     restore_from: Union[Text, None] = Field(
         None,

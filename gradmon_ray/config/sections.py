@@ -284,7 +284,7 @@ class MlflowSection(ConfigModel):
         description="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db).",
     )
     experiment: Text = Field("gradmon-ray", description="MLflow experiment name.")
-    run_name: Union[Text, None] = Field(None, description="MLflow run name (null: MLflow picks one).")
+    run_name: Union[Text, None] = Field(None, description="MLflow run name (null: <env>-<YYYYmmdd-HHMMSS>-<4 chars>).")
     queue_size: int = Field(1000, ge=1, description="Iterations buffered before the oldest are dropped.")
     spill_dir: Text = Field(
         "gradmon-spill",

@@ -1,0 +1,77 @@
+"""What ``gradmon-ray train`` prints besides the iteration lines: the MLflow run as soon as it exists,
+and after Ctrl-C the run id and the command that resumes it, as it can be run."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+from gradmon_ray.app.mlflow_run import RunStarted
+from gradmon_ray.app.resume import allowed_root, find_checkpoint
+from gradmon_ray.config import ConfigError, default_tracking_uri
+from gradmon_ray.tracking.redact import MASK, redact_uri, uri_secrets
+
+PREFIX = "gradmon-ray: "
+
+
+class ProgressPrinter:
+    """``run_training``'s ``progress`` for the CLI: prints each line, and the run once it exists."""
+
+    def __call__(self, line: str) -> None:
+        print(line, flush=True)
+
+    def run_started(self, run: RunStarted) -> None:
+        print(started_line(run), flush=True)
+
+
+def started_line(run: RunStarted) -> str:
+    """``gradmon-ray: MLflow run <id> (<name>) in experiment '<exp>' at <store>`` (credentials masked)."""
+    shown = redact_uri(run.tracking_uri)
+    if run.run_id is None:
+        return f"{PREFIX}MLflow at {shown} has not created the run yet; its iterations wait (spilled) until it does"
+    name = f" ({run.run_name})" if run.run_name else ""
+    return f"{PREFIX}MLflow run {run.run_id}{name} in experiment '{run.experiment}' at {shown}"
+
+
+def resume_argv(run_id: str, tracking_uri: str, checkpoint_root: str | Path) -> list[str]:
+    """``gradmon-ray train --resume RUN_ID``, plus ``--mlflow-uri`` when the store is not the one a bare
+    ``train`` uses here (``default_tracking_uri``; its password masked) and ``--checkpoint-dir`` when
+    the checkpoints are not under the root ``--resume`` allows by default (``resume.allowed_root``)."""
+    argv = ["gradmon-ray", "train", "--resume", run_id]
+    if tracking_uri != default_tracking_uri():
+        argv += ["--mlflow-uri", redact_uri(tracking_uri)]
+    if Path(checkpoint_root).resolve() != allowed_root():
+        argv += ["--checkpoint-dir", str(Path(checkpoint_root).absolute())]
+    return argv
+
+
+def interrupted_lines(outcome: Any, tracking_uri: str, iterations: int) -> list[str]:
+    """What to print after Ctrl-C ended a run (``outcome``: a ``TrainingOutcome``): the run id and
+    how it ended, and either the command that resumes it or why it cannot be resumed.  The command
+    is given only when ``--resume`` will find a complete checkpoint of the run (looked up on disk
+    the way ``--resume`` does)."""
+    run_id, done = outcome.run_id, outcome.iterations_done
+    if run_id is None:
+        spill = f"; its iterations are in {outcome.spill_path} (gradmon-ray replay)" if outcome.spill_path else ""
+        return [
+            f"{PREFIX}interrupted after iteration {done}; MLflow never created the run, it cannot be resumed{spill}"
+        ]
+    head = f"{PREFIX}interrupted: MLflow run {run_id} ended KILLED after iteration {done} of {iterations}"
+    if outcome.checkpoint_root is None:
+        return [f"{head}; checkpoints are off (checkpoint_every: 0), so it cannot be resumed"]
+    try:
+        _, state = find_checkpoint(Path(outcome.checkpoint_root), run_id)
+    except ConfigError:
+        return [f"{head}; no checkpoint of it was saved yet, so it cannot be resumed: start it again"]
+    argv = resume_argv(run_id, tracking_uri, outcome.checkpoint_root)
+    lines = [
+        f"{head}, checkpointed at iteration {state['iterations_done']}",
+        f"{PREFIX}resume it (from this directory) with: {shlex.join(argv)}",
+    ]
+    if uri_secrets(tracking_uri) and "--mlflow-uri" in argv:
+        lines.append(
+            f"{PREFIX}the tracking URI's credentials are masked as {MASK} there: put them back in its place, "
+            "or set MLFLOW_TRACKING_URI to the URI and leave out --mlflow-uri"
+        )
+    return lines

@@ -1,0 +1,70 @@
+"""Ctrl-C while a run with checkpoints trains: the first SIGINT (a real one, sent to this process) only
+asks to stop, the second stops at once; the handler is the interpreter's own again afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from gradmon_ray.app.interrupts import GracefulInterrupt, TrainingInterrupted
+
+
+def _sigint() -> None:
+    os.kill(os.getpid(), signal.SIGINT)
+    signal.getsignal(signal.SIGINT)  # a bytecode boundary: Python runs the handler by now
+
+
+def test_the_first_ctrl_c_asks_the_second_stops(capfd):
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the premise
+    with pytest.raises(KeyboardInterrupt), GracefulInterrupt() as interrupt:
+        assert not interrupt.requested
+        _sigint()
+        assert interrupt.requested  # no exception: the iteration goes on
+        assert "stopping after this iteration, once it is checkpointed" in capfd.readouterr().err
+        _sigint()
+        pytest.fail("the second Ctrl-C must raise")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_without_ctrl_c_nothing_is_requested_and_the_handler_is_restored():
+    with GracefulInterrupt() as interrupt:
+        assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    assert not interrupt.requested
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(KeyboardInterrupt):
+        _sigint()  # the interpreter's own behaviour is back
+
+
+def test_someone_elses_handler_is_left_alone():
+    seen = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+    try:
+        with GracefulInterrupt() as interrupt:
+            _sigint()
+        assert seen == [signal.SIGINT] and not interrupt.requested
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_outside_the_main_thread_it_does_nothing():
+    states = []
+
+    def body() -> None:
+        with GracefulInterrupt() as interrupt:
+            states.append(interrupt.requested)
+
+    worker = threading.Thread(target=body)
+    worker.start()
+    worker.join()
+    assert states == [False]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_training_interrupted_is_a_keyboard_interrupt_carrying_the_outcome():
+    outcome = object()
+    with pytest.raises(KeyboardInterrupt) as caught:
+        raise TrainingInterrupted(outcome)
+    assert caught.value.outcome is outcome
