@@ -234,15 +234,32 @@ def test_cuda_and_cpu_learners_report_the_same_norms_for_the_same_step():
 
 
 @pytest.mark.parametrize("scaler", [False, True], ids=["fp32", "grad-scaler"])
-def test_gradient_hooks_of_a_real_update_run_under_sync_debug_error(scaler):
+def test_gradient_hooks_of_a_real_update_run_under_sync_debug_error(scaler, monkeypatch):
     """gradmon's per-minibatch gradient hooks, wrapped in ``"error"`` mode inside a real update.
 
     ``postprocess_gradients_for_module`` (unscale, norms, noise lanes, VGS, clipping) and
-    ``apply_gradients`` (fused skip-on-NaN step, accumulator) are gradmon's code from end to end,
-    so any synchronising call in them raises and fails the update.
+    ``apply_gradients`` (fused skip-on-NaN step, accumulator) run in ``"error"`` mode, so any
+    synchronising call of gradmon's raises and fails the update.  The one exception is RLlib's own
+    ``TorchLearner.apply_gradients``, which gradmon calls through ``super()`` (observe-only): with a
+    GradScaler it syncs by itself in stock RLlib too (``scaler.step`` reads ``found_inf`` on the
+    host, ``scaler.get_scale()`` is a float), so with the scaler it runs in ``"default"`` mode.
     """
+    from ray.rllib.core.learner.torch.torch_learner import TorchLearner
+
     from gradmon_ray.rllib.local_learner import update
 
+    rllib_apply = TorchLearner.apply_gradients
+
+    def rllib_own_code(self, gradients_dict):
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return rllib_apply(self, gradients_dict)
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+
+    if scaler:  # in fp32 RLlib's step path (torch_skip_nan_gradients) stays under "error" too
+        monkeypatch.setattr(TorchLearner, "apply_gradients", rllib_own_code)
     learner, batch, cfg = _warm_cuda_learner(64, vgs=True, scaler=scaler)
     calls = {"postprocess_gradients_for_module": 0, "apply_gradients": 0}
 
