@@ -211,7 +211,7 @@ def newest_version(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
 class CheckpointReporter:
     """A ``run_training`` reporter that saves a resumable checkpoint every ``cfg.checkpoint_every``
     iterations (and when a health rule stops the run) into ``<root>/<run id>``; ``run_training``
-    also calls ``save`` after the iteration Ctrl-C interrupted and at the run's last iteration.
+    also calls ``save`` after the iteration Ctrl-C interrupted.
 
     ``--resume`` accepts a checkpoint only if it names the run, and the sink creates the run on
     its own thread: the first checkpoint waits (at most ``RUN_ID_WAIT_S``) for the run id.  A

@@ -225,8 +225,6 @@ def run_training(
                     if checkpoints is not None and checkpoints.last_iteration != iteration:
                         checkpoints.save(iteration, algo, monitor)
                     raise KeyboardInterrupt
-        if checkpoints is not None and outcome.last_metrics and checkpoints.last_iteration != outcome.iterations_done:
-            checkpoints.save(outcome.iterations_done, algo, monitor)  # the end: `--resume --iterations` extends it
         if cfg.checkpoint_dir:
             outcome.checkpoint_path = str(algo.save_to_path(os.path.abspath(cfg.checkpoint_dir)))
         status = "FINISHED"
