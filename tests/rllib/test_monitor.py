@@ -80,7 +80,9 @@ def _one_update(algo, gradmon, module_spec=None, **training):
         runner.stop()
 
 
-@pytest.mark.parametrize("algo", ["ppo", "appo", "impala"])
+@pytest.mark.parametrize(
+    "algo", ["ppo", pytest.param("appo", marks=pytest.mark.e2e), pytest.param("impala", marks=pytest.mark.e2e)]
+)  # APPO and IMPALA put their weights in the object store: they start Ray
 def test_default_module_head_norms_equal_autograd_of_the_stock_loss(algo, request):
     if algo != "ppo":
         request.getfixturevalue("ray_session")  # IMPALA's learner thread ray.put()s the weights
