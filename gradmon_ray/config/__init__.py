@@ -8,7 +8,9 @@ with status 2.  Nothing here imports torch or Ray: a regularizer's ``fn`` is res
 ``gradmon_ray.import_paths``.
 
 Modules: ``base`` (the section base class and how pydantic's errors become one line),
-``sections`` (the sections), ``yaml_io`` (YAML reading and dotted overrides).
+``training_sections`` (env, model, PPO, telemetry, VGS, UPGD, health_stop), ``sections`` (resources,
+distributed, mlflow, and the field types the sections share), ``band_sections`` (``telemetry.bands``),
+``probe_sections`` (probe, regularizers), ``yaml_io`` (YAML reading and dotted overrides).
 """
 
 from __future__ import annotations
@@ -39,17 +41,19 @@ from gradmon_ray.config.probe_sections import ProbeSection, RegularizerEntry
 from gradmon_ray.config.sections import (
     EMBEDDED_TRACKING_URI,
     DistributedSection,
+    MlflowSection,
+    ResourcesSection,
+    Text,
+    default_tracking_uri,
+)
+from gradmon_ray.config.training_sections import (
     EnvSection,
     HealthStopSection,
-    MlflowSection,
     ModelSection,
     PPOSection,
-    ResourcesSection,
     TelemetrySection,
-    Text,
     UpgdSection,
     VgsSection,
-    default_tracking_uri,
 )
 from gradmon_ray.config.yaml_io import YamlLoader, apply_overrides, load_yaml, read_yaml_mapping
 

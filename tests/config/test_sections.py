@@ -1,6 +1,7 @@
-"""``config/sections.py`` (with ``base.py``, ``band_sections.py``, ``probe_sections.py``): defaults,
-one clear error per kind of mistake, range edges inclusive or exclusive as documented, checks
-across sections, and in-place changes.  YAML reading and ``--set`` overrides: ``test_yaml_io.py``."""
+"""``config/training_sections.py`` and ``config/sections.py`` (with ``base.py``, ``band_sections.py``,
+``probe_sections.py``): defaults, one clear error per kind of mistake, range edges inclusive or
+exclusive as documented, checks across sections, and in-place changes.  YAML reading and ``--set``
+overrides: ``test_yaml_io.py``."""
 
 from __future__ import annotations
 
