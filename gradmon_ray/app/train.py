@@ -29,6 +29,7 @@ from gradmon_ray.app.mlflow_run import (  # noqa: F401  (re-exported: sweep and 
     plotter,
     warn_undelivered,
 )
+from gradmon_ray.app.ray_noise import discard_rllib_logdir, quiet_actor_creation
 from gradmon_ray.app.resource_wait import ResourceWait, check_fits, ray_address_problem, requested_resources
 from gradmon_ray.config import ConfigError, GradmonConfig
 from gradmon_ray.probe.lifecycle import flush_probe, start_probe, stop_probe
@@ -168,7 +169,9 @@ def run_training(
         outcome.probe_actor = probe_actor_name_of(ppo_config)
         if outcome.probe_actor is not None:
             probe = start_probe(cfg, outcome.probe_actor, sink)
-        with ResourceWait(cfg):  # a request the cluster cannot place is reported, then given up on
+        # ResourceWait: a request the cluster cannot place is reported, then given up on;
+        # quiet_actor_creation: Ray's actor-restart notice, which asks nothing of the user, is dropped.
+        with ResourceWait(cfg), quiet_actor_creation():
             algo = ppo_config.build_algo()
         head_order = _head_order(algo, cfg)
         named_heads = resume is not None  # the head-names tag is set once, by the first trained iteration
@@ -239,6 +242,7 @@ def run_training(
         probe_counters = flush_probe(algo) if algo is not None and outcome.probe_actor is not None else {}
         if algo is not None:
             algo.stop()
+            discard_rllib_logdir(algo)  # RLlib's empty ~/ray_results/<run> directory
         if probe is not None:
             stop_probe(probe)
         final = "stopped" if status == "FINISHED" and outcome.stop_reason else status.lower()

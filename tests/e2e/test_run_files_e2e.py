@@ -20,8 +20,6 @@ from tests.e2e.processes import BIN, SMALL_TRAIN_ARGS, clean_env
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
-WIRED = "gradmon_ray/app/train.py builds the algorithm inside ray_noise.quiet_actor_creation() and calls "
-WIRED += "ray_noise.discard_rllib_logdir(algo) after algo.stop()"
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +59,11 @@ def test_the_run_succeeds_and_ray_did_log_the_restart_notice_to_its_own_file(def
     assert driver_logs
 
 
-@pytest.mark.xfail(strict=True, reason=f"until {WIRED}")
 def test_the_restart_notice_is_not_in_the_runs_output(default_run):
     proc = default_run["proc"]
     assert "max_restarts > 0" not in proc.stdout + proc.stderr
 
 
-@pytest.mark.xfail(strict=True, reason=f"until {WIRED}")
 def test_no_ray_results_run_directory_is_left_in_home(default_run):
     results = default_run["home"] / "ray_results"
     assert not results.exists() or list(results.iterdir()) == []
