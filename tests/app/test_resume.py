@@ -222,3 +222,16 @@ def test_cli_resume_outside_the_root_exits_2_with_one_line(store: str, learners:
     assert not ray.is_initialized()
     run = MlflowClient(uri).get_run(run_id)
     assert run.data.metrics == {} and mn.TAG_RESUMED_FROM not in run.data.tags
+
+
+def test_cli_resume_of_a_run_the_store_does_not_hold_exits_2_with_one_line(store: str, capsys):
+    """``train --resume`` with a run id that is in no experiment: exit 2, one line saying so with
+    the store (the id as given), and no Ray started."""
+    import ray
+
+    missing = "0" * 32
+    capsys.readouterr()
+    assert cli.main(["train", "--resume", missing, "--mlflow-uri", store]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"gradmon-ray: config error: --resume: no run '{missing}' at "), err
+    assert not ray.is_initialized()
