@@ -48,10 +48,12 @@ def without_shared_ray():
 
 @pytest.fixture
 def tiny_config_data(tmp_path):
-    """A CI-sized run config (as plain data) writing MLflow into a temp sqlite store."""
+    """A CI-sized run config (as plain data) writing MLflow into a temp sqlite store and checkpoints into a
+    temp directory."""
     return {
         "iterations": 2,
         "seed": 0,
+        "checkpoint_dir": str(tmp_path / "ckpt"),  # checkpoints are on by default: never into the repository
         "ppo": {"train_batch_size": 512, "minibatch_size": 128, "num_epochs": 2},
         "resources": {"num_env_runners": 1},
         "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "test"},
@@ -65,7 +67,21 @@ def tiny_config_data(tmp_path):
 #
 # Processes that are not "a subprocess the test starts": torch's compile workers and the
 # tool look-ups some libraries run when they are imported (ctypes' find_library).
-_TOOLS = {"ldconfig", "gcc", "g++", "cc", "c++", "clang", "clang++", "ld", "objdump", "uname", "nvcc", "which", "openssl"}
+_TOOLS = {
+    "ldconfig",
+    "gcc",
+    "g++",
+    "cc",
+    "c++",
+    "clang",
+    "clang++",
+    "ld",
+    "objdump",
+    "uname",
+    "nvcc",
+    "which",
+    "openssl",
+}
 _TORCH_WORKERS = ("torch._inductor", "torch/_inductor", "torchinductor")  # its workers, its .so load check
 _RAY_FIXTURES = ("ray_session", "without_shared_ray")
 
