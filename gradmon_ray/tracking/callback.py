@@ -185,13 +185,16 @@ class GradmonMLflowCallback(RLlibCallback, metaclass=_PinnedWhenShipped):
         complete = self.sink.close(status=status, timeout_s=self.settings.close_timeout_s)
         self._announce()  # a short run can end before MLflow has created its run
         if not complete:
+            # Iterations as ``gradmon-ray replay`` counts them: the end record above is not one more.
+            spill = self.sink.spill_path
             logger.warning(
-                "gradmon callback: MLflow at %s did not receive everything (%d iterations kept in %s, %d lost; %s)",
+                "gradmon callback: MLflow at %s did not receive everything (%d iterations kept in %s, %d lost; %s)%s",
                 redact_uri(self.sink.tracking_uri),
                 self.sink.spilled_iterations,
-                self.sink.spill_path,
+                spill,
                 self.sink.dropped_iterations,
                 self.sink.last_error,
+                f"; replay with: gradmon-ray replay {spill}" if spill else "",
             )
         return complete
 

@@ -47,7 +47,7 @@ class MlflowSink(SinkWriter):
         tags: run tags written at start.
         max_pending: iterations buffered in memory while the server is unreachable; beyond
             this the oldest leave memory: into the spill file (then replayed later), or, without
-            one, dropped (``dropped_iterations`` counts them).
+            one, dropped (``dropped_iterations`` counts the iterations among them).
         retry_backoff_s: first retry delay after a failed write (doubles up to 30 s).
         run_id: write into this existing run instead of creating one (the probe actor does
             this); ``experiment`` and ``params`` are then ignored and ``close`` leaves the
@@ -117,7 +117,12 @@ class MlflowSink(SinkWriter):
         self.plot_failures = 0
         self.plotted_artifacts: list[str] = []
         self._final_status: str = "FINISHED"
-        self.dropped_iterations = 0
+        # What went where, by record (``close``'s "MLflow got everything") and by iteration (what the
+        # warnings report): a step's end-of-run record, the status tag at the last step, is no iteration.
+        self._spilled_steps: dict[int, int] = {}  # seq -> step of each spilled record with metrics
+        self._delivered_seqs: set[int] = set()  # spilled records marked delivered in the file
+        self._dropped_steps: set[int] = set()
+        self._dropped_records = 0
         self.failed_writes = 0
         self.written_iterations = 0
         self.last_error: str | None = None
@@ -205,14 +210,24 @@ class MlflowSink(SinkWriter):
         return (
             not leftover
             and self._terminated_or_attached()
-            and self.spilled_iterations == 0
-            and not self.dropped_iterations
+            and (self._spill is None or self._spill.undelivered == 0)
+            and not self._dropped_records
         )
 
     @property
     def spilled_iterations(self) -> int:
-        """Iterations in the spill file that MLflow has not taken (what ``gradmon-ray replay`` writes)."""
-        return self._spill.undelivered if self._spill is not None else 0
+        """Training iterations in the spill file that MLflow has not taken: what ``gradmon-ray replay``
+        writes, counted as it counts them (``spill.replayed_iterations``: the distinct steps with metrics
+        among the undelivered records, so the run's end record at the last step is not one more)."""
+        with self._cond:
+            return len({step for seq, step in self._spilled_steps.items() if seq not in self._delivered_seqs})
+
+    @property
+    def dropped_iterations(self) -> int:
+        """Training iterations lost (no spill file, or the disk refused it), counted as
+        ``spilled_iterations`` is: the distinct steps with metrics among the dropped records."""
+        with self._cond:
+            return len(self._dropped_steps)
 
     @property
     def spilling_ahead(self) -> bool:
@@ -239,11 +254,13 @@ class MlflowSink(SinkWriter):
                 )
                 for item in items:
                     item.spilled = True
+                self._spilled_steps.update((i.seq, i.step) for i in items if i.metrics)
                 return
             except OSError as exc:
                 logger.warning("gradmon MLflow sink: cannot write spill file %s (%s)", self._spill.path, exc)
         if leaving:
-            self.dropped_iterations += len(items)
+            self._dropped_records += len(items)
+            self._dropped_steps.update(i.step for i in items if i.metrics)
 
     def _start_spilling_ahead(self) -> None:
         """After a failed write: spill everything pending now, and every later iteration as it comes."""

@@ -64,6 +64,7 @@ class SinkWriter:
     _plots_every: int
     _plot_fn: PlotFn | None
     _spill: SpillWriter | None
+    _delivered_seqs: set[int]
 
     def _start_spilling_ahead(self) -> None:  # the producer half's (MlflowSink)
         raise NotImplementedError
@@ -126,6 +127,7 @@ class SinkWriter:
         if seqs and self._spill is not None:
             try:
                 self._spill.mark_delivered(seqs)
+                self._delivered_seqs.update(seqs)
             except OSError as exc:
                 logger.warning("gradmon MLflow sink: cannot mark delivered in %s (%s)", self._spill.path, exc)
 
