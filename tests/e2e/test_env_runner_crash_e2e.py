@@ -33,6 +33,7 @@ def test_a_crashed_env_runner_is_restarted_and_telemetry_continues(ray_session, 
         {
             "iterations": ITERATIONS,
             "seed": 2,
+            "checkpoint_dir": str(tmp_path / "ckpt"),  # checkpoints are on by default: not into the repository
             "env": {
                 "id": "tests.fixtures.user_envs:CrashingFactoredOps",
                 "config": {"crash_file": str(crash_file), "crash_mode": mode},

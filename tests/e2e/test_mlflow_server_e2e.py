@@ -56,9 +56,11 @@ def mlflow_server(tmp_path_factory):
         kill_group(proc)
 
 
-def test_cli_train_against_a_real_mlflow_server(mlflow_server):
+def test_cli_train_against_a_real_mlflow_server(mlflow_server, tmp_path):
+    args = [*SMALL_TRAIN_ARGS, "--mlflow-uri", mlflow_server, "--experiment", "server"]
+    args += ["--checkpoint-dir", str(tmp_path / "ckpt")]  # checkpoints are on by default: not into the repository
     proc = subprocess.run(
-        [str(BIN / "gradmon-ray"), "train", *SMALL_TRAIN_ARGS, "--mlflow-uri", mlflow_server, "--experiment", "server"],
+        [str(BIN / "gradmon-ray"), "train", *args],
         env=clean_env(),
         capture_output=True,
         text=True,
@@ -123,6 +125,7 @@ def test_tracking_server_killed_and_restarted_mid_run(ray_session, tmp_path, mon
         {
             "iterations": iterations,
             "seed": 0,
+            "checkpoint_dir": str(tmp_path / "ckpt"),  # checkpoints are on by default: not into the repository
             "ppo": {"train_batch_size": 256, "minibatch_size": 128, "num_epochs": 1},
             "model": {"trunk_hiddens": [32]},
             # a 2-iteration buffer overflows during a 7-iteration outage: those go to the spill file

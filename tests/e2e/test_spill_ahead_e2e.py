@@ -89,6 +89,7 @@ def test_a_trainer_killed_during_an_outage_loses_no_iteration(tmp_path):
         wait_http(f"{uri}/health", 90)
         args = [*SMALL_TRAIN_ARGS, "--iterations", "200", "--mlflow-uri", uri, "--experiment", "spill-ahead"]
         args += ["--set", f"mlflow.spill_dir={tmp_path / 'spill'}", "--set", "mlflow.plots_every=0"]
+        args += ["--checkpoint-dir", str(tmp_path / "ckpt")]  # checkpoints are on by default: not into the repository
         trainer = subprocess.Popen(
             [str(BIN / "gradmon-ray"), "train", *args],
             stdout=subprocess.PIPE,
