@@ -36,6 +36,7 @@ def test_collapse_latch_fires_at_iteration_2_and_stops_the_run(ray_session, tmp_
         {
             "iterations": 4,
             "seed": 0,
+            "checkpoint_dir": str(tmp_path / "ckpt"),  # the stop is checkpointed: not into the repository
             "ppo": {"train_batch_size": 256, "minibatch_size": 64, "num_epochs": 1},
             "resources": {"num_env_runners": 0},
             "telemetry": {"bands": {"collapse": {"threshold": 1.01, "iterations": 2}}},
