@@ -1,8 +1,10 @@
-"""The drop-in example as written (APPO, CartPole, RLlib's default module and learner settings), and
-two remote learners: one packed reduction, the noise scale and the replica checksum."""
+"""The README's drop-in example (APPO, CartPole, RLlib's default module and learner settings), run
+from the README's own block, and two remote learners: one packed reduction, the noise scale and the
+replica checksum."""
 
 from __future__ import annotations
 
+import ast
 import math
 import time
 
@@ -12,10 +14,13 @@ from ray.rllib.algorithms.appo.torch.appo_torch_learner import APPOTorchLearner
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.rllib import with_gradmon
+from tests.test_docs import _readme_drop_in_example
 
 pytestmark = pytest.mark.e2e
 
 HEADS = {"pi": r"^pi\.", "vf": r"^vf\."}
+GRAD_CLIP = 0.5
+"""Small enough that RLlib's clip really scales CartPole's gradients (gradmon reports before it)."""
 
 
 def _train_until_learner_results(algo, max_seconds: float = 150.0) -> dict:
@@ -31,23 +36,65 @@ def _train_until_learner_results(algo, max_seconds: float = 150.0) -> dict:
 
 
 def test_appo_example_as_written(ray_session):
-    config = (
-        APPOConfig()
-        .environment("CartPole-v1")
-        .learners(
-            learner_class=with_gradmon(APPOTorchLearner),
-            learner_config_dict={"gradmon": {"heads": HEADS}},
-        )
-    )
+    """The README's block builds the config (its statements, not a copy); the test adds only what
+    the oracles need: RLlib's own ``grad_clip`` and ``log_gradients``, so RLlib logs the global norm
+    its ``clip_gradients`` computes (``compute_global_norm``), an independent path to gradmon's
+    ``grad/global_norm``; and hooks on ``module.pi`` / ``module.vf`` on the remote learner, whose
+    squared gradients give each head's norm.  The value is read by the README's own expression.
+    APPO's update is one minibatch (``minibatch_size`` None, one epoch), so gradmon's mean over the
+    step's minibatches and RLlib's last-minibatch value are the same gradient; the driver averages
+    both over the same updates."""
+
+    def record_submodule_gradients(learner) -> None:
+        """On the remote learner (defined here: pickled by value): tensor hooks on the parameters
+        of the ``pi`` and ``vf`` submodules, fetched by attribute name, adding each backward's
+        squared gradient (float64) under the telemetry step it belongs to."""
+        from ray.rllib.core import DEFAULT_MODULE_ID
+
+        module = learner.module[DEFAULT_MODULE_ID].unwrapped()
+        learner.test_sq_by_step = {}
+
+        def hook(head):
+            def add(grad):
+                step = learner.gradmon_iteration + 1  # the step being computed (its clock: steps done)
+                sums = learner.test_sq_by_step.setdefault(step, {"pi": 0.0, "vf": 0.0})
+                sums[head] += float(grad.detach().double().pow(2).sum())
+
+            return add
+
+        for head in ("pi", "vf"):
+            for param in getattr(module, head).parameters():
+                param.register_hook(hook(head))
+
+    setup, train, read = _readme_drop_in_example()
+    namespace: dict = {}
+    exec(compile(ast.Module(body=setup, type_ignores=[]), "README.md", "exec"), namespace)
+    assert ast.unparse(train) == "result = config.build_algo().train()"
+    config = namespace["config"].training(grad_clip=GRAD_CLIP).reporting(log_gradients=True)
+    assert config.grad_clip_by == "global_norm"
     algo = config.build_algo()
     try:
+        algo.learner_group.foreach_learner(record_submodule_gradients)
         result = _train_until_learner_results(algo)
         logged = result["learners"]["default_policy"]
-        for head in ("pi", "vf"):
-            value = logged[f"grad/head/{head}/norm"]
-            assert math.isfinite(value) and value > 0, (head, value)
-        assert logged[mn.GLOBAL_GRAD_NORM] >= max(logged["grad/head/pi/norm"], logged["grad/head/vf/norm"])
-        assert logged[mn.TELEMETRY_ITERATION] >= 1
+        (rllib_key,) = [k for k in logged if k.startswith("gradients_") and k.endswith("_global_norm")]
+        assert logged[rllib_key] == pytest.approx(logged[mn.GLOBAL_GRAD_NORM], rel=1e-5)
+        assert logged[mn.MINIBATCH_UPDATES] == 1.0
+
+        # The driver's value is the mean over every step whose result it merged in this train()
+        # call (RLlib's root MetricsLogger merges each update's window=1 value), the clock too: the
+        # first iteration with results holds steps 1..last, so the clock's mean says which last.
+        last = 2 * logged[mn.TELEMETRY_ITERATION] - 1
+        assert last == int(last) >= 1, logged[mn.TELEMETRY_ITERATION]
+        steps = range(1, int(last) + 1)
+        (sums,) = [
+            r.get() for r in algo.learner_group.foreach_learner(lambda lr: [lr.test_sq_by_step.get(s) for s in steps])
+        ]
+        assert None not in sums, f"a step of 1..{int(last)} had no hooked backward: {sums}"
+        readme_value = eval(compile(ast.Expression(read.value), "README.md", "eval"), {"result": result})
+        for head, value in (("pi", readme_value), ("vf", logged[mn.head_metric(mn.HEAD_GRAD_NORM, "vf")])):
+            expected = sum(math.sqrt(step[head]) for step in sums) / len(sums)
+            assert value == pytest.approx(expected, rel=1e-5), (head, len(sums))
     finally:
         algo.stop()
 
