@@ -14,9 +14,10 @@ from rich.console import Console
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.viz.panel import watch
-from gradmon_ray.viz.plots import ENTROPY_FILE, write_plots
+from gradmon_ray.viz.plots import ENTROPY_FILE, HEATMAP_FILE, LINES_FILE, entropy_figure, write_plots
 from gradmon_ray.viz.report import summary_markdown
 from gradmon_ray.viz.runs import latest_probe, load_history
+from tests.viz.test_plots_report import png_size
 
 SERIES = {
     mn.head_metric(mn.HEAD_GRAD_NORM, "pi"): [0.5, 0.5, 0.5],
@@ -53,7 +54,17 @@ def test_entropy_plot_and_report_rows(tmp_path):
     client, run_id = _run(tmp_path)
     history = load_history(client, run_id)
     files = write_plots(history, latest_probe(client, run_id, history.latest), tmp_path / "plots")
-    assert ENTROPY_FILE in [f.name for f in files]
+    assert [f.name for f in files] == [HEATMAP_FILE, LINES_FILE, ENTROPY_FILE]  # no probe: no probe chart
+    assert png_size(files[2]) == (1000, 400)  # one module: 10 x (0.4 + 3.6) inches at 100 dpi
+    # the entropy plot draws each policy head's logged series, and one x: op's collapse at (3, 0.03)
+    (ax,) = entropy_figure(history).axes
+    op, collapse, slot = ax.get_lines()
+    assert [(list(line.get_xdata()), list(line.get_ydata())) for line in (op, collapse, slot)] == [
+        ([1, 2, 3], SERIES[mn.head_metric(mn.HEAD_ENTROPY_NORM, "op")]),
+        ([3], [0.03]),
+        ([1, 2, 3], SERIES[mn.head_metric(mn.HEAD_ENTROPY_NORM, "slot")]),
+    ]
+    assert (op.get_label(), slot.get_label(), collapse.get_marker()) == ("op", "slot", "x")
     summary = summary_markdown(history, latest_probe(client, run_id, history.latest))
     assert "| op | 0.030 | 0.030 | iteration 3 |" in summary
     assert "| slot | 0.600 | 0.600 | — |" in summary

@@ -10,7 +10,8 @@ from rich.console import Console
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.app.cli import main
-from gradmon_ray.viz.panel import BAR_WIDTH, mini_bar, watch
+from gradmon_ray.viz.panel import BAR_WIDTH, LATCH_CLEAR, LATCH_SET, head_cells, mini_bar, watch
+from gradmon_ray.viz.runs import ProbeView, RunSnapshot
 from tests.e2e.processes import free_port
 from tests.viz.known_run import HEADS, make_known_run, shuffled_known_runs
 
@@ -90,9 +91,14 @@ def test_mini_bar_zero_norm_is_an_empty_bar():
 
 
 def test_cli_watch_once_prints_one_frame_and_exits_0(known, capsys):
+    """Captured output is no terminal: the CLI draws the wide table, every head's column by its
+    full name, in the tag's order, with the known run's worked states."""
     assert main(["watch", "--once", "--run-id", known.run_id, "--tracking-uri", known.tracking_uri]) == 0
     out = capsys.readouterr().out
-    assert all(head in out for head in HEADS) and "exploding" in out
+    (header,) = [ln for ln in out.splitlines() if ln.startswith("┃") and ln.split("┃")[2].strip() == "op"]
+    assert [c.strip() for c in header.split("┃")[2:-1]] == HEADS
+    assert _row(out, "state") == [STATES[h] for h in HEADS]
+    assert out.count("run known (finished)  ·  iteration 3  ·  env steps 3072") == 1  # one frame, then exit
 
 
 def test_cli_watch_unknown_run_exits_2_with_one_line(known, capsys):
@@ -188,3 +194,31 @@ def test_state_row_shows_the_band_the_learner_logged_and_the_value_head_by_its_o
     watch(client, run_id=run_id, once=True, console=console)
     states = _row(console.export_text(), "state")
     assert states == (["elevated", "exploding", "healthy"] if with_codes else ["elevated", "healthy", "healthy"])
+
+
+def _snap(metrics):
+    return RunSnapshot("r", "run", "RUNNING", metrics, {}, ["op", "slot"], 3, ProbeView(None))
+
+
+def test_latch_cells_read_their_own_latch():
+    """``head_cells`` on a hand-made snapshot: each head's NaN and Inf cells show that head's own
+    latch, and the state is the logged code (dead) though 0.5 is healthy by the default edges."""
+    h = mn.head_metric
+    snap = _snap(
+        {
+            h(mn.HEAD_GRAD_NORM, "op"): 0.5,
+            h(mn.HEAD_GRAD_NORM, "slot"): 0.5,
+            h(mn.HEAD_NAN_LATCH, "op"): 1.0,
+            h(mn.HEAD_INF_LATCH, "op"): 0.0,
+            h(mn.HEAD_NAN_LATCH, "slot"): 0.0,
+            h(mn.HEAD_INF_LATCH, "slot"): 1.0,
+            h(mn.HEAD_GRAD_HEALTH, "op"): 0.0,
+            h(mn.HEAD_GRAD_TREND, "op"): -1.0,
+        }
+    )
+    op, slot = head_cells(snap, "op"), head_cells(snap, "slot")
+    assert op["NaN latch"].plain == LATCH_SET and op["Inf latch"].plain == LATCH_CLEAR
+    assert slot["NaN latch"].plain == LATCH_CLEAR and slot["Inf latch"].plain == LATCH_SET
+    assert op["state"].plain == "dead"  # the logged code, though 0.5 is healthy by default edges
+    assert op["grad norm"].plain == "0.500 ↘"
+    assert slot["state"].plain == "healthy"

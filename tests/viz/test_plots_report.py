@@ -8,14 +8,25 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from matplotlib import colormaps
+from matplotlib.colors import to_rgb
+from matplotlib.image import imread
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.app.cli import main
 from gradmon_ray.tracking import MlflowSink
-from gradmon_ray.viz.plots import HEATMAP_FILE, LINES_FILE, PROBE_FILE, heatmap_figure, norm_matrix, write_plots
+from gradmon_ray.viz.plots import (
+    HEATMAP_FILE,
+    LINES_FILE,
+    MISSING_COLOUR,
+    PROBE_FILE,
+    heatmap_figure,
+    norm_matrix,
+    write_plots,
+)
 from gradmon_ray.viz.report import SUMMARY_FILE, head_summaries, log_plots, summary_markdown
-from gradmon_ray.viz.runs import latest_probe, load_history
+from gradmon_ray.viz.runs import RunHistory, latest_probe, load_history
 from tests.viz.known_run import HEADS, NORMS, artifacts_beside, make_known_run, shuffled_known_runs
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -28,9 +39,41 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
+# Figure sizes (inches) at 100 dpi, worked out from the known run's 9 heads (one a value head) and
+# 3 iterations: heatmap width max(6, min(16, 0.25 x 3 + 4)) = 6, height max(3, 0.45 x 9 + 1.8) = 5.85;
+# lines 13 wide (a value head: two axes) x (0.6 + 3.6 x 1 module) = 4.2; probe chart 10 x 5.
+KNOWN_SIZES = {HEATMAP_FILE: (600, 585), LINES_FILE: (1300, 420), PROBE_FILE: (1000, 500)}
+
+
 @pytest.fixture
 def known(tmp_path):
     return make_known_run(f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+
+def viridis_on_log_scale(norm: float, vmin: float, vmax: float) -> np.ndarray:
+    """The RGB a heatmap cell of ``norm`` must have: viridis at the norm's place between vmin and
+    vmax in log10, worked out here (matplotlib's colormap, not its ``LogNorm``)."""
+    return np.array(colormaps["viridis"]((math.log10(norm) - math.log10(vmin)) / math.log10(vmax / vmin))[:3])
+
+
+def assert_heatmap_cells(png: Path, history: RunHistory, norms: dict[str, list[float]], vmin: float, vmax: float):
+    """Every cell of the heatmap PNG, read at its centre, has the colour of the norm the test logged
+    (grey where it logged NaN).  The cell centres come from a drawn ``heatmap_figure`` of the same
+    history (its layout only); no row of these runs crosses a band edge, so no contour covers them."""
+    figure = heatmap_figure(history)
+    figure.canvas.draw()
+    ax = figure.axes[0]
+    image = imread(png)[..., :3]
+    assert [t.get_text() for t in ax.get_yticklabels()] == list(norms)
+    failures = []
+    for row, (head, values) in enumerate(norms.items()):
+        for column, norm in enumerate(values):
+            px, py = (float(v) for v in ax.transData.transform((column, row)))
+            got = image[round(image.shape[0] - py), round(px)]
+            want = np.array(to_rgb(MISSING_COLOUR)) if math.isnan(norm) else viridis_on_log_scale(norm, vmin, vmax)
+            if not np.allclose(got, want, atol=2.5 / 255):
+                failures.append(f"{head} step {column + 1} ({norm}): {got} != {want}")
+    assert not failures, "\n".join(failures)
 
 
 def test_heatmap_matrix_is_the_metric_history(known):
@@ -49,15 +92,16 @@ def test_heatmap_matrix_is_the_metric_history(known):
         assert [logged[s] for s in steps] == pytest.approx(list(matrix[i]), nan_ok=True)
 
 
-def test_plots_are_pngs_of_sensible_size(known, tmp_path):
+def test_plots_are_pngs_of_the_configured_size_and_the_heatmap_cells_are_the_norms(known, tmp_path):
+    """Each PNG's pixel size is its figure size x 100 dpi (``KNOWN_SIZES``); every heatmap cell has
+    the colour of its logged norm on the log scale from vmin = min(0.01 / 10, smallest norm 0.005)
+    = 0.001 to vmax = max(largest norm 9, 2 x the action edge 5) = 10, a5's missing last step grey."""
     client = MlflowClient(known.tracking_uri)
     history = load_history(client, known.run_id)
     files = write_plots(history, latest_probe(client, known.run_id, history.latest), tmp_path / "plots")
     assert [f.name for f in files] == [HEATMAP_FILE, LINES_FILE, PROBE_FILE]
-    for f in files:
-        width, height = png_size(f)
-        assert 400 <= width <= 2000 and 250 <= height <= 1500, (f.name, width, height)
-        assert f.stat().st_size > 10_000  # drawn, not blank
+    assert {f.name: png_size(f) for f in files} == KNOWN_SIZES
+    assert_heatmap_cells(files[0], history, NORMS, vmin=0.001, vmax=10.0)
 
 
 def test_no_probe_no_probe_chart(tmp_path):
@@ -69,12 +113,19 @@ def test_no_probe_no_probe_chart(tmp_path):
 
 
 def test_one_head_one_iteration_still_draws(tmp_path):
+    """One head, one iteration, a zero norm (a log scale has no place for it): the heatmap and the
+    lines plot, no probe chart, no entropy plot; a 1 x 1 matrix of the logged 0.0; the heatmap
+    max(6, min(16, 0.25 x 1 + 4)) = 6 x max(3, 0.45 x 1 + 1.8) = 3 inches, the lines plot (no value
+    head: one axes) 10 x (0.6 + 3.6) = 4.2 inches, at 100 dpi."""
     client = MlflowClient(f"sqlite:///{tmp_path / 'one.db'}")
     run = client.create_run(client.create_experiment("one"))
     client.log_metric(run.info.run_id, mn.head_metric(mn.HEAD_GRAD_NORM, "op"), 0.0, step=1)  # zero on a log scale
     history = load_history(client, run.info.run_id)
+    heads, steps, matrix = norm_matrix(history)
+    assert (heads, steps, matrix.tolist()) == (["op"], [1], [[0.0]])
     files = write_plots(history, latest_probe(client, run.info.run_id, history.latest), tmp_path / "p")
-    assert all(png_size(f)[0] > 0 for f in files)
+    assert [f.name for f in files] == [HEATMAP_FILE, LINES_FILE]
+    assert [png_size(f) for f in files] == [(600, 300), (1000, 420)]
 
 
 def test_report_summary_worked_answers(known):
@@ -102,6 +153,10 @@ def test_cli_report_writes_plots_and_summary(known, tmp_path, capsys):
     assert code == 0, capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == sorted([HEATMAP_FILE, LINES_FILE, PROBE_FILE, SUMMARY_FILE])
     assert "wrote 4 files" in capsys.readouterr().out
+    assert {name: png_size(out / name) for name in KNOWN_SIZES} == KNOWN_SIZES
+    summary = (out / SUMMARY_FILE).read_text()
+    assert "| tempo | 7 | exploding | 7 | 9 | 0 | 3 | — | — |" in summary  # the worked row, as below
+    assert "- a6: NaN from iteration 2" in summary and "- a7: Inf from iteration 3" in summary
 
 
 def test_cli_report_unknown_run_exits_2(known, capsys):
@@ -109,11 +164,14 @@ def test_cli_report_unknown_run_exits_2(known, capsys):
     assert "no run with id" in capsys.readouterr().err
 
 
-def test_log_plots_puts_them_in_the_runs_artifacts(known):
+def test_log_plots_puts_them_in_the_runs_artifacts(known, tmp_path):
     client = MlflowClient(known.tracking_uri)
     logged = log_plots(client, known.run_id)
     assert logged == [f"plots/{n}" for n in (HEATMAP_FILE, LINES_FILE, PROBE_FILE)]
     assert sorted(a.path for a in client.list_artifacts(known.run_id, "plots")) == sorted(logged)
+    local = Path(client.download_artifacts(known.run_id, f"plots/{HEATMAP_FILE}", str(tmp_path)))
+    assert png_size(local) == KNOWN_SIZES[HEATMAP_FILE]
+    assert_heatmap_cells(local, load_history(client, known.run_id), NORMS, vmin=0.001, vmax=10.0)
 
 
 def test_sink_draws_plots_every_n_iterations_and_at_close(tmp_path):
@@ -130,9 +188,12 @@ def test_sink_draws_plots_every_n_iterations_and_at_close(tmp_path):
     arts = [a.path for a in client.list_artifacts(sink.run_id, "plots")]
     assert sorted(arts) == sorted([f"plots/{HEATMAP_FILE}", f"plots/{LINES_FILE}"])
     assert sink.plot_failures == 0
-    # the final drawing (at close) saw all three iterations
+    # the final drawing (at close) saw all three iterations: three columns of cells, 0.5 x step,
+    # on the log scale from min(0.001, 0.5) = 0.001 to max(1.5, 10) = 10; 6 x max(3, 2.7) inches
     local = Path(client.download_artifacts(sink.run_id, f"plots/{HEATMAP_FILE}", str(tmp_path)))
-    assert png_size(local)[0] > 0
+    assert png_size(local) == (600, 300)
+    norms = {"op": [0.5, 1.0, 1.5], "value": [0.5, 1.0, 1.5]}
+    assert_heatmap_cells(local, load_history(client, sink.run_id), norms, vmin=0.001, vmax=10.0)
 
 
 def test_a_failing_plot_is_counted_never_raised_and_the_run_still_ends(tmp_path):
@@ -145,7 +206,7 @@ def test_a_failing_plot_is_counted_never_raised_and_the_run_still_ends(tmp_path)
     assert sink.close()
     assert sink.plot_failures == 2  # after iteration 1 and at close
     assert MlflowClient(uri).get_run(sink.run_id).info.status == "FINISHED"
-    assert math.isfinite(MlflowClient(uri).get_run(sink.run_id).data.metrics["x"])
+    assert MlflowClient(uri).get_run(sink.run_id).data.metrics == {"x": 1.0}
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -158,3 +219,17 @@ def test_heatmap_rows_follow_the_head_names_tag_whatever_order_the_metrics_were_
         np.testing.assert_array_equal(matrix, np.array([NORMS[h] for h in expected]))
         ax = heatmap_figure(history).axes[0]
         assert [t.get_text() for t in ax.get_yticklabels()] == expected, tag
+
+
+def test_heatmap_matrix_has_one_row_per_head_and_a_column_for_every_logged_step():
+    h = mn.head_metric
+    series = {
+        h(mn.HEAD_GRAD_NORM, "op"): {1: 0.5, 2: 0.25},
+        h(mn.HEAD_GRAD_NORM, "slot"): {2: 1.5, 4: 3.0},  # joins late, skips step 3
+        h(mn.HEAD_GRAD_NORM, "value"): {3: 7.0},
+    }
+    heads, steps, matrix = norm_matrix(RunHistory("r", ["op", "slot", "value"], series, {}, {}))
+    assert heads == ["op", "slot", "value"] and steps == [1, 2, 3, 4]
+    nan = float("nan")
+    expected = np.array([[0.5, 0.25, nan, nan], [nan, 1.5, nan, 3.0], [nan, nan, 7.0, nan]])
+    np.testing.assert_array_equal(matrix, expected)
