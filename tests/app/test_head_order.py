@@ -1,4 +1,5 @@
-"""Head order is the action space's order, then ``value``: never the order of the metric keys.
+"""Head order (``gradmon_ray.app.head_order``) is the action space's order, then ``value``: never
+the order of the metric keys.
 
 RLlib's ``MetricsLogger.aggregate`` merges the learners' results through a ``set`` of key
 paths, so the keys of ``result["learners"][module]`` come in a different order in every
@@ -13,7 +14,7 @@ from types import SimpleNamespace
 import gymnasium as gym
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.app.train import _head_order, reported_head_order
+from gradmon_ray.app.head_order import head_order, reported_head_order
 from gradmon_ray.envs import HEAD_NAMES, HEAD_SIZES
 from gradmon_ray.rllib.module import resolve_heads
 from gradmon_ray.tracking.result_metrics import heads_in, order_heads
@@ -111,10 +112,10 @@ def test_order_heads_puts_unknown_heads_sorted_after_the_known_ones_and_value_la
 def test_the_driver_takes_the_order_from_the_modules_action_space_and_config():
     algo = SimpleNamespace(spaces={"default_policy": (gym.spaces.Box(0, 1, (3,)), MD_SPACE)})
     cfg = SimpleNamespace(model=SimpleNamespace(head_names=MD_NAMES), env=SimpleNamespace(id="x"))
-    assert list(_head_order(algo, cfg)) == MD_ORDER
+    assert list(head_order(algo, cfg)) == MD_ORDER
     algo.spaces["default_policy"] = (None, DICT_SPACE)
     plain = SimpleNamespace(model=SimpleNamespace(head_names=None), env=SimpleNamespace(id="x"))
-    assert list(_head_order(algo, plain)) == DICT_ORDER
+    assert list(head_order(algo, plain)) == DICT_ORDER
 
 
 def test_the_built_in_env_is_shown_in_its_declared_order_op_first():
@@ -123,4 +124,4 @@ def test_the_built_in_env_is_shown_in_its_declared_order_op_first():
     algo = SimpleNamespace(spaces={"default_policy": (None, FactoredOpsEnv().action_space)})
     cfg = SimpleNamespace(model=SimpleNamespace(head_names=None), env=SimpleNamespace(id=BUILTIN_ENV_ID))
     expected = ["op", "slot", "blueprint", "style", "tempo", "alpha_target", "alpha_speed", "alpha_curve", "value"]
-    assert list(_head_order(algo, cfg)) == expected
+    assert list(head_order(algo, cfg)) == expected

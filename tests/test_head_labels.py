@@ -1,4 +1,6 @@
-"""One definition of value heads, worked answers for heads named ``value``, ``vf`` and a declared ``critic``.
+"""``gradmon_ray.head_labels``: one definition of value heads, worked answers for heads named
+``value``, ``vf`` and a declared ``critic`` (and every reader of it: the learner, the tags, watch,
+the report, health_stop).
 
 ``value`` and ``vf`` are value heads in every run; ``critic`` is one only where the run declares it
 (the module's ``value_heads`` attribute, or ``learner_config_dict["gradmon"]["value_heads"]``, per
