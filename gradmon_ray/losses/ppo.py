@@ -6,7 +6,7 @@ a pure function because the learner needs the per-head log-probs it computes on 
 (for the NaN/Inf latches) and the probes need each term separately.  Two deliberate
 differences, neither of which changes a value: masking uses ``torch.where`` instead of
 boolean indexing (which synchronises with the host to size its output), and every term is
-returned.  ``tests/rllib/test_ppo_loss.py`` checks equality with RLlib's implementation.
+returned.  ``tests/losses/test_ppo.py`` checks equality with RLlib's implementation.
 """
 
 from __future__ import annotations

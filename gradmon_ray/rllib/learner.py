@@ -109,7 +109,7 @@ class GradmonPPOTorchLearner(compat.TrainBatchHook, with_gradmon(PPOTorchLearner
     def compute_loss_for_module(
         self, *, module_id: ModuleID, config: PPOConfig, batch: dict[str, Any], fwd_out: dict[str, TensorType]
     ) -> TensorType:
-        # Replaces PPO's loss (same formula, guarded by tests/rllib/test_ppo_loss.py) to keep
+        # Replaces PPO's loss (same formula, guarded by tests/losses/test_ppo.py) to keep
         # the per-head log-probs it computes on the way.
         module = self.module[module_id].unwrapped()
         logits = fwd_out[Columns.ACTION_DIST_INPUTS]

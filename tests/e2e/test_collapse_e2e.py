@@ -5,7 +5,7 @@ every head is "low" every iteration and, with ``iterations: 2``, every head's la
 iteration 2 exactly, and ``health_stop.collapse`` must stop the 4-iteration run there with
 reason code 5.  The same run checks gradmon's own learner path for the head entropy (the sum over
 heads is the ``loss/entropy`` its PPO loss logs for the same last minibatch; that loss is checked
-against RLlib's in ``tests/rllib/test_ppo_loss.py``) and that RLlib's ``vf_explained_var`` reaches MLflow.
+against RLlib's in ``tests/losses/test_ppo.py``) and that RLlib's ``vf_explained_var`` reaches MLflow.
 
 Bugs this catches: the latch firing at the first low step or one late (counter off by one),
 first_iteration off the learner clock, the stop rule not wired into ``run_training``, the wrong
