@@ -19,7 +19,7 @@ from gradmon_ray.app.sweep import PARENT_RUN_TAG, SweepConfig, run_sweep
 from gradmon_ray.envs import HEAD_NAMES
 from gradmon_ray.telemetry.bands import worst_head
 from tests.e2e.processes import BIN, clean_env, kill_group
-from tests.fixtures.user_envs import CRASH_ONCE_COUNTDOWN
+from tests.fixtures.user_envs import crash_once_countdown
 
 pytestmark = pytest.mark.e2e
 
@@ -226,13 +226,14 @@ def crashed_sweep(ray_session, tmp_path_factory):
         "mlflow": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}", "experiment": "crash"},
     }
     # Two or three minibatches per iteration: call 5 falls in iteration 2 or 3, after a checkpoint.
-    CRASH_ONCE_COUNTDOWN.write_text("4")
+    countdown = crash_once_countdown()
+    countdown.write_text("4")
     try:
         config = SweepConfig(name="crash", search_space={"ppo.lr": 3e-4}, storage_path=str(tmp / "tune"))
         outcome = run_sweep(config, base, progress=None)
-        crashed = not CRASH_ONCE_COUNTDOWN.exists()
+        crashed = not countdown.exists()
     finally:
-        CRASH_ONCE_COUNTDOWN.unlink(missing_ok=True)
+        countdown.unlink(missing_ok=True)
     return base, outcome, crashed
 
 
@@ -269,14 +270,22 @@ KILL_ITERATIONS, KILL_EVERY = 8, 3
 
 
 def _learner_pids() -> list[int]:
-    """PIDs of RLlib learner actors (Ray titles their processes ``ray::_WrappedExecutable``)."""
+    """PIDs of this test's RLlib learner actors (Ray titles them ``ray::_WrappedExecutable``).
+
+    Only processes under this one (the local Ray this session started is a child of it), so a
+    learner of another run on the same machine is never touched.
+    """
     import psutil
 
-    return [
-        p.info["pid"]
-        for p in psutil.process_iter(["pid", "cmdline"])
-        if (p.info["cmdline"] or [""])[0].startswith("ray::_WrappedExecutable")
-    ]
+    ours = psutil.Process().children(recursive=True)
+    found = []
+    for p in ours:
+        try:
+            if (p.cmdline() or [""])[0].startswith("ray::_WrappedExecutable"):
+                found.append(p.pid)
+        except psutil.Error:  # gone meanwhile
+            continue
+    return found
 
 
 @pytest.fixture(scope="module")
