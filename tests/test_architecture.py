@@ -168,9 +168,20 @@ def test_compat_imports_nothing_from_gradmon():
 def test_the_layer_contract_holds():
     """pyproject.toml's [tool.importlinter] contracts (layers, no cycles) hold: 0 broken."""
     pytest.importorskip("importlinter")
+    import logging
+
     from importlinter.cli import lint_imports
 
-    assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True) == 0
+    # import-linter configures logging with dictConfig, which disables every logger that exists
+    # already (gradmon's among them): later tests' caplog would see nothing.  Put them back.
+    loggers = [lg for lg in logging.root.manager.loggerDict.values() if isinstance(lg, logging.Logger)]
+    disabled = {lg: lg.disabled for lg in loggers}
+    try:
+        assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True) == 0
+    finally:
+        for lg in logging.root.manager.loggerDict.values():
+            if isinstance(lg, logging.Logger):
+                lg.disabled = disabled.get(lg, False)
 
 
 def test_no_module_is_over_300_lines():
