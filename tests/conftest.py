@@ -123,3 +123,39 @@ def _fast_lane_starts_no_process(request, monkeypatch):
 
     monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
     yield
+
+
+# --- MLflow sqlite stores --------------------------------------------------------------------
+# A new sqlite store runs all of MLflow's schema migrations (~0.9 s here, and many tests make
+# their own store).  In this process a new store's schema is copied instead from one store the
+# session migrated for real (sqlite's backup API: the same tables, indexes and alembic version,
+# byte for byte); MLflow's own start-up checks then run on it as usual.  Subprocesses and Ray
+# workers are untouched and migrate for real.
+@pytest.fixture(scope="session", autouse=True)
+def _mlflow_sqlite_schema_from_a_template(tmp_path_factory):
+    import sqlite3
+
+    import mlflow.store.db.utils as db_utils
+
+    migrate = db_utils._initialize_tables
+    template = tmp_path_factory.mktemp("mlflow-template") / "schema.db"
+
+    def initialize_tables(engine):
+        if engine.url.get_backend_name() != "sqlite" or not engine.url.database:
+            return migrate(engine)
+        if not template.exists():
+            migrate(engine)
+            with sqlite3.connect(engine.url.database) as migrated, sqlite3.connect(template) as copy:
+                migrated.backup(copy)
+            return None
+        raw = engine.raw_connection()
+        try:
+            with sqlite3.connect(template) as schema:
+                schema.backup(raw.driver_connection)
+        finally:
+            raw.close()
+        return None
+
+    db_utils._initialize_tables = initialize_tables
+    yield
+    db_utils._initialize_tables = migrate
