@@ -162,3 +162,42 @@ def test_bucket_index_and_probe_bucket():
 def test_noise_scale_metrics_names():
     assert mn.noise_scale_metrics({"op": 2.0}, 3.0) == {"grad/head/op/noise_scale": 2.0, "grad/noise_scale": 3.0}
     assert mn.noise_scale_metrics({}, None) == {}
+
+
+# --- multi-module names (``module/<id>/<name>``) and the template index -------------------------------
+
+
+def test_a_module_metric_parses_as_its_name_with_the_module_and_a_module_head_label():
+    assert mp.split_module("module/p1/grad/global_norm") == ("p1", "grad/global_norm")
+    assert mp.split_module("grad/global_norm") == (None, "grad/global_norm")
+    # written by hand: HEAD_GRAD_NORM is "grad/head/{head}/norm", the head label of module p1's head op is "p1/op"
+    assert mp.parse("module/p1/grad/head/op/norm") == mp.ParsedName(
+        mn.HEAD_GRAD_NORM, {"head": "p1/op", "module": "p1"}
+    )
+    assert mp.parse("module/p1/grad/global_norm") == mp.ParsedName(mn.GLOBAL_GRAD_NORM, {"module": "p1"})
+    assert mp.heads_of(["module/p1/grad/head/op/norm", "module/p2/grad/head/op/norm"], mn.HEAD_GRAD_NORM) == [
+        "p1/op",
+        "p2/op",
+    ]
+
+
+def test_modules_of_lists_each_module_once_in_first_seen_order():
+    names = ["module/b/grad/global_norm", "grad/global_norm", "module/a/x", "module/b/y", "plain"]
+    assert mp.modules_of(names) == ["b", "a"]
+    assert mp.modules_of(["grad/global_norm"]) == []
+
+
+def test_first_segment_and_the_candidate_index():
+    assert mp._first_segment("grad/head/{head}/norm") == "grad"
+    assert mp._first_segment("{head}/norm") is None
+    assert mp._first_segment("grad") == "grad"
+    index = mp._candidates()
+    # grad_norm/bucket_1/num_steps fills PROBE_NUM_STEPS and PROBE_COMPONENT_NORM: the explicit name (more
+    # literal text) is tried first; every template sits under its literal first segment.
+    firsts = [t for t, _ in index["grad_norm"]]
+    assert firsts.index(mn.PROBE_NUM_STEPS) < firsts.index(mn.PROBE_COMPONENT_NORM)
+    for template in mp.METRIC_TEMPLATES:
+        patterns = dict(index[template.split("/", 1)[0]])
+        name = template.format(**sample_fills(template)[0])
+        assert patterns[template].match(name) is not None
+    assert index[None] == ()  # no template starts with a placeholder today

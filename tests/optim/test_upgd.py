@@ -109,3 +109,27 @@ def test_state_dict_carries_the_noise_generator_so_a_restored_optimizer_continue
     step(w2, opt2)
     torch.testing.assert_close(w2.detach(), w.detach(), rtol=0, atol=0)
     assert not torch.equal(w2.detach(), w_saved)
+
+
+def test_default_hyperparameters_worked_answer():
+    """Defaults lr 1e-5, weight_decay 0.001, beta_utility 0.999 (sigma 0 for a deterministic step).
+
+    w = [1, -2], g = [0.5, 0.25]: raw utility 0.001 * (-g*w) = [-5e-4, 5e-4] (max 5e-4), corrected by
+    1 - 0.999 = 0.001 -> [-0.5, 0.5]; ratio [-1000, 1000] -> s = [0, 1] (float32 sigmoid saturates).
+    update = lr * (wd * w + 2 g (1 - s)) = 1e-5 * [0.001 + 1.0, -0.002 + 0] -> w' = [1 - 1.001e-5, -2 + 2e-8]."""
+    w = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    w.grad = torch.tensor([0.5, 0.25])
+    opt = UPGD([w], sigma=0.0)
+    assert opt.defaults == {"lr": 1e-5, "weight_decay": 0.001, "beta_utility": 0.999, "sigma": 0.0}
+    opt.step()
+    torch.testing.assert_close(w.detach(), torch.tensor([1.0 - 1.001e-5, -2.0 + 2e-8]), rtol=0, atol=2e-7)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"lr": -1.0}, {"weight_decay": -1.0}, {"sigma": -1.0}, {"beta_utility": -0.1}, {"beta_utility": 1.0}]
+)
+def test_each_bad_hyperparameter_alone_raises_the_documented_message(kwargs):
+    with pytest.raises(
+        ValueError, match=r"^UPGD needs lr >= 0, weight_decay >= 0, sigma >= 0 and 0 <= beta_utility < 1$"
+    ):
+        UPGD([torch.nn.Parameter(torch.zeros(1))], **kwargs)

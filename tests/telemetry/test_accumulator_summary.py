@@ -269,3 +269,95 @@ def test_an_inf_norm_stays_in_the_mean_and_reads_exploding_while_nan_is_left_out
     nxt = tracker.finish_iteration(acc.drain()[0])
     assert nxt.head_norms_prev["op"] == math.inf and nxt.trends["op"] == "↘"
     assert nxt.head_norms_prev["slot"] == pytest.approx(0.5)
+
+
+def test_the_lanes_sum_in_float64_so_a_large_norm_keeps_a_unit_step():
+    """2**24 and 1.0 are exact float32 norms; their sum 16777217 is not a float32 (it rounds to 2**24),
+    so only a float64 buffer gives the mean (2**24 + 1) / 2 = 8388608.5."""
+    tracker = TelemetryTracker(REPORTED, ACTION)
+    acc = IterationAccumulator(tracker.layout)
+    zeros = [0.0, 0.0]
+    summary = _run_iteration(
+        tracker,
+        acc,
+        [(_norms([2.0**24, 1.0, 1.0], 2.0**24), zeros, zeros, 0.0), (_norms([1.0, 1.0, 1.0], 1.0), zeros, zeros, 0.0)],
+    )
+    assert summary.head_norms["op"] == 8388608.5
+    assert summary.global_norm == 8388608.5
+
+
+def test_one_minibatch_gives_its_own_global_norm():
+    tracker = TelemetryTracker(REPORTED, ACTION)
+    summary = _run_iteration(
+        tracker, IterationAccumulator(tracker.layout), [(_norms([1.0, 2.0, 3.0], 2.5), [0.0, 0.0], [0.0, 0.0], 0.0)]
+    )
+    assert summary.global_norm == 2.5
+    assert summary.head_norms == {"op": 1.0, "slot": 2.0, "value": 3.0}
+
+
+def test_batched_logp_rows_latch_like_their_flattened_rows():
+    """A ``[T, B, heads]`` log-prob tensor is read as its ``T*B`` rows: a NaN at (1, 2) of head
+    ``slot`` and a -Inf at (0, 0) of head ``op`` latch those heads, nothing else."""
+    logp = torch.full((2, 3, 2), -0.5)
+    logp[1, 2, 1] = float("nan")
+    logp[0, 0, 0] = float("-inf")
+    tracker = TelemetryTracker(REPORTED, ACTION)
+    acc = IterationAccumulator(tracker.layout)
+    acc.add_minibatch_logp(_norms([1.0, 1.0, 1.0], 1.0), logp, torch.tensor(0.0))
+    summary = tracker.finish_iteration(acc.drain()[0])
+    assert summary.nan_latched == {"op": False, "slot": True}
+    assert summary.inf_latched == {"op": True, "slot": False}
+    # the same rows, flattened by hand, and a row mask that drops the NaN row (row 5 = (1, 2))
+    tracker2 = TelemetryTracker(REPORTED, ACTION)
+    acc2 = IterationAccumulator(tracker2.layout)
+    mask = torch.tensor([True, True, True, True, True, False])
+    acc2.add_minibatch_logp(_norms([1.0, 1.0, 1.0], 1.0), logp, torch.tensor(0.0), mask)
+    summary2 = tracker2.finish_iteration(acc2.drain()[0])
+    assert summary2.nan_latched == {"op": False, "slot": False}
+    assert summary2.inf_latched == {"op": True, "slot": False}
+
+
+def test_finish_defaults_to_one_replica_and_returns_the_lanes_unchanged():
+    tracker = TelemetryTracker(REPORTED, ACTION)
+    lay = tracker.layout
+    acc = IterationAccumulator(lay)
+    acc.add_minibatch(
+        _norms([1.0, 2.0, 3.0], 4.0, nan=3), torch.tensor([0.0, 1.0]), torch.tensor([0.0, 0.0]), torch.tensor(1.0)
+    )
+    host = acc.fold().numpy().copy()
+    assert host[lay.minibatches] == 1.0 and host[lay.nan_grad_count] == 3.0 and host[lay.skipped] == 1.0
+    assert np.array_equal(acc.finish(host), host)  # world_size 2 would halve the counts: 0.5, 1.5, 0.5
+    assert acc.buffer.abs().sum().item() == 0.0
+
+
+def test_drain_returns_multi_element_extras_flattened_in_order():
+    tracker = TelemetryTracker(REPORTED, ACTION)
+    acc = IterationAccumulator(tracker.layout)
+    acc.add_minibatch(
+        _norms([1.0, 2.0, 3.0], 4.0), torch.tensor([0.0, 0.0]), torch.tensor([0.0, 0.0]), torch.tensor(0.0)
+    )
+    lanes, reduced, local = acc.drain(
+        reduced_extra=torch.tensor([[5.0, 6.0], [7.0, 8.0]]), local_extra=torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    )
+    assert reduced.tolist() == [5.0, 6.0, 7.0, 8.0]
+    assert local.tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert tracker.finish_iteration(lanes).head_norms == {"op": 1.0, "slot": 2.0, "value": 3.0}
+
+
+def test_skip_iteration_advances_the_iteration_clock():
+    tracker = TelemetryTracker(REPORTED, ACTION)
+    tracker.skip_iteration()
+    tracker.skip_iteration()
+    assert tracker.iteration == 2
+    summary = _run_iteration(
+        tracker, IterationAccumulator(tracker.layout), [(_norms([1.0, 1.0, 1.0], 1.0), [0.0, 1.0], [0.0, 0.0], 0.0)]
+    )
+    assert summary.iteration == 3 and summary.nan_first_iteration == {"slot": 3}
+
+
+@pytest.mark.parametrize(("reported", "action"), [(0, 1), (1, 0), (0, 0)])
+def test_layout_needs_a_reported_head_and_a_latch_head_each(reported, action):
+    from gradmon_ray.telemetry import TelemetryLayout
+
+    with pytest.raises(ValueError, match=r"^need num_reported >= 1 and num_action_heads >= 1$"):
+        TelemetryLayout(reported, action)

@@ -141,3 +141,41 @@ def test_worst_head_with_a_band_set_judges_value_by_its_own_edges():
     assert worst_head(norms, bands=BandSet()) == ("op", "weak")
     assert worst_head({"op": 1.0, "value": 60.0}, bands=BandSet()) == ("value", "exploding")
     assert math.isclose(VALUE_BANDS.healthy_centre, math.log(1.0))  # sqrt(0.1 * 10)
+
+
+def test_band_set_round_trips_every_section_through_its_dict():
+    from gradmon_ray.telemetry.bands import CollapseBand
+
+    custom = BandSet.from_dict(
+        {
+            "action": {"dead_below": 0.02, "healthy_max": 3.0},
+            "value": {"elevated_max": 100.0},
+            "collapse": {"threshold": 0.2, "iterations": 9},
+        }
+    )
+    assert custom.action.edges == (0.02, 0.1, 3.0, 5.0)  # elevated_max keeps its default 5.0
+    assert custom.collapse == CollapseBand(threshold=0.2, iterations=9)
+    assert custom.to_dict() == {
+        "action": {
+            "dead_below": 0.02,
+            "weak_below": 0.1,
+            "healthy_max": 3.0,
+            "elevated_max": ACTION_BANDS.elevated_max,
+        },
+        "value": {
+            "dead_below": VALUE_BANDS.dead_below,
+            "weak_below": VALUE_BANDS.weak_below,
+            "healthy_max": VALUE_BANDS.healthy_max,
+            "elevated_max": 100.0,
+        },
+        "collapse": {"threshold": 0.2, "iterations": 9},
+    }
+    assert BandSet.from_dict(custom.to_dict()) == custom
+
+
+def test_worst_head_ranks_a_zero_norm_as_dead_without_a_log():
+    # 0.0 has no logarithm: it is dead (severity first), at an infinite distance from the healthy centre
+    assert worst_head({"a": 0.0, "b": 1.0}) == ("a", "dead")
+    assert worst_head({"b": 1.0, "a": 0.0}) == ("a", "dead")
+    # two dead heads: the one with no finite distance (0.0) beats one at 1e-3 (equal severity)
+    assert worst_head({"c": 1e-3, "a": 0.0}) == ("a", "dead")

@@ -128,3 +128,27 @@ def test_signed_shares_of_opposing_orthogonal_parallel_pairs():
     assert signed_shares({"a": [torch.tensor([2.0, 4.0])], "b": [torch.tensor([1.0, 2.0])]}) == pytest.approx(
         {"a": 2 / 3, "b": 1 / 3}
     )
+
+
+def test_group_reward_stds_compute_in_float64_for_float32_rewards():
+    """float32 rewards (numpy rewards from an env) are widened before the std: the population std of
+    the float32 values taken as exact doubles, not a float32 std (which differs from ~1e-8 on)."""
+    import numpy as np
+
+    steps = np.array([0.1, 0.2, 0.7, 1.3], dtype=np.float32)
+    returns = [np.float32(0.1), np.float32(0.25), np.float32(1.7)]
+
+    def pstd(values):
+        xs = [float(v) for v in values]
+        mean = sum(xs) / len(xs)
+        return math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
+
+    groups, stds = group_reward_stds(["solo", "g", "g", "g"], [0.0, *returns], [steps, [0.0], [0.0], [0.0]])
+    assert groups == ["solo", "g"]
+    assert stds[0] == pytest.approx(pstd(steps), rel=1e-12, abs=0)
+    assert stds[1] == pytest.approx(pstd(returns), rel=1e-12, abs=0)
+
+
+def test_a_nan_std_is_named_in_the_error_word_for_word():
+    with pytest.raises(ValueError, match=r"^reward_std contains NaN$"):
+        split_into_buckets([0.5, float("nan"), 1.0], 2)

@@ -248,3 +248,54 @@ def test_fused_counts_mode_is_validated_and_auto_follows_the_size():
     assert not GradientNormPlan({"h": [big]}, [big], fused_counts="off")._use_fused
     with pytest.raises(ValueError, match="one of"):
         GradientNormPlan({"h": [p]}, [p], fused_counts="yes")
+
+
+def test_per_head_grad_norms_without_any_gradient_are_nan_on_the_parameters_device():
+    """No part has a gradient: every head is NaN ("no data", never 0); the device comes from the first
+    part, which may be a row split (``ParamRows``) or a whole parameter."""
+    from gradmon_ray.telemetry.head_norms import ParamRows
+
+    w = torch.nn.Parameter(torch.zeros(4, 3))
+    b = torch.nn.Parameter(torch.zeros(4))
+    out = per_head_grad_norms({"op": [ParamRows(w, slice(0, 2))], "slot": [ParamRows(w, slice(2, 4)), b]})
+    assert out.shape == (2,) and out.device == w.device and torch.isnan(out).tolist() == [True, True]
+    out = per_head_grad_norms({"op": [b]})
+    assert out.shape == (1,) and torch.isnan(out).tolist() == [True]
+    assert per_head_grad_norms({}).shape == (0,)
+    # rows 2..3 of w's gradient [[0,0,0],[0,0,0],[1,2,2],[0,3,4]]: sqrt(9 + 25) for "slot" with b's [0,0,0,0]
+    w.grad = torch.tensor([[7.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 2.0, 2.0], [0.0, 3.0, 4.0]])
+    b.grad = torch.zeros(4)
+    out = per_head_grad_norms({"op": [ParamRows(w, slice(0, 2))], "slot": [ParamRows(w, slice(2, 4)), b]})
+    assert out.tolist() == [7.0, pytest.approx(math.sqrt(34.0), rel=1e-6)]
+
+
+def test_a_parameter_in_two_heads_is_refused_word_for_word():
+    p = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match=r"^a parameter belongs to two heads; head groups must be disjoint$"):
+        GradientNormPlan({"a": [p], "b": [p]}, [p])
+
+
+def test_a_failed_compile_warns_once_with_its_first_line_and_runs_eagerly(monkeypatch, caplog):
+    """``compile_on_demand.Kernel``: when ``torch.compile`` raises, one warning names the caller's label
+    and the error's first line, the eager function answers (now and on later calls) and ``compiled``
+    stays False."""
+    import logging
+
+    import gradmon_ray.compile_on_demand as cod
+
+    def failing_compile(*args, **kwargs):
+        raise RuntimeError("backend exploded\nsecond line of the traceback")
+
+    monkeypatch.setattr(cod.torch, "compile", failing_compile)
+    kernel = cod.Kernel(lambda x: x * 2 + 1, compile=True, label="gradient norms")
+    with caplog.at_level(logging.WARNING, logger="gradmon_ray.compile_on_demand"):
+        assert kernel(torch.tensor([1.0, 3.0])).tolist() == [3.0, 7.0]
+        assert kernel(torch.tensor([0.5])).tolist() == [2.0]
+    assert [r.getMessage() for r in caplog.records] == [
+        "gradient norms: torch.compile failed (backend exploded); running the eager version"
+    ]
+    assert kernel.compiled is False
+    default = cod.Kernel(lambda x: x, compile=True)
+    with caplog.at_level(logging.WARNING, logger="gradmon_ray.compile_on_demand"):
+        default(torch.zeros(1))
+    assert caplog.records[-1].getMessage().startswith("VGS: torch.compile failed (backend exploded)")

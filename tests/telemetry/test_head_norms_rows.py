@@ -173,3 +173,14 @@ def test_row_heads_on_cuda_do_not_sync(fused):
         torch.cuda.set_sync_debug_mode("default")
     want = [_np_norm(w.grad.cpu().numpy()[:3], b.grad.cpu().numpy()[:3]), _np_norm(w.grad.cpu().numpy()[3:])]
     np.testing.assert_allclose(result.head_norms.cpu().numpy(), want, rtol=1e-5)
+
+
+def test_overlap_errors_name_the_heads_by_row_start_then_declaration_order():
+    """Row parts are ordered by their start row only (a stable sort): two heads starting at the same
+    row are named in the order the heads were declared, not by where their rows stop."""
+    w = torch.nn.Parameter(torch.zeros(5, 2))
+    with pytest.raises(ValueError) as err:
+        GradientNormPlan({"a": [ParamRows(w, slice(0, 5))], "b": [ParamRows(w, slice(0, 3))]}, [w])
+    assert str(err.value) == (
+        "rows 0:5 (head 'a') and 0:3 (head 'b') of a parameter of shape (5, 2) overlap; head groups must be disjoint"
+    )

@@ -170,3 +170,19 @@ def test_iteration_logp_flags_an_inf_alone_latches_inf_in_every_dtype(dtype):
     acc.add_minibatch_logp(norms, torch.tensor([[-0.5, -0.1, -0.2]], dtype=dtype), torch.zeros(()))
     lanes, _, _ = acc.drain()
     assert lanes[layout.logp_nan].tolist() == [0.0, 0.0, 0.0] and lanes[layout.logp_inf].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_logp_flags_are_float_zero_one_per_head():
+    """Documented as float tensors: per head 1.0 where any entry is NaN (resp. +-Inf)."""
+    logp = torch.tensor([[[-1.0, float("nan"), -2.0]], [[float("-inf"), -0.5, float("inf")]]])
+    nan, inf = logp_nonfinite_flags(logp)
+    assert nan.dtype == torch.float32 and inf.dtype == torch.float32
+    assert nan.tolist() == [0.0, 1.0, 0.0] and inf.tolist() == [1.0, 0.0, 1.0]
+    assert (nan + nan).tolist() == [0.0, 2.0, 0.0]  # flags add up as numbers (a bool tensor would OR)
+
+
+@pytest.mark.parametrize(("nan_flags", "inf_flags"), [([0.0], [0.0, 0.0]), ([0.0, 0.0], [0.0])])
+def test_head_latches_reject_a_wrong_length_for_either_kind_alone(nan_flags, inf_flags):
+    latches = HeadLatches(("op", "slot"))
+    with pytest.raises(ValueError, match="expected 2 flags per kind"):
+        latches.update(nan_flags, inf_flags, 1)

@@ -112,3 +112,24 @@ def test_no_minibatches_or_rows_fold_nothing():
     assert noise_scales(tracker, lanes, world_size=2, minibatches=0, rows=10) == ({}, None)
     assert noise_scales(tracker, lanes, world_size=2, minibatches=1, rows=0) == ({}, None)
     assert tracker.updates == 0
+
+
+def test_update_counts_updates_and_skips_an_overflowing_iteration_whole():
+    """b_small 1, b_big 2: g2 = 2*big - small, trace = (small - big) / (1 - 1/2) = 2*(small - big).
+    Iteration 1 (small 3, big 2): g2 = 1, trace = 2 -> EMAs (beta 0.5) 0.5 and 1.0.  Iteration 2
+    (small 1.7e308, big 0): g2 = -1.7e308 is finite but trace = 3.4e308 overflows to Inf, so
+    neither EMA moves.  Iteration 3 (small 5, big 3): g2 = 1, trace = 4 -> 0.75 and 2.5."""
+    tracker = NoiseScaleTracker(["h"], beta=0.5)
+    assert tracker.update([3.0], [2.0], 1.0, 2.0) == {"h": 2.0}
+    assert tracker.g2_ema == [0.5] and tracker.trace_ema == [1.0]
+    assert tracker.update([1.7e308], [0.0], 1.0, 2.0) == {"h": 2.0}
+    assert tracker.g2_ema == [0.5] and tracker.trace_ema == [1.0]
+    assert tracker.update([5.0], [3.0], 1.0, 2.0) == {"h": 2.5 / 0.75}
+    assert tracker.g2_ema == [0.75] and tracker.trace_ema == [2.5]
+    assert tracker.updates == 3 and tracker.state_dict()["updates"] == 3
+
+
+def test_update_rejects_norm_lists_of_different_lengths():
+    tracker = NoiseScaleTracker(["a", "b"])
+    with pytest.raises(ValueError):
+        tracker.update([1.0, 2.0], [1.0], 1.0, 2.0)

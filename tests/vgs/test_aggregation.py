@@ -130,3 +130,26 @@ def test_an_infinite_entry_counts_as_the_cap():
     )
     assert nv[2] == MAX_NV
     assert vgs.get_normalized_variance() == pytest.approx(np.quantile(nv, 0.9), rel=1e-5)
+
+
+def test_a_disabled_scaler_with_statistics_reports_zero_variance_and_factor_one():
+    """A checkpoint restored with ``enabled=False`` keeps its statistics but aggregates nothing:
+    nv 0 and factor 1, even though the same statistics give a non-zero nv when enabled."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    src = VarianceGradientScaler([p], warmup_steps=0)
+    stream = []
+    for i in range(3):
+        g = torch.tensor([1.0, 2.0, 3.0]) * (1 + i)
+        p.grad = g.clone()
+        src.scale_gradients()
+        src.step()
+        stream.append([g.numpy()])
+    dst = VarianceGradientScaler([p], warmup_steps=0)
+    dst.load_state_dict({**src.state_dict(), "enabled": False})
+    assert torch.equal(dst.state_dict()["param_grad_sq_ema"], src.state_dict()["param_grad_sq_ema"])
+    assert dst.normalized_variance_tensor().item() == 0.0 and dst.get_normalized_variance() == 0.0
+    assert dst.scaling_factor_tensor().item() == 1.0
+    from tests.vgs.vgs_oracle import numpy_vgs_metrics
+
+    want = numpy_vgs_metrics(stream, beta=0.99, alpha=0.1, eps=1e-8, warmup_steps=0)
+    assert src.get_normalized_variance() == pytest.approx(want[mn.VGS_NORMALIZED_VARIANCE], rel=1e-4)

@@ -78,3 +78,51 @@ def test_mismatched_checkpoint_raises_clear_errors():
     )
     with pytest.raises(ValueError, match="granularity 'tensor'"):
         vgs.load_state_dict(tensorwise.state_dict())
+
+
+def test_settings_travel_with_the_checkpoint_into_a_default_scaler():
+    """A scaler saved with non-default alpha, eps and aggregation, restored into a default one, takes
+    those settings from the checkpoint (not from its constructor) and reports what the source reports."""
+    torch.manual_seed(5)
+    ps = [torch.nn.Parameter(torch.zeros(4, 2)), torch.nn.Parameter(torch.zeros(3))]
+    src = VarianceGradientScaler(ps, alpha=0.3, eps=1e-3, aggregation_method="mean", warmup_steps=1)
+    _feed(src, ps, [(torch.randn(4, 2), torch.randn(3)) for _ in range(6)])
+    dst = VarianceGradientScaler(ps)
+    assert (dst.alpha, dst.eps, dst.aggregation_method) == (0.1, 1e-8, "p90")
+    dst.load_state_dict(src.state_dict())
+    assert (dst.alpha, dst.eps, dst.aggregation_method, dst.warmup_steps) == (0.3, 1e-3, "mean", 1)
+    assert dst.get_metrics() == src.get_metrics()
+
+
+def test_a_state_without_granularity_is_a_seed_tensor_state():
+    """The seed's format has no ``granularity`` key: its statistics are per tensor, so it loads into a
+    ``granularity="tensor"`` scaler and is refused by an element one."""
+    torch.manual_seed(6)
+    ps = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(3))]
+    src = VarianceGradientScaler(ps, granularity="tensor", warmup_steps=0)
+    _feed(src, ps, [(torch.randn(4), torch.randn(3)) for _ in range(5)])
+    seed_state = {k: v for k, v in src.state_dict().items() if k != "granularity"}
+    dst = VarianceGradientScaler(ps, granularity="tensor")
+    dst.load_state_dict(seed_state)
+    assert dst.get_metrics() == src.get_metrics()
+    with pytest.raises(ValueError, match=r"^VGS checkpoint has granularity 'tensor', this scaler uses 'element'$"):
+        VarianceGradientScaler(ps).load_state_dict(seed_state)
+
+
+@pytest.mark.parametrize(("count", "shown"), [(8, "[1, 1, 1, 1, 1, 1, 1, 1]"), (9, "[1, 1, 1, 1, 1, 1, 1, 1]...")])
+def test_size_mismatch_message_elides_only_past_eight_tensors(count, shown):
+    ckpt = VarianceGradientScaler([torch.nn.Parameter(torch.zeros(1)) for _ in range(count)]).state_dict()
+    with pytest.raises(ValueError) as err:
+        VarianceGradientScaler([torch.nn.Parameter(torch.zeros(5))]).load_state_dict(ckpt)
+    assert (
+        str(err.value)
+        == f"VGS checkpoint is for {count} parameter tensors with sizes {shown}; this scaler has 1 with sizes [5]"
+    )
+    many = VarianceGradientScaler([torch.nn.Parameter(torch.zeros(2)) for _ in range(count)])
+    with pytest.raises(ValueError) as err:
+        many.load_state_dict(VarianceGradientScaler([torch.nn.Parameter(torch.zeros(5))]).state_dict())
+    this = shown.replace("1", "2")
+    assert (
+        str(err.value)
+        == f"VGS checkpoint is for 1 parameter tensors with sizes [5]; this scaler has {count} with sizes {this}"
+    )

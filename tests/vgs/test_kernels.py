@@ -105,3 +105,15 @@ def test_quantiles_equal_numpy_nanquantile_on_any_entries(values, q):
     values = [*values, 1.0]  # at least one entry
     got = float(kernels.quantiles(torch.tensor(values, dtype=torch.float64), (q,))[0])
     assert got == pytest.approx(float(np.nanquantile(np.array(values), q)), rel=1e-9, abs=1e-9)
+
+
+def test_tensor_statistic_is_the_mean_absolute_gradient_worked_answer():
+    """granularity="tensor", beta 0.9: after one step each tensor's EMAs hold (1 - beta) * s and
+    (1 - beta) * s^2 with s = mean|g|: g1 = [1, -3] -> s = 2; g2 = [0.5, 0.5, -2, 1] -> s = 1."""
+    p1, p2 = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, 2))
+    vgs = VarianceGradientScaler([p1, p2], granularity="tensor", beta=0.9, warmup_steps=0)
+    p1.grad, p2.grad = torch.tensor([1.0, -3.0]), torch.tensor([[0.5, 0.5], [-2.0, 1.0]])
+    vgs.update_statistics()
+    state = vgs.state_dict()
+    torch.testing.assert_close(state["param_grad_mean_ema"], torch.tensor([0.2, 0.1]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(state["param_grad_sq_ema"], torch.tensor([0.4, 0.1]), rtol=1e-6, atol=0)
