@@ -84,6 +84,7 @@ _TOOLS = {
 }
 _TORCH_WORKERS = ("torch._inductor", "torch/_inductor", "torchinductor")  # its workers, its .so load check
 _RAY_FIXTURES = ("ray_session", "without_shared_ray")
+_RUN_FIRST = "tests/e2e/test_multinode_fault_e2e.py"
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the marks
@@ -92,6 +93,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if set(getattr(item, "fixturenames", ())) & set(_RAY_FIXTURES) and item.get_closest_marker("e2e") is None:
             item.add_marker(pytest.mark.e2e)
+    # The multi-node test connects this process to a cluster of its own after the shared local Ray
+    # is shut down.  Run after an algorithm was built and stopped on the shared Ray in this process,
+    # its Tune trial actors were cancelled before they started (seen 3 times, 2026-11-26; the cause
+    # is not isolated yet: some Ray/Tune process-wide state that outlives ray.shutdown()).  It runs
+    # first, before anything else has used Ray in this process.
+    first = [item for item in items if item.nodeid.startswith(_RUN_FIRST)]
+    items[:] = first + [item for item in items if not item.nodeid.startswith(_RUN_FIRST)]
 
 
 def _implicit(args) -> bool:
@@ -159,3 +167,21 @@ def _mlflow_sqlite_schema_from_a_template(tmp_path_factory):
     db_utils._initialize_tables = initialize_tables
     yield
     db_utils._initialize_tables = migrate
+
+
+# --- the CLI in-process --------------------------------------------------------------------------
+# ``gradmon-ray``'s ``main`` sets process-wide state meant for a process that exits afterwards:
+# environment variables (MLflow's HTTP retries, URL printing) and Ray's noise filter around the
+# algorithm's build.  A test that calls ``main`` in this process gets both put back after it, so no
+# later test runs under a previous test's CLI settings.
+@pytest.fixture(autouse=True)
+def _cli_process_state_is_put_back():
+    from gradmon_ray.app import ray_noise
+
+    environ, quiet = dict(os.environ), ray_noise.quiet_wanted()
+    yield
+    for key in set(os.environ) - set(environ):
+        del os.environ[key]
+    os.environ.update(environ)
+    if not quiet:
+        ray_noise.reset_quiet()

@@ -48,6 +48,11 @@ def want_quiet_ray() -> None:
     _WANTED["quiet"] = True
 
 
+def reset_quiet() -> None:
+    """Back to the library default (Ray's output unchanged): for a process that ran the CLI in-process."""
+    _WANTED["quiet"] = False
+
+
 def quiet_wanted() -> bool:
     """Whether the CLI asked for Ray's noise to be filtered (``want_quiet_ray``)."""
     return _WANTED["quiet"]
