@@ -99,3 +99,12 @@ def test_factor_one_is_the_plain_step_bitwise_on_the_lr_route():
         opt_a.step()
     opt_b.step()
     assert all(torch.equal(p.detach(), q.detach()) for p, q in zip(a, b, strict=True))
+
+
+def test_a_capturable_adam_takes_a_tensor_lr_even_with_foreach():
+    """``capturable`` (like ``fused``) Adam/AdamW steps accept a tensor ``lr``; a plain foreach one does not."""
+    w = torch.nn.Parameter(torch.zeros(2))
+    assert takes_tensor_lr(torch.optim.Adam([w], lr=0.1, capturable=True, foreach=True)) is True
+    assert takes_tensor_lr(torch.optim.AdamW([w], lr=0.1, capturable=True, foreach=True)) is True
+    assert takes_tensor_lr(torch.optim.Adam([w], lr=0.1, foreach=True)) is False
+    assert takes_tensor_lr(torch.optim.Adam([w], lr=0.1, foreach=False)) is True

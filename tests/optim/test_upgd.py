@@ -133,3 +133,20 @@ def test_each_bad_hyperparameter_alone_raises_the_documented_message(kwargs):
         ValueError, match=r"^UPGD needs lr >= 0, weight_decay >= 0, sigma >= 0 and 0 <= beta_utility < 1$"
     ):
         UPGD([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+
+
+def test_a_state_without_generator_entry_keeps_the_current_generator():
+    """A state saved by an UPGD without a generator (no ``upgd_generator_state`` entry) loads, and the
+    loading optimizer's own generator goes on from where it was: the draw equals a fresh seed-7 draw."""
+    w_plain = torch.nn.Parameter(torch.zeros(3))
+    plain = UPGD([w_plain], lr=0.5, weight_decay=0.0, sigma=1.0)  # the same hyperparameters, no generator
+    state = plain.state_dict()
+    assert "upgd_generator_state" not in state
+    w = torch.nn.Parameter(torch.zeros(3))
+    gen = torch.Generator().manual_seed(7)
+    opt = UPGD([w], lr=0.5, weight_decay=0.0, sigma=1.0, generator=gen)
+    opt.load_state_dict(state)
+    w.grad = torch.zeros(3)  # the update is the noise alone: lr * 2 * sigma * xi * (1 - sigmoid(0)) = 0.5 xi
+    opt.step()
+    xi = torch.randn(3, generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(w.detach(), -0.5 * xi, rtol=0, atol=1e-7)

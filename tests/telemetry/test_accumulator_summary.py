@@ -361,3 +361,51 @@ def test_layout_needs_a_reported_head_and_a_latch_head_each(reported, action):
 
     with pytest.raises(ValueError, match=r"^need num_reported >= 1 and num_action_heads >= 1$"):
         TelemetryLayout(reported, action)
+
+
+def test_an_iteration_whose_only_nonfinite_flag_is_an_inf_latches_inf():
+    """Explicit flags: the NaN marks are all 0 and only the Inf marks hold an Inf, so the Inf marks
+    must be looked at on their own (their sum is what is not finite); the latch metrics name it."""
+    tracker = TelemetryTracker(REPORTED, ACTION)
+    summary = _run_iteration(
+        tracker,
+        IterationAccumulator(tracker.layout),
+        [
+            (_norms([1.0, 1.0, 1.0], 1.0), [0.0, 0.0], [0.0, 0.0], 0.0),
+            (_norms([1.0, 1.0, 1.0], 1.0), [0.0, 0.0], [0.0, 1.0], 0.0),
+        ],
+    )
+    assert summary.nan_latched == {"op": False, "slot": False}
+    assert summary.inf_latched == {"op": False, "slot": True}
+    metrics = summary.to_metrics()
+    assert metrics[mn.head_metric(mn.HEAD_INF_LATCH, "slot")] == 1.0
+    assert metrics[mn.head_metric(mn.HEAD_INF_LATCH_FIRST_ITERATION, "slot")] == 1.0
+    assert mn.head_metric(mn.HEAD_INF_LATCH_FIRST_ITERATION, "op") not in metrics
+
+
+def test_a_head_with_nan_and_plus_inf_log_probs_latches_both():
+    """Column ``op`` holds a NaN and a +Inf (two rows), column ``slot`` only finite values."""
+    logp = torch.tensor([[float("nan"), -1.0], [float("inf"), -2.0], [-0.5, -0.5]])
+    tracker = TelemetryTracker(REPORTED, ACTION)
+    acc = IterationAccumulator(tracker.layout)
+    acc.add_minibatch_logp(_norms([1.0, 1.0, 1.0], 1.0), logp, torch.tensor(0.0))
+    summary = tracker.finish_iteration(acc.drain()[0])
+    assert summary.nan_latched == {"op": True, "slot": False}
+    assert summary.inf_latched == {"op": True, "slot": False}
+
+
+def test_an_overflowing_log_prob_sum_is_an_answer_not_a_warning():
+    """Finite log-probs of -3e38 overflow a float32 sum (the fast path's test) to -Inf: no RuntimeWarning
+    escapes, and the exact path finds nothing non-finite."""
+    import warnings
+
+    logp = torch.tensor([[-3e38, -1.0], [-3e38, -1.0]], dtype=torch.float32)
+    tracker = TelemetryTracker(REPORTED, ACTION)
+    acc = IterationAccumulator(tracker.layout)
+    acc.add_minibatch_logp(_norms([1.0, 1.0, 1.0], 1.0), logp, torch.tensor(0.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lanes = acc.drain()[0]
+    summary = tracker.finish_iteration(lanes)
+    assert summary.nan_latched == {"op": False, "slot": False}
+    assert summary.inf_latched == {"op": False, "slot": False}

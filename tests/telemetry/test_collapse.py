@@ -143,3 +143,20 @@ def test_health_stop_collapse_rule_fires_on_the_latch_with_code_5():
     decision = monitor.update(3, {latch: 1.0, first: 3.0})
     assert (decision.rule, decision.head, decision.iteration, decision.code) == ("collapse", "slot", 3, 5)
     assert STOP_REASON_CODES["collapse"] == 5 and "collapsed" in decision.message
+
+
+def test_collapse_latches_for_other_heads_are_refused_naming_both_head_lists():
+    from gradmon_ray.telemetry.latches import CollapseLatches
+
+    saved = CollapseLatches(("a", "b"), 0.1, 3).state_dict()
+    with pytest.raises(ValueError) as err:
+        CollapseLatches(("a", "c"), 0.1, 3).load_state_dict(saved)
+    assert str(err.value) == "checkpointed collapse latches are for heads ['a', 'b'], this learner has ['a', 'c']"
+
+
+def test_head_health_lanes_of_the_wrong_length_are_refused_word_for_word():
+    tracker = TelemetryTracker(("a", "b"), ("a", "b"), head_sizes=(2, 3))
+    assert tracker.head_health_size == 2 * 2 + 2  # entropy and KL sums per head, then the two learner counts
+    with pytest.raises(ValueError) as err:
+        tracker.finish_iteration(np.zeros(tracker.layout.size), np.zeros(3))
+    assert str(err.value) == "expected 6 head-health lanes, got shape (3,)"

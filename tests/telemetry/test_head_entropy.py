@@ -160,3 +160,10 @@ def test_kl_promotes_dtypes_and_broadcasts_like_elementwise_arithmetic():
     assert kl.dtype == torch.float64 and kl.shape == (2, 1)
     expected = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
     assert kl[:, 0].tolist() == pytest.approx([expected, 0.0], abs=1e-12)
+
+
+def test_logits_of_the_wrong_width_are_refused_naming_their_width():
+    logits = torch.zeros(4, 6)  # 4 rows of 6 entries; heads of sizes (2, 3) need 5
+    with pytest.raises(ValueError) as err:
+        per_head_entropy(logits, (2, 3))
+    assert str(err.value) == "logits have 6 entries, heads of sizes (2, 3) need 5"

@@ -105,3 +105,14 @@ def test_value_head_is_watched_by_its_own_bands_when_included():
     assert monitor.update(2, _value_at(60.0, "exploding")) is None
     decision = monitor.update(3, _value_at(60.0, "exploding"))
     assert (decision.rule, decision.head, decision.iteration) == ("exploding", "value", 3)
+
+
+def test_inf_latch_rule_names_its_rule_head_and_reason():
+    monitor = HealthStopMonitor(HealthStopRules(inf_latch=True))
+    metrics = _metrics({"op": "healthy", "slot": "healthy"}, nan={"op": 0.0, "slot": 0.0})
+    assert monitor.update(1, metrics) is None
+    metrics[mn.head_metric(mn.HEAD_INF_LATCH, "slot")] = 1.0
+    decision = monitor.update(2, metrics)
+    assert (decision.rule, decision.head, decision.iteration) == ("inf_latch", "slot", 2)
+    assert decision.code == STOP_REASON_CODES["inf_latch"]
+    assert decision.message == f"{mn.describe_head('slot')}: Inf in its log-probs (latched)"

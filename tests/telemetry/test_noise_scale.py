@@ -133,3 +133,18 @@ def test_update_rejects_norm_lists_of_different_lengths():
     tracker = NoiseScaleTracker(["a", "b"])
     with pytest.raises(ValueError):
         tracker.update([1.0, 2.0], [1.0], 1.0, 2.0)
+
+
+@pytest.mark.parametrize("beta", [-0.1, 1.0, 1.5])
+def test_beta_outside_zero_to_one_is_refused(beta):
+    with pytest.raises(ValueError, match=r"^beta must be in \[0, 1\)"):
+        NoiseScaleTracker(["h"], beta=beta)
+
+
+def test_a_zero_gradient_signal_gives_nan_not_a_division():
+    """b_small 1, b_big 2, small 2, big 1: g2 = 2*1 - 2 = 0 exactly, trace = 2*(2 - 1) = 2: B_simple = trace / g2
+    is undefined, so NaN (and left out by ``noise_scales``)."""
+    tracker = NoiseScaleTracker(["h"], beta=0.5)
+    scales = tracker.update([2.0], [1.0], 1.0, 2.0)
+    assert tracker.g2_ema == [0.0] and tracker.trace_ema == [1.0]
+    assert math.isnan(scales["h"])

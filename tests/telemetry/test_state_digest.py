@@ -58,3 +58,18 @@ def test_any_change_changes_the_digest(change):
 def test_unknown_objects_are_refused():
     with pytest.raises(TypeError, match="cannot digest"):
         state_digest({"x": object()})
+
+
+def test_mixed_type_keys_are_ordered_by_their_text_worked_answer():
+    """Keys of different types sort by ``str(key)`` ("1" < "b"), so the digest does not depend on the
+    insertion order and never compares an int with a str; built by hand from the documented feed."""
+    expected = hashlib.sha256()
+    expected.update(b"{")
+    expected.update(repr("1").encode())
+    expected.update(repr("a").encode())
+    expected.update(repr("b").encode())
+    expected.update(f"{np.dtype(np.int64).str}(1,)".encode())  # a scalar is fed as a 1-element int64 array
+    expected.update((2).to_bytes(8, "little" if np.dtype(np.int64).str[0] == "<" else "big"))
+    expected.update(b"}")
+    assert state_digest({1: "a", "b": 2}) == expected.hexdigest()
+    assert state_digest({"b": 2, 1: "a"}) == expected.hexdigest()

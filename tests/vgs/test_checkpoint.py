@@ -126,3 +126,35 @@ def test_size_mismatch_message_elides_only_past_eight_tensors(count, shown):
         str(err.value)
         == f"VGS checkpoint is for 1 parameter tensors with sizes [5]; this scaler has {count} with sizes {this}"
     )
+
+
+def test_a_state_without_the_applied_update_counters_reads_them_as_the_seed_did():
+    """The seed's state has no ``stat_steps``/``spatial_steps``: the statistics count ``step_count``
+    updates (the same thing when none was skipped) and the stored spatial EMAs are taken as already
+    bias-free, so the restored scaler reports them as stored."""
+    torch.manual_seed(7)
+    ps = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(3))]
+    src = VarianceGradientScaler(ps, granularity="tensor", warmup_steps=0)
+    _feed(src, ps, [(torch.randn(4), torch.randn(3)) for _ in range(5)])
+    state = src.state_dict()
+    seed_state = {k: v for k, v in state.items() if k not in ("stat_steps", "spatial_steps")}
+    dst = VarianceGradientScaler(ps, granularity="tensor")
+    dst.load_state_dict(seed_state)
+    assert dst.state_dict()["stat_steps"] == 5.0 and dst.state_dict()["spatial_steps"] == 1e9
+    assert dst.get_normalized_variance() == src.get_normalized_variance()
+    assert dst.get_scaling_factor() == src.get_scaling_factor()
+    metrics = dst.get_metrics()
+    for key in ("grad_mean_ema", "grad_var_ema", "grad_norm_ema", "grad_max_ema"):
+        assert metrics[f"vgs/{key}"] == pytest.approx(state[key], rel=1e-6)
+
+
+def test_missing_settings_keep_the_scalers_own_and_a_missing_step_count_is_zero():
+    ps = [torch.nn.Parameter(torch.zeros(3))]
+    src = VarianceGradientScaler(ps, warmup_steps=0)
+    _feed(src, ps, [(torch.tensor([1.0, 2.0, 3.0]),), (torch.tensor([2.0, 1.0, 0.5]),)])
+    state = {k: v for k, v in src.state_dict().items() if k not in ("enabled", "warmup_steps", "step_count")}
+    dst = VarianceGradientScaler(ps, warmup_steps=7)
+    dst.load_state_dict(state)
+    assert (dst.enabled, dst.warmup_steps, dst.step_count) == (True, 7, 0)
+    assert dst.state_dict()["stat_steps"] == 2.0  # the statistics' own counter is in the state
+    assert dst.warmup_active and dst.get_scaling_factor() == 1.0

@@ -117,3 +117,11 @@ def test_tensor_statistic_is_the_mean_absolute_gradient_worked_answer():
     state = vgs.state_dict()
     torch.testing.assert_close(state["param_grad_mean_ema"], torch.tensor([0.2, 0.1]), rtol=1e-6, atol=0)
     torch.testing.assert_close(state["param_grad_sq_ema"], torch.tensor([0.4, 0.1]), rtol=1e-6, atol=0)
+
+
+def test_quantiles_of_nothing_are_zeros_and_of_only_nan_are_nan_at_the_ends_too():
+    """Empty input: one 0 per quantile (nothing to scale by).  Only NaN entries: NaN for every q,
+    the extreme quantiles 0 and 1 included (whose selection lands on a +-Inf placeholder)."""
+    assert kernels.quantiles(torch.empty(0), (0.5, 0.9)).tolist() == [0.0, 0.0]
+    only_nan = kernels.quantiles(torch.full((5,), math.nan), (0.0, 0.5, 1.0))
+    assert torch.isnan(only_nan).tolist() == [True, True, True]
