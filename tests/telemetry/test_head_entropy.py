@@ -167,3 +167,16 @@ def test_logits_of_the_wrong_width_are_refused_naming_their_width():
     with pytest.raises(ValueError) as err:
         per_head_entropy(logits, (2, 3))
     assert str(err.value) == "logits have 6 entries, heads of sizes (2, 3) need 5"
+
+
+def test_sampling_logits_are_read_in_the_current_logits_dtype():
+    """float32 logits with float64 sampling logits: both policies go through one float32 softmax, so the
+    lanes equal those of the sampling logits given in float32; the entropy lane is the closed form
+    -sum p log p of the uniform 2-action head (log 2) and of a [0.1, 0.2, 0.7] head (numpy, float64)."""
+    probs = np.array([0.1, 0.2, 0.7])
+    row = np.concatenate([[0.0, 0.0], np.log(probs)])
+    logits = torch.tensor(np.stack([row, row]), dtype=torch.float32)
+    sampling = torch.tensor(np.stack([row + 0.3, row - 0.2]), dtype=torch.float64)
+    lanes = head_health_lanes(logits, sampling, (2, 3))
+    assert torch.equal(lanes, head_health_lanes(logits, sampling.float(), (2, 3)))
+    assert lanes[:2].tolist() == pytest.approx([math.log(2.0), float(-(probs * np.log(probs)).sum())], rel=1e-6)

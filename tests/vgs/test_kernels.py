@@ -125,3 +125,22 @@ def test_quantiles_of_nothing_are_zeros_and_of_only_nan_are_nan_at_the_ends_too(
     assert kernels.quantiles(torch.empty(0), (0.5, 0.9)).tolist() == [0.0, 0.0]
     only_nan = kernels.quantiles(torch.full((5,), math.nan), (0.0, 0.5, 1.0))
     assert torch.isnan(only_nan).tolist() == [True, True, True]
+
+
+def test_a_minus_inf_gradient_enters_the_spatial_emas_as_zero():
+    """Tensor granularity, beta 0.5, a step that is not skipped: g = [-inf, 1] makes the spatial mean
+    -Inf, the sum of squares +Inf and the variance NaN, and every non-finite statistic enters the EMA
+    as 0.  A second step g = [1, 3] (mean 2, var (1 + 9)/2 - 4 = 1, norm sqrt(10), max 3) then reads,
+    bias-corrected over the two steps, (0.5 * x) / (1 - 0.5^2) = 2x/3."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    vgs = VarianceGradientScaler([p], granularity="tensor", beta=0.5, warmup_steps=0)
+    p.grad = torch.tensor([-math.inf, 1.0])
+    vgs.update_statistics()
+    metrics = vgs.get_metrics()
+    assert [metrics[f"vgs/grad_{k}_ema"] for k in ("mean", "var", "norm", "max")] == [0.0, 0.0, 0.0, 0.0]
+    p.grad = torch.tensor([1.0, 3.0])
+    vgs.update_statistics()
+    metrics = vgs.get_metrics()
+    want = [2.0 * 2 / 3, 1.0 * 2 / 3, math.sqrt(10.0) * 2 / 3, 3.0 * 2 / 3]
+    got = [metrics[f"vgs/grad_{k}_ema"] for k in ("mean", "var", "norm", "max")]
+    assert got == pytest.approx(want, rel=1e-6)

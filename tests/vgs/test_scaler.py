@@ -331,3 +331,22 @@ def test_6_old_vs_new_on_the_same_gradients():
     )
     assert old_nv == 0.0 and trace[-1][0] == 1.0
     assert new_nv == pytest.approx(expected, rel=0.25) and trace[-1][1] < 0.97
+
+
+def test_alpha_zero_is_allowed_and_never_scales():
+    """alpha = 0 is the documented lower end: the factor 1 / (1 + 0 * nv) is exactly 1 however noisy
+    the gradients, and the gradients pass unscaled."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    vgs = VarianceGradientScaler([p], alpha=0.0, warmup_steps=0)
+    for g in ([1.0, -2.0, 3.0], [-4.0, 0.5, 0.0], [2.0, 2.0, -1.0]):
+        p.grad = torch.tensor(g)
+        factor = vgs.scale_gradients()
+        vgs.step()
+        assert factor.item() == 1.0 and p.grad.tolist() == g
+    assert vgs.get_scaling_factor() == 1.0
+
+
+@pytest.mark.parametrize("kwargs", [{"alpha": -0.1}, {"eps": 0.0}, {"warmup_steps": -1}, {"quantile_sample_size": 0}])
+def test_bad_settings_are_refused_with_the_documented_message(kwargs):
+    with pytest.raises(ValueError, match=r"^need alpha >= 0, eps > 0, warmup_steps >= 0, quantile_sample_size >= 1$"):
+        VarianceGradientScaler([torch.nn.Parameter(torch.zeros(2))], **kwargs)
