@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import math
-import os
 import pickle
 import shutil
 from pathlib import Path
@@ -266,14 +265,6 @@ CASES = [
 ]
 
 
-@pytest.fixture
-def restore_env():
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 def _needs_a_checkpoint(overrides: dict) -> bool:
     return str(overrides.get("restore_from", "")).startswith("@")
 
@@ -288,9 +279,7 @@ def _case(c):
 
 
 @pytest.mark.parametrize(("overrides", "extra", "expected"), [_case(c) for c in CASES])
-def test_bad_input_exits_2_with_one_line_and_no_mlflow_run(
-    overrides, extra, expected, request, tmp_path, capsys, restore_env
-):
+def test_bad_input_exits_2_with_one_line_and_no_mlflow_run(overrides, extra, expected, request, tmp_path, capsys):
     data = _merge(SMALL, overrides)
     if _needs_a_checkpoint(data):
         checkpoints = request.getfixturevalue("checkpoints")  # starts Ray: only these rows ask
@@ -349,7 +338,7 @@ def test_usage_errors_name_the_right_command(argv, hint, capsys):
     assert hint in capsys.readouterr().err
 
 
-def test_unreadable_yaml_and_non_mapping_yaml(tmp_path, capsys, restore_env):
+def test_unreadable_yaml_and_non_mapping_yaml(tmp_path, capsys):
     for text, expected in (("ppo: [1, 2", "is not valid YAML"), ("- 1\n- 2\n", "must hold a mapping")):
         config = tmp_path / "run.yaml"
         config.write_text(text)
