@@ -34,6 +34,8 @@ __all__ = ["MAX_PARAM_VALUE_LEN", "MlflowSink", "PlotFn"]
 logger = logging.getLogger(__name__)
 
 MAX_PARAM_VALUE_LEN = 6000
+NEVER_CREATED_CLOSE_S = 5.0
+"""``close``'s last chance for a server that never took the run (seconds): one or more quick retries."""
 
 
 class MlflowSink(SinkWriter):
@@ -130,6 +132,7 @@ class MlflowSink(SinkWriter):
         self._owns_run = run_id is None if end_run is None else end_run
         self._creates_run = run_id is None
         self._run_ready = threading.Event()
+        self._run_attempted = threading.Event()  # the writer's first try at the run ended (either way)
         self._waited_for_run = False  # run_id_waiting_once has waited already
         self._thread = threading.Thread(target=self._worker, name="gradmon-mlflow-sink", daemon=True)
         self._thread.start()
@@ -162,15 +165,17 @@ class MlflowSink(SinkWriter):
         return self.run_id
 
     def run_id_waiting_once(self, timeout_s: float) -> str | None:
-        """``wait_for_run(timeout_s)`` the first time it is called, then the run id as it stands.
+        """The first call waits (at most ``timeout_s``) until the writer's first try at creating the
+        run has ended; every call returns the run id as it stands (None: not created yet).
 
-        For callers that ask every iteration (checkpoints, Tune reports): while MLflow cannot
-        create the run, only the first ask waits, not every iteration of the outage.
+        For callers that ask every iteration (checkpoints, Tune reports, the CLI's start line):
+        once MLflow has refused the first try, waiting longer would only hold training up while
+        the writer backs off, and later asks get the id once a retry creates the run.
         """
-        if self._waited_for_run:
-            return self.run_id
-        self._waited_for_run = True
-        return self.wait_for_run(timeout_s)
+        if not self._waited_for_run:
+            self._waited_for_run = True
+            self._run_attempted.wait(timeout_s)
+        return self.run_id
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait (at most ``timeout_s``) until everything queued so far is written; keeps the sink open."""
@@ -186,8 +191,13 @@ class MlflowSink(SinkWriter):
     def close(self, *, status: str = "FINISHED", timeout_s: float = 30.0) -> bool:
         """Flush what is pending, end the run with ``status``; True if everything was written.
 
-        Waits at most ``timeout_s``: a dead server cannot hold the process hostage.
+        Waits at most ``timeout_s``: a dead server cannot hold the process hostage.  A server that
+        never took the run (every try failed) gets ``NEVER_CREATED_CLOSE_S`` at most: what it would
+        have held is in the spill file already, and a user waiting at the end of an offline run
+        gains nothing from more retries.
         """
+        if self.run_id is None and self._run_attempted.is_set():
+            timeout_s = min(timeout_s, NEVER_CREATED_CLOSE_S)
         with self._cond:
             self._closing = True
             self._final_status = status

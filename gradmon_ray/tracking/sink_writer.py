@@ -58,6 +58,7 @@ class SinkWriter:
     _owns_run: bool
     _creates_run: bool
     _run_ready: threading.Event
+    _run_attempted: threading.Event
     _backoff0: float
     _params: dict[str, str]
     _start_tags: dict[str, str]
@@ -77,6 +78,7 @@ class SinkWriter:
                 if client is None:
                     client = self._create_run()
                     self._run_ready.set()
+                    self._run_attempted.set()
                     backoff = self._backoff0
                 with self._cond:
                     while not self._pending and not self._closing:
@@ -111,6 +113,7 @@ class SinkWriter:
                 self.failed_writes += 1
                 # MLflow's messages quote the request URL: never let a password reach a log line.
                 self.last_error = redact_text(f"{type(exc).__name__}: {exc}", uri_secrets(self.tracking_uri))
+                self._run_attempted.set()  # after last_error: a caller woken by it reads why
                 logger.warning("gradmon MLflow sink: write failed (%s); retrying in %.1fs", self.last_error, backoff)
                 self._start_spilling_ahead()
                 # While closing we keep retrying until close()'s timeout gives up on us.

@@ -1,7 +1,9 @@
-"""Issue #28 end to end: ``gradmon-ray train`` on the default config (tiny batches) in a subprocess
-prints its MLflow run before the first iteration; SIGINT to that process after the first iteration
-ends it with exit 130 and a resume command; that command, run exactly as printed, finishes the same
-run.  Two default runs (same default seed) get different names.
+"""Issue #28 end to end: ``gradmon-ray train`` on the default config (tiny batches), the console
+script in a process of its own (the one CLI training of the suite that is not run in-process:
+Ctrl-C goes to a process), prints its MLflow run before the first iteration and none of Ray's or
+MLflow's start-up noise; SIGINT to that process after the first iteration ends it with exit 130
+and a resume command; that command, run as printed (through the CLI's ``main``, on the session's
+Ray), finishes the same run.  Two default runs (same default seed) get different names.
 
 Expected values come from MLflow's store (run status, name, metric history, tags) and the
 checkpoint's resume file on disk, never from what the product printed; what it printed is
@@ -24,6 +26,7 @@ from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.app.checkpointing import LATEST, RESUME_FILE
+from tests.e2e.in_process import CliResult, run_cli
 from tests.e2e.processes import BIN, clean_env, kill_group
 
 pytestmark = pytest.mark.e2e
@@ -49,13 +52,15 @@ class Interrupted:
     name_before: str
     checkpointed: int
     """``iterations_done`` of the checkpoint on disk after the interrupt."""
-    resumed: subprocess.CompletedProcess[str]
+    stderr: str
+    """What the interrupted ``train`` wrote to standard error."""
+    resumed: CliResult
     argv: list[str]
     """The resume command as printed, split as a shell would."""
 
 
 def _train(work: Path, store: str, root: Path, iterations: int) -> list[str]:
-    argv = [str(BIN / "gradmon-ray"), "train", "--iterations", str(iterations), *TINY]
+    argv = ["train", "--iterations", str(iterations), *TINY]
     return [*argv, "--mlflow-uri", store, "--checkpoint-dir", str(root)]
 
 
@@ -64,13 +69,13 @@ def _steps(client: MlflowClient, run_id: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def interrupted(tmp_path_factory: pytest.TempPathFactory) -> Interrupted:
+def interrupted(ray_session, tmp_path_factory: pytest.TempPathFactory) -> Interrupted:
     tmp = tmp_path_factory.mktemp("interrupt")
     work, root, store = tmp / "work", tmp / "ckpt", f"sqlite:///{tmp / 'mlflow.db'}"
     work.mkdir()
     err = (tmp / "train.err").open("w")
     proc = subprocess.Popen(
-        _train(work, store, root, ITERATIONS),
+        [str(BIN / "gradmon-ray"), *_train(work, store, root, ITERATIONS)],
         cwd=work,
         env=clean_env(),
         stdout=subprocess.PIPE,
@@ -98,7 +103,8 @@ def interrupted(tmp_path_factory: pytest.TempPathFactory) -> Interrupted:
     state = json.loads((root / run_id / LATEST / RESUME_FILE).read_text())
     (command,) = [line[len(RESUME_WITH) :] for line in lines if line.startswith(RESUME_WITH)]
     argv = shlex.split(command)
-    resumed = subprocess.run(argv, cwd=work, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert argv[0] == "gradmon-ray"
+    resumed = run_cli(argv[1:], work)
     return Interrupted(
         store,
         root,
@@ -109,6 +115,7 @@ def interrupted(tmp_path_factory: pytest.TempPathFactory) -> Interrupted:
         killed_steps,
         killed.info.run_name,
         int(state["iterations_done"]),
+        (tmp / "train.err").read_text(),
         resumed,
         argv,
     )
@@ -122,6 +129,14 @@ def test_the_run_is_announced_before_its_first_iteration(interrupted: Interrupte
     _, name, shown = RUN_LINE.match(lines[start]).groups()
     assert name == interrupted.name_before and NAME.match(name), name  # MLflow's own record of the name
     assert shown == interrupted.store
+
+
+def test_the_console_script_prints_none_of_rays_or_mlflows_start_up_noise(interrupted: Interrupted):
+    """A fresh process: Ray's start-up notices (never the hint to switch token auth off), RLlib's
+    new-API-stack notice and MLflow's new-store migration lines are filtered from its stderr."""
+    err = interrupted.stderr
+    assert "RAY_AUTH_MODE" not in err and "new API stack" not in err, err[-3000:]
+    assert "Creating initial MLflow database tables" not in err, err[-3000:]
 
 
 def test_ctrl_c_ends_the_run_killed_with_its_last_iteration_checkpointed(interrupted: Interrupted):
@@ -157,8 +172,7 @@ def test_the_printed_command_finishes_the_same_run(interrupted: Interrupted):
 
 def test_two_default_runs_get_different_names(interrupted: Interrupted):
     """A second run with the same (default) seed: MLflow's generator named both alike; now they differ."""
-    argv = _train(interrupted.work, interrupted.store, interrupted.root, 1)
-    proc = subprocess.run(argv, cwd=interrupted.work, env=clean_env(), capture_output=True, text=True, timeout=600)
+    proc = run_cli(_train(interrupted.work, interrupted.store, interrupted.root, 1), interrupted.work)
     assert proc.returncode == 0, proc.stderr[-3000:]
     client = MlflowClient(interrupted.store)
     runs = client.search_runs([client.get_experiment_by_name("gradmon-ray").experiment_id])

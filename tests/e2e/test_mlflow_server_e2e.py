@@ -21,7 +21,8 @@ from gradmon_ray.app.train import run_training
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.tracking import MlflowSink
 from gradmon_ray.tracking.spill import read_spill
-from tests.e2e.processes import BIN, SMALL_TRAIN_ARGS, clean_env, free_port, kill_group, wait_http
+from tests.e2e.in_process import run_cli
+from tests.e2e.processes import BIN, SMALL_TRAIN_ARGS, free_port, kill_group, wait_http
 
 pytestmark = pytest.mark.e2e
 
@@ -56,22 +57,17 @@ def mlflow_server(tmp_path_factory):
         kill_group(proc)
 
 
-def test_cli_train_against_a_real_mlflow_server(mlflow_server, tmp_path):
+def test_cli_train_against_a_real_mlflow_server(mlflow_server, ray_session, tmp_path):
     args = [*SMALL_TRAIN_ARGS, "--mlflow-uri", mlflow_server, "--experiment", "server"]
     args += ["--checkpoint-dir", str(tmp_path / "ckpt")]  # checkpoints are on by default: not into the repository
-    proc = subprocess.run(
-        [str(BIN / "gradmon-ray"), "train", *args],
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_cli(["train", *args], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     client = MlflowClient(mlflow_server)
     (run,) = client.search_runs([client.get_experiment_by_name("server").experiment_id])
     assert run.info.status == "FINISHED"
     history = client.get_metric_history(run.info.run_id, mn.head_metric(mn.HEAD_GRAD_NORM, "op"))
     assert [m.step for m in history] == [1, 2]
+    assert f"gradmon-ray: MLflow run {run.info.run_id} " in proc.stdout  # the run the server holds
 
 
 def _start_server(port: int, store: Path) -> subprocess.Popen:

@@ -3,10 +3,11 @@
 The server is the one ``cluster.yaml`` starts on the head: its own ``mlflow server`` command
 (MLflow's basic-auth app, the admin login from ``~/.gradmon-ray/mlflow.env``), run here on
 127.0.0.1 with a temporary home.  Its password is a unique marker.  A real short ``gradmon-ray
-train`` (and ``gradmon-ray tune``) then connects with ``http://admin:MARKER@127.0.0.1:PORT``:
+train`` (and ``gradmon-ray tune``), through the CLI's ``main`` on the session's Ray, then connects
+with ``http://admin:MARKER@127.0.0.1:PORT``:
 the run must reach the server (a wrong password is refused with 401, so that proves the
 marker was used) and the marker must be in no file under the working directory (checkpoints,
-``gradmon_resume.json``, Tune's trial state included), in no process output, in no row of any
+``gradmon_resume.json``, Tune's trial state included), in nothing the command printed (fd 2 included), in no row of any
 table of the server's database and in no logged artifact.
 
 Without Flask-WTF (``mlflow[auth]``) MLflow's basic-auth app cannot start: then a plain
@@ -30,6 +31,7 @@ from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.tracking.store_check import tracking_server_problem
+from tests.e2e.in_process import CliResult, run_cli
 from tests.e2e.processes import BIN, SMALL_TRAIN_ARGS, clean_env, free_port, kill_group, wait_http
 
 pytestmark = pytest.mark.e2e
@@ -139,24 +141,23 @@ def _rows_holding(marker: str, store: Path) -> list[tuple[str, tuple]]:
     return found
 
 
-def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = clean_env()
-    for name in CREDENTIAL_VARS:  # the URI is the only place the password is given
-        env.pop(name, None)
-    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+def _run(argv: list[str], cwd: Path) -> CliResult:
+    """The command through the CLI's ``main`` in this process (``no_credential_env``: the URI is the
+    only place the password is given)."""
+    return run_cli(argv, cwd)
 
 
-def _assert_no_marker_left(server: Server, proc: subprocess.CompletedProcess[str], run_dir: Path) -> None:
+def _assert_no_marker_left(server: Server, proc: CliResult, run_dir: Path) -> None:
     assert server.marker not in proc.stdout and server.marker not in proc.stderr
     assert _files_holding(server.marker, run_dir) == []
     assert _files_holding(server.marker, server.artifacts) == []
     assert _rows_holding(server.marker, server.store) == []
 
 
-def test_train_uses_the_password_and_leaves_it_nowhere(server, tmp_path):
+def test_train_uses_the_password_and_leaves_it_nowhere(server, ray_session, no_credential_env, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    argv = [str(BIN / "gradmon-ray"), "train", *SMALL_TRAIN_ARGS, "--mlflow-uri", server.uri(server.marker)]
+    argv = ["train", *SMALL_TRAIN_ARGS, "--mlflow-uri", server.uri(server.marker)]
     argv += ["--experiment", "no-secret", "--set", "checkpoint_every=1", "--set", "mlflow.plots_every=1"]
     proc = _run(argv, run_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -177,7 +178,7 @@ def test_train_uses_the_password_and_leaves_it_nowhere(server, tmp_path):
     _assert_no_marker_left(server, proc, run_dir)
 
 
-def test_tune_uses_the_password_and_leaves_it_nowhere(server, tmp_path):
+def test_tune_uses_the_password_and_leaves_it_nowhere(server, ray_session, no_credential_env, tmp_path):
     """Tune writes every trial's config to disk (params.json, its experiment state): the sweep's
     param space holds the URI masked, and the trials get the real one through Ray's object store."""
     run_dir = tmp_path / "sweep"
@@ -197,7 +198,7 @@ def test_tune_uses_the_password_and_leaves_it_nowhere(server, tmp_path):
             }
         )
     )
-    argv = [str(BIN / "gradmon-ray"), "tune", "tiny_sweep.yaml", "--mlflow-uri", server.uri(server.marker)]
+    argv = ["tune", "tiny_sweep.yaml", "--mlflow-uri", server.uri(server.marker)]
     proc = _run(argv, run_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     client = MlflowClient(server.uri(server.marker))
@@ -210,14 +211,14 @@ def test_tune_uses_the_password_and_leaves_it_nowhere(server, tmp_path):
     _assert_no_marker_left(server, proc, run_dir)
 
 
-def test_offline_ok_spills_without_the_password(tmp_path):
+def test_offline_ok_spills_without_the_password(ray_session, no_credential_env, tmp_path):
     """``mlflow.offline_ok`` against a server that is not there: training runs, everything goes to
     the spill file, whose header names the server without its password; no 'MLflow run None'."""
     marker = f"Zq{uuid.uuid4().hex}"
     run_dir = tmp_path / "offline"
     run_dir.mkdir()
     uri = f"http://admin:{marker}@127.0.0.1:{free_port()}"
-    argv = [str(BIN / "gradmon-ray"), "train", *SMALL_TRAIN_ARGS, "--mlflow-uri", uri]
+    argv = ["train", *SMALL_TRAIN_ARGS, "--mlflow-uri", uri]
     argv += ["--iterations", "1", "--set", "mlflow.offline_ok=true", "--set", "mlflow.plots_every=0"]
     proc = _run(argv, run_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]

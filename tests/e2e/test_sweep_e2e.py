@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -18,12 +17,11 @@ from gradmon_ray import metric_names as mn
 from gradmon_ray.app.sweep import PARENT_RUN_TAG, SweepConfig, run_sweep
 from gradmon_ray.envs import HEAD_NAMES
 from gradmon_ray.telemetry.bands import worst_head
-from tests.e2e.processes import BIN, clean_env, kill_group
 from tests.fixtures.user_envs import crash_once_countdown
 
 pytestmark = pytest.mark.e2e
 
-ITERATIONS, SAMPLES, GRID = 2, 2, 2
+ITERATIONS, SAMPLES, GRID = 2, 1, 2
 TRIALS = SAMPLES * GRID
 # op's logits x100 make its gradient explode (norm ~17 > 5) from the first iteration on; the
 # stopper ends such a trial after 1 exploding iteration, before its second.
@@ -52,49 +50,61 @@ def _child_runs(client: MlflowClient, parent_id: str | None = None) -> list:
 
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory):
-    """``gradmon-ray tune heads.yaml --num-samples 2 --iterations 2`` in a subprocess (2 grid points x 2
-    samples = 4 trials, one after the other), its stdout read line by line as it comes."""
+def sweep(ray_session, tmp_path_factory):
+    """``gradmon-ray tune heads.yaml --num-samples 1 --iterations 2`` through the CLI's ``main`` in this
+    process, on the session's Ray (2 grid points x 1 sample = 2 trials, one after the other); every
+    line it prints is recorded as it comes, with the time and how many trial runs MLflow held then.
+    The console script itself, in a process of its own, is tests/e2e/test_interrupt_resume_e2e.py."""
+    import contextlib
+    import io
+    import os
+
+    from gradmon_ray.app import tune_command
+    from gradmon_ray.app.cli import main
+
     tmp = tmp_path_factory.mktemp("sweep")
-    (tmp / "home").mkdir()
     (tmp / "heads.yaml").write_text(SWEEP_FILE)
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
-    argv = [str(BIN / "gradmon-ray"), "tune", "heads.yaml", "--num-samples", str(SAMPLES)]
-    argv += ["--iterations", str(ITERATIONS), "--mlflow-uri", uri, "--set", "mlflow.experiment=sweep"]
-    stderr = (tmp / "stderr.txt").open("w")
-    proc = subprocess.Popen(
-        argv,
-        cwd=tmp,
-        env=clean_env(HOME=str(tmp / "home")),
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-        start_new_session=True,
-    )
-    lines: list[tuple[float, bool, str]] = []  # (seconds since start, process still running, line)
+    argv = ["tune", "heads.yaml", "--num-samples", str(SAMPLES), "--iterations", str(ITERATIONS)]
+    argv += ["--mlflow-uri", uri, "--set", "mlflow.experiment=sweep"]
+    lines: list[tuple[float, str]] = []  # (seconds since start, line)
     runs_at_first_progress: list[int] = []
     start = time.monotonic()
-    timer = threading.Timer(900, kill_group, args=(proc,))
-    timer.start()
+
+    def recording_print(*args: object, **_: object) -> None:
+        line = " ".join(str(a) for a in args)
+        lines.append((time.monotonic() - start, line))
+        if PROGRESS.match(line) and not runs_at_first_progress:
+            runs_at_first_progress.append(_runs_now(MlflowClient(uri)))
+
+    ray_results = Path.home() / "ray_results"
+    before = set(ray_results.iterdir()) if ray_results.is_dir() else set()
+    stderr = io.StringIO()  # Python's writes; native ones (Ray's C++ core worker) go to fd 2:
+    native = (tmp / "fd2.txt").open("w+")
+    saved_fd2, cwd = os.dup(2), os.getcwd()
+    mp = pytest.MonkeyPatch()
+    mp.setattr(tune_command, "print", recording_print, raising=False)
     try:
-        for raw in proc.stdout:
-            line = raw.rstrip("\n")
-            lines.append((time.monotonic() - start, proc.poll() is None, line))
-            if PROGRESS.match(line) and not runs_at_first_progress:
-                runs_at_first_progress.append(_runs_now(MlflowClient(uri)))
-        proc.wait()
+        os.chdir(tmp)
+        os.dup2(native.fileno(), 2)
+        with contextlib.redirect_stderr(stderr):
+            rc = main(argv)
     finally:
-        timer.cancel()
-        stderr.close()
+        os.dup2(saved_fd2, 2)
+        os.close(saved_fd2)
+        os.chdir(cwd)
+        mp.undo()
     exited = time.monotonic() - start
-    (tmp / "stdout.txt").write_text("".join(f"{t:7.1f} {line}\n" for t, _, line in lines))  # for a failing test
+    after = set(ray_results.iterdir()) if ray_results.is_dir() else set()
+    (tmp / "stdout.txt").write_text("".join(f"{t:7.1f} {line}\n" for t, line in lines))  # for a failing test
     return {
         "tmp": tmp,
         "uri": uri,
-        "rc": proc.returncode,
+        "rc": rc,
         "lines": lines,
         "exited": exited,
-        "stderr": (tmp / "stderr.txt").read_text(),
+        "stderr": stderr.getvalue() + (tmp / "fd2.txt").read_text(),
+        "new_in_ray_results": sorted(after - before),
         "runs_at_first_progress": runs_at_first_progress[0] if runs_at_first_progress else None,
     }
 
@@ -152,17 +162,17 @@ def test_each_trials_run_is_named_after_the_sweep_its_trial_id_and_its_values(sw
 
 def test_progress_lines_arrive_while_the_sweep_runs_and_match_mlflow(sweep):
     lines = sweep["lines"]
-    progress = [(t, alive, PROGRESS.match(line)) for t, alive, line in lines if PROGRESS.match(line)]
-    assert progress, [line for _, _, line in lines]
-    first_t, first_alive, _ = progress[0]
-    # Printed as results arrive: the first line came while the process ran, before the later trials
-    # had even created their MLflow runs (they run one after the other).
-    assert first_alive and first_t < sweep["exited"]
-    assert 1 <= sweep["runs_at_first_progress"] < TRIALS
+    progress = [(t, PROGRESS.match(line)) for t, line in lines if PROGRESS.match(line)]
+    assert progress, [line for _, line in lines]
+    first_t, _ = progress[0]
+    # Printed as results arrive: the first line came while the sweep ran, before the second trial
+    # had even created its MLflow run (they run one after the other).
+    assert first_t < sweep["exited"] - 1.0
+    assert sweep["runs_at_first_progress"] == 1 < TRIALS
     client = MlflowClient(sweep["uri"])
     results = _tune_results(sweep["tmp"] / "tune")
     seen = {}
-    for _, _, m in progress:
+    for _, m in progress:
         trial_id, iteration, total = m.group(1), int(m.group(2)), int(m.group(3))
         run_id = results[trial_id][-1]["mlflow_run_id"]
         assert total == ITERATIONS
@@ -206,10 +216,9 @@ def test_health_stopper_ends_the_exploding_trials_and_spares_the_healthy_ones(sw
 
 
 def test_the_sweep_prints_no_ray_noise_and_leaves_nothing_in_home(sweep):
-    out = "\n".join(line for _, _, line in sweep["lines"]) + sweep["stderr"]
+    out = "\n".join(line for _, line in sweep["lines"]) + sweep["stderr"]
     assert "max_restarts > 0" not in out and "core_worker.cc" not in out
-    home = sweep["tmp"] / "home"
-    assert not (home / "ray_results").exists() or not any((home / "ray_results").iterdir())
+    assert sweep["new_in_ray_results"] == []  # RLlib's per-algorithm logger directories, none left
 
 
 @pytest.fixture(scope="module")
@@ -297,7 +306,6 @@ def killed_learner_sweep(ray_session, tmp_path_factory):
     """
     import os
     import signal
-    import threading
     import time
 
     tmp = tmp_path_factory.mktemp("kill")

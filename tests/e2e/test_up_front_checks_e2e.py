@@ -1,25 +1,32 @@
 """Issue 27 item 7, the checks that need Ray: an address nothing answers at, a request no local
 Ray can ever place, and the wait that remains for a request that fits but is not free.
 
-The CLI cases run the real console entry point in a subprocess from an empty directory: exit
-2, one line on stderr naming the problem, no traceback, and no ``mlflow.db`` or ``mlruns`` (the
-checks come before the store is opened; before, the over-request left a FAILED run behind).
+The CLI cases run the CLI's ``main`` in this process from an empty directory, with the session's
+shared Ray shut down for the module (each case is about the Ray a command starts, or fails to
+reach): exit 2, one line on stderr naming the problem, no traceback, and no ``mlflow.db`` or
+``mlruns`` (the checks come before the store is opened; before, the over-request left a FAILED
+run behind).
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.e2e.processes import clean_env, free_port
+from tests.e2e.in_process import run_cli
+from tests.e2e.processes import free_port
 
 pytestmark = pytest.mark.e2e
 
 TINY = ["--iterations", "1", "--set", "ppo.train_batch_size=128", "--set", "ppo.minibatch_size=64"]
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_address(monkeypatch):
+    """A local Ray unless a test names an address (a developer's RAY_ADDRESS must not leak in)."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
 
 
 def _sweep_file(directory: Path, **base: object) -> str:
@@ -28,25 +35,21 @@ def _sweep_file(directory: Path, **base: object) -> str:
     return str(path)
 
 
-def _refused(argv: list[str], cwd: Path, **env: str) -> str:
-    proc = subprocess.run(
-        [sys.executable, "-m", "gradmon_ray.app.cli", *argv],
-        cwd=cwd,
-        env=clean_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def _refused(argv: list[str], cwd: Path) -> str:
+    import ray
+
+    proc = run_cli(argv, cwd)
     err = proc.stderr.strip()
     assert proc.returncode == 2, err[-3000:]
     assert len(err.splitlines()) == 1 and err.startswith("gradmon-ray: config error: "), err
     assert "Traceback" not in err
     assert not (cwd / "mlflow.db").exists() and not (cwd / "mlruns").exists()
+    assert not ray.is_initialized()  # a Ray the command started is shut down again
     return err
 
 
 @pytest.mark.parametrize("command", ["train", "tune"])
-def test_a_ray_address_nothing_answers_at(command, tmp_path):
+def test_a_ray_address_nothing_answers_at(command, without_shared_ray, tmp_path):
     port = free_port()
     target = [] if command == "train" else [_sweep_file(tmp_path)]
     run_dir = tmp_path / "cwd"
@@ -59,13 +62,14 @@ def test_a_ray_address_nothing_answers_at(command, tmp_path):
     assert sorted(p.name for p in run_dir.iterdir()) == []
 
 
-def test_ray_address_from_the_environment_is_named_as_such(tmp_path):
+def test_ray_address_from_the_environment_is_named_as_such(without_shared_ray, tmp_path, monkeypatch):
     port = free_port()
-    err = _refused(["train", *TINY], tmp_path, RAY_ADDRESS=f"127.0.0.1:{port}")
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    err = _refused(["train", *TINY], tmp_path)
     assert err.startswith(f"gradmon-ray: config error: RAY_ADDRESS: cannot reach Ray at 127.0.0.1:{port}")
 
 
-def test_more_env_runners_than_a_local_ray_has_cpus(tmp_path):
+def test_more_env_runners_than_a_local_ray_has_cpus(without_shared_ray, tmp_path):
     """The issue's case: --num-env-runners 8 on a 2-CPU Ray; before, it waited, then left a FAILED
     MLflow run and an mlflow.db behind."""
     err = _refused(["train", *TINY, "--num-env-runners", "8", "--set", "resources.num_cpus=2"], tmp_path)
@@ -76,7 +80,7 @@ def test_more_env_runners_than_a_local_ray_has_cpus(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_sweep_whose_trials_a_local_ray_can_never_place(tmp_path):
+def test_a_sweep_whose_trials_a_local_ray_can_never_place(without_shared_ray, tmp_path):
     run_dir = tmp_path / "cwd"
     run_dir.mkdir()
     sweep = _sweep_file(tmp_path, resources={"num_env_runners": 3, "num_cpus": 2})

@@ -110,14 +110,16 @@ def test_attached_sink_writes_into_an_existing_run_and_leaves_its_status(tmp_pat
     assert len(client.get_metric_history(run_id, "grad_norm/bucket_1/task")) == 2
 
 
-def test_run_id_waiting_once_waits_only_the_first_time(dead_uri, tmp_path):
-    """While MLflow cannot create the run, the first ask waits its timeout and later asks do not
-    (a checkpoint or Tune report every iteration must not wait again through an outage); once
-    the run exists it is returned without waiting."""
-    sink = MlflowSink(dead_uri, "exp", retry_backoff_s=0.05)
+def test_run_id_waiting_once_waits_only_for_the_first_try(dead_uri, tmp_path):
+    """While MLflow cannot create the run, the first ask waits until the writer's first try has
+    failed (not its whole timeout: the CLI's start line and the first checkpoint would hold
+    training up for nothing) and later asks do not wait at all; once the run exists it is returned
+    without waiting."""
+    sink = MlflowSink(dead_uri, "exp", retry_backoff_s=5.0)
     start = time.monotonic()
-    assert sink.run_id_waiting_once(0.5) is None
-    assert time.monotonic() - start >= 0.5
+    assert sink.run_id_waiting_once(30) is None
+    assert time.monotonic() - start < 10 and sink.failed_writes == 1  # woken by the refused first try
+    assert "Error" in (sink.last_error or "")  # why, readable once woken
     start = time.monotonic()
     assert sink.run_id_waiting_once(30) is None
     assert time.monotonic() - start < 0.1
@@ -128,3 +130,20 @@ def test_run_id_waiting_once_waits_only_the_first_time(dead_uri, tmp_path):
     assert run_id is not None and live.run_id_waiting_once(0) == run_id
     assert live.close() is True
     assert MlflowClient(f"sqlite:///{tmp_path / 'm.db'}").get_run(run_id).info.status == "FINISHED"
+
+
+def test_close_gives_a_server_that_never_took_the_run_a_short_last_chance(dead_uri, tmp_path):
+    """Every try failed: close waits NEVER_CREATED_CLOSE_S, not its 30 s, and what was pending is
+    in the spill file; a server that took the run keeps the full wait (the test above)."""
+    from gradmon_ray.tracking.mlflow_sink import NEVER_CREATED_CLOSE_S
+    from gradmon_ray.tracking.spill import read_spill
+
+    spill = tmp_path / "spill.jsonl"
+    sink = MlflowSink(dead_uri, "exp", retry_backoff_s=0.05, spill_path=spill)
+    sink.log_iteration(1, {"x": 1.0})
+    assert sink.run_id_waiting_once(30) is None
+    start = time.monotonic()
+    assert sink.close(timeout_s=30.0) is False
+    assert NEVER_CREATED_CLOSE_S - 0.1 <= time.monotonic() - start < NEVER_CREATED_CLOSE_S + 3
+    _, records, _ = read_spill(spill)
+    assert [(r["step"], r["metrics"]) for r in records if r["metrics"]] == [(1, {"x": 1.0})]
