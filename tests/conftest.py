@@ -97,7 +97,8 @@ def pytest_collection_modifyitems(config, items):
     # is shut down.  Run after an algorithm was built and stopped on the shared Ray in this process,
     # its Tune trial actors were cancelled before they started (seen 3 times, 2026-11-26; the cause
     # is not isolated yet: some Ray/Tune process-wide state that outlives ray.shutdown()).  It runs
-    # first, before anything else has used Ray in this process.
+    # first, before anything else has used Ray in this process (under xdist's ``--dist loadfile``
+    # the first module collected is the first one a worker takes).
     first = [item for item in items if item.nodeid.startswith(_RUN_FIRST)]
     items[:] = first + [item for item in items if not item.nodeid.startswith(_RUN_FIRST)]
 

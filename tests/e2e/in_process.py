@@ -2,7 +2,7 @@
 
 A subprocess would import torch, Ray, RLlib and MLflow again and start a Ray of its own (about
 15 s on a 2-core box, each time); the console script in a process of its own is exercised once,
-by tests/e2e/test_interrupt_resume_e2e.py (Ctrl-C included), and by tests/e2e/test_job_submit_e2e.py.
+by tests/e2e/test_console_script_e2e.py (Ctrl-C included), and by tests/e2e/test_job_submit_e2e.py.
 """
 
 from __future__ import annotations

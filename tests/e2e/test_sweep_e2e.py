@@ -54,7 +54,7 @@ def sweep(ray_session, tmp_path_factory):
     """``gradmon-ray tune heads.yaml --num-samples 1 --iterations 2`` through the CLI's ``main`` in this
     process, on the session's Ray (2 grid points x 1 sample = 2 trials, one after the other); every
     line it prints is recorded as it comes, with the time and how many trial runs MLflow held then.
-    The console script itself, in a process of its own, is tests/e2e/test_interrupt_resume_e2e.py."""
+    The console script itself, in a process of its own, is tests/e2e/test_console_script_e2e.py."""
     import contextlib
     import io
     import os

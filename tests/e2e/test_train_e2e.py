@@ -141,7 +141,7 @@ def test_checkpoint_restores_telemetry_state(trained):
 def test_cli_train_on_embedded_defaults(ray_session, tmp_path, monkeypatch):
     """The README's run command in a fresh directory (through the CLI's ``main``, on the session's
     Ray): built-in env, sqlite MLflow in ./mlflow.db.  Its start-up noise, which only a fresh
-    process shows, is tests/e2e/test_interrupt_resume_e2e.py's."""
+    process shows, is tests/e2e/test_console_script_e2e.py's."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     proc = run_cli(["train", "--iterations", "3"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,9 +1,14 @@
-"""Issue #28 end to end: ``gradmon-ray train`` on the default config (tiny batches), the console
-script in a process of its own (the one CLI training of the suite that is not run in-process:
-Ctrl-C goes to a process), prints its MLflow run before the first iteration and none of Ray's or
-MLflow's start-up noise; SIGINT to that process after the first iteration ends it with exit 130
-and a resume command; that command, run as printed (through the CLI's ``main``, on the session's
-Ray), finishes the same run.  Two default runs (same default seed) get different names.
+"""The ``gradmon-ray`` console script in a process of its own: the one CLI training of the suite
+that is not run in-process (Ctrl-C goes to a process; a fresh process shows Ray's start-up noise
+and writes into its ``HOME``).
+
+``gradmon-ray train`` on the embedded defaults (tiny batches), in an empty directory with an
+empty ``HOME``: it prints its MLflow run before the first iteration and none of Ray's or MLflow's
+start-up noise (Ray's actor-restart notice is in Ray's own driver log instead); SIGINT after the
+first iteration ends it with exit 130 and a resume command; that command, run as printed (through
+the CLI's ``main``, on the session's Ray, from the same directory), finishes the same run; every
+file the run made is one the README's "Files a run writes" list names, and no
+``~/ray_results/<run>`` is left.  Two default runs (same default seed) get different names.
 
 Expected values come from MLflow's store (run status, name, metric history, tags) and the
 checkpoint's resume file on disk, never from what the product printed; what it printed is
@@ -18,6 +23,7 @@ import re
 import shlex
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +32,7 @@ from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.app.checkpointing import LATEST, RESUME_FILE
+from gradmon_ray.app.ray_noise import RAY_ACTOR_RESTART_NOTICE
 from tests.e2e.in_process import CliResult, run_cli
 from tests.e2e.processes import BIN, clean_env, kill_group
 
@@ -33,8 +40,9 @@ pytestmark = pytest.mark.e2e
 
 ITERATIONS = 3
 TINY = ["--set", "ppo.train_batch_size=256", "--set", "ppo.minibatch_size=128", "--set", "ppo.num_epochs=1"]
-TINY += ["--set", "model.trunk_hiddens=[32]", "--set", "mlflow.plots_every=0"]
+TINY += ["--set", "model.trunk_hiddens=[32]"]
 RUN_LINE = re.compile(r"^gradmon-ray: MLflow run ([0-9a-f]{32}) \((\S+)\) in experiment 'gradmon-ray' at (\S+)$")
+ROOT = Path(__file__).resolve().parents[2]
 NAME = re.compile(r"^FactoredOps-v0-\d{8}-\d{6}-[a-z0-9]{4}$")
 RESUME_WITH = "gradmon-ray: resume it (from this directory) with: "
 
@@ -44,6 +52,10 @@ class Interrupted:
     store: str
     root: Path
     work: Path
+    home: Path
+    """The interrupted process's ``HOME``, empty before it started."""
+    started: float
+    """``time.time()`` when it started (Ray's session directories after it are its own or later)."""
     run_id: str
     lines: list[str]
     """What the interrupted ``train`` printed on stdout."""
@@ -59,9 +71,9 @@ class Interrupted:
     """The resume command as printed, split as a shell would."""
 
 
-def _train(work: Path, store: str, root: Path, iterations: int) -> list[str]:
-    argv = ["train", "--iterations", str(iterations), *TINY]
-    return [*argv, "--mlflow-uri", store, "--checkpoint-dir", str(root)]
+def _train(iterations: int) -> list[str]:
+    """``gradmon-ray train`` on the embedded defaults: ./mlflow.db, ./mlruns, ./gradmon-checkpoints."""
+    return ["train", "--iterations", str(iterations), *TINY]
 
 
 def _steps(client: MlflowClient, run_id: str) -> list[int]:
@@ -71,13 +83,16 @@ def _steps(client: MlflowClient, run_id: str) -> list[int]:
 @pytest.fixture(scope="module")
 def interrupted(ray_session, tmp_path_factory: pytest.TempPathFactory) -> Interrupted:
     tmp = tmp_path_factory.mktemp("interrupt")
-    work, root, store = tmp / "work", tmp / "ckpt", f"sqlite:///{tmp / 'mlflow.db'}"
+    work, home = tmp / "work", tmp / "home"
+    root, store = work / "gradmon-checkpoints", f"sqlite:///{work / 'mlflow.db'}"
     work.mkdir()
+    home.mkdir()
     err = (tmp / "train.err").open("w")
+    started = time.time()
     proc = subprocess.Popen(
-        [str(BIN / "gradmon-ray"), *_train(work, store, root, ITERATIONS)],
+        [str(BIN / "gradmon-ray"), *_train(ITERATIONS)],
         cwd=work,
-        env=clean_env(),
+        env=clean_env(HOME=str(home)),
         stdout=subprocess.PIPE,
         stderr=err,
         text=True,
@@ -96,7 +111,7 @@ def interrupted(ray_session, tmp_path_factory: pytest.TempPathFactory) -> Interr
             kill_group(proc)
         err.close()
     lines += rest.splitlines()
-    assert proc.returncode == 130, (proc.returncode, (tmp / "train.err").read_text()[-3000:])
+    assert proc.returncode == 130, (proc.returncode, lines, (tmp / "train.err").read_text()[-3000:])
     (run_id,) = [m.group(1) for line in lines if (m := RUN_LINE.match(line))]
     client = MlflowClient(store)
     killed, killed_steps = client.get_run(run_id), _steps(client, run_id)  # before the resume
@@ -109,6 +124,8 @@ def interrupted(ray_session, tmp_path_factory: pytest.TempPathFactory) -> Interr
         store,
         root,
         work,
+        home,
+        started,
         run_id,
         lines,
         killed.info.status,
@@ -128,7 +145,7 @@ def test_the_run_is_announced_before_its_first_iteration(interrupted: Interrupte
     assert start < first
     _, name, shown = RUN_LINE.match(lines[start]).groups()
     assert name == interrupted.name_before and NAME.match(name), name  # MLflow's own record of the name
-    assert shown == interrupted.store
+    assert shown == "sqlite:///mlflow.db"  # the embedded default, as given: ./mlflow.db of the directory it ran in
 
 
 def test_the_console_script_prints_none_of_rays_or_mlflows_start_up_noise(interrupted: Interrupted):
@@ -150,10 +167,8 @@ def test_ctrl_c_ends_the_run_killed_with_its_last_iteration_checkpointed(interru
         f"gradmon-ray: interrupted: MLflow run {interrupted.run_id} ended KILLED after iteration "
         f"{interrupted.checkpointed} of {ITERATIONS}, checkpointed at iteration {interrupted.checkpointed}"
     )
-    assert interrupted.argv == [
-        "gradmon-ray", "train", "--resume", interrupted.run_id,
-        "--mlflow-uri", interrupted.store, "--checkpoint-dir", str(interrupted.root),
-    ]  # fmt: skip
+    # The embedded defaults: the store and checkpoints a bare ``train`` in this directory uses.
+    assert interrupted.argv == ["gradmon-ray", "train", "--resume", interrupted.run_id]
 
 
 def test_the_printed_command_finishes_the_same_run(interrupted: Interrupted):
@@ -167,12 +182,50 @@ def test_the_printed_command_finishes_the_same_run(interrupted: Interrupted):
     assert _steps(client, interrupted.run_id) == list(range(1, ITERATIONS + 1))  # each iteration once
     run_dirs = [p.name for p in interrupted.root.iterdir() if p.is_dir() and re.fullmatch("[0-9a-f]{32}", p.name)]
     assert run_dirs == [interrupted.run_id]  # resumable checkpoints: in the run's own directory only
-    assert sorted(p.name for p in interrupted.work.iterdir()) == []  # nothing left in the working directory
+
+
+def _readme_files() -> str:
+    readme = (ROOT / "README.md").read_text()
+    return readme.split("### Files a run writes", 1)[1].split("\n#", 1)[0]
+
+
+def test_everything_the_run_writes_is_in_the_readmes_list(interrupted: Interrupted):
+    """In the working directory (the interrupted process and its resume) and in the interrupted
+    process's ``HOME``, with no ``~/ray_results/<run>`` directory left behind."""
+    listed = _readme_files()
+    made = sorted(p.name for p in interrupted.work.iterdir())
+    assert {"mlflow.db", "mlruns", "gradmon-checkpoints"} <= set(made)
+    for name in made:
+        assert f"`./{name}" in listed, f"the run wrote ./{name}, which the README's list does not name"
+    plots = sorted(p.name for p in (interrupted.work / "mlruns").glob("*/*/artifacts/plots/*.png"))
+    assert plots and all(f"`{p}`" in listed or "plots/*.png" in listed for p in plots)
+    results = interrupted.home / "ray_results"
+    assert not results.exists() or list(results.iterdir()) == []
+    for entry in sorted(interrupted.home.rglob("*")):
+        if entry.is_file():
+            relative = entry.relative_to(interrupted.home).as_posix()
+            top = relative.split("/")[0] + "/" + relative.split("/")[1] if "/" in relative else relative
+            assert f"~/{top}" in listed, f"the run wrote ~/{relative}, which the README's list does not name"
+
+
+def test_rays_restart_notice_went_to_its_own_log_not_the_terminal(interrupted: Interrupted):
+    """The driver's core worker logs the notice to Ray's session log, so its absence from what the
+    process printed is the filter's doing, not Ray's silence."""
+    out = "\n".join(interrupted.lines) + interrupted.stderr
+    assert "max_restarts > 0" not in out
+    sessions = [p for p in Path("/tmp/ray").glob("session_*") if p.stat().st_mtime >= interrupted.started]
+    driver_logs = [
+        log
+        for session in sessions
+        for log in (session / "logs").glob("python-core-driver-*.log")
+        if re.search(RAY_ACTOR_RESTART_NOTICE, log.read_text(errors="replace"))
+    ]
+    assert driver_logs, sessions
 
 
 def test_two_default_runs_get_different_names(interrupted: Interrupted):
     """A second run with the same (default) seed: MLflow's generator named both alike; now they differ."""
-    proc = run_cli(_train(interrupted.work, interrupted.store, interrupted.root, 1), interrupted.work)
+    proc = run_cli(_train(1), interrupted.work)
     assert proc.returncode == 0, proc.stderr[-3000:]
     client = MlflowClient(interrupted.store)
     runs = client.search_runs([client.get_experiment_by_name("gradmon-ray").experiment_id])
