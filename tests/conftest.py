@@ -10,6 +10,10 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
 # Tests name their own MLflow stores; a developer's MLFLOW_TRACKING_URI must not leak into them.
 os.environ.pop("MLFLOW_TRACKING_URI", None)
+# Each xdist worker's Rays (its session Ray, the multi-node cluster, the CLI's) keep their session
+# files apart from the other worker's: Ray records "the current cluster" in its temp directory.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("RAY_TMPDIR", f"/tmp/ray-{os.environ['PYTEST_XDIST_WORKER']}")
 
 
 def _init_local_ray() -> None:

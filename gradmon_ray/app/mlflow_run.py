@@ -16,6 +16,7 @@ from gradmon_ray.tracking import MlflowSink
 from gradmon_ray.tracking.mlflow_sink import PlotFn
 from gradmon_ray.tracking.redact import redact_text, redact_uri
 from gradmon_ray.tracking.spill import SpillFormatError, default_spill_path, read_spill, replayed_iterations
+from gradmon_ray.tracking.store_uri import absolute_tracking_uri
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ def last_logged_iteration(tracking_uri: str, run_id: str) -> int:
     from mlflow.tracking import MlflowClient
 
     try:
-        history = MlflowClient(tracking_uri).get_metric_history(run_id, mn.LEARNERS_UPDATED)
+        history = MlflowClient(absolute_tracking_uri(tracking_uri)).get_metric_history(run_id, mn.LEARNERS_UPDATED)
     except Exception as exc:  # MLflow down: at worst some iterations get a second point
         why = redact_text(str(exc))
         logger.warning("could not read run %s's history (%s): recomputed iterations may be logged twice", run_id, why)

@@ -7,6 +7,7 @@ from typing import Any
 
 from gradmon_ray.app.cli_common import EXIT_OK
 from gradmon_ray.config import ConfigError
+from gradmon_ray.tracking.store_uri import absolute_tracking_uri
 
 
 def add_tracking_uri_flag(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +26,7 @@ def read_client(args: argparse.Namespace) -> Any:
     problem = local_store_problem(uri, must_exist=True)  # a read-only command never creates a store
     if problem:
         raise ConfigError("--tracking-uri", problem)
-    return MlflowClient(tracking_uri=uri)
+    return MlflowClient(tracking_uri=absolute_tracking_uri(uri))
 
 
 def watch_command(args: argparse.Namespace) -> int:

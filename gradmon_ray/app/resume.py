@@ -69,9 +69,10 @@ def resume_point(
     from mlflow.tracking import MlflowClient
 
     from gradmon_ray.tracking.redact import redact_uri
+    from gradmon_ray.tracking.store_uri import absolute_tracking_uri
 
     try:
-        run = MlflowClient(tracking_uri).get_run(run_id)
+        run = MlflowClient(absolute_tracking_uri(tracking_uri)).get_run(run_id)
     except Exception as exc:
         raise ConfigError(
             "--resume", f"no run {run_id!r} at {redact_uri(tracking_uri)}: {str(exc).splitlines()[0][:200]}"

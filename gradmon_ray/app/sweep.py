@@ -11,10 +11,14 @@ then one summary line per trial.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
 import os
+import signal
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +36,7 @@ from gradmon_ray.config import GradmonConfig, apply_overrides, config_from_dict
 from gradmon_ray.telemetry.bands import BandSet
 from gradmon_ray.tracking.mlflow_io import mlflow_value
 from gradmon_ray.tracking.redact import redact_uri
+from gradmon_ray.tracking.store_uri import absolute_tracking_uri
 
 __all__ = [
     "PARENT_RUN_TAG",
@@ -67,17 +72,6 @@ class SweepOutcome:
     parent_run_id: str
     trials: list[TrialSummary]
     best: TrialSummary | None
-
-
-def absolute_tracking_uri(uri: str) -> str:
-    """Tune runs trials in their own working directories: make a relative sqlite/file URI absolute."""
-    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        return "sqlite:///" + os.path.abspath(uri[len("sqlite:///") :])
-    if uri.startswith("file:") and not uri.startswith("file:/"):
-        return "file:" + os.path.abspath(uri[len("file:") :])
-    if "://" not in uri and not os.path.isabs(uri):
-        return os.path.abspath(uri)
-    return uri
 
 
 def run_sweep(sweep: SweepConfig, base: dict[str, Any], *, progress: Any = print) -> SweepOutcome:
@@ -163,7 +157,8 @@ def run_sweep(sweep: SweepConfig, base: dict[str, Any], *, progress: Any = print
                 verbose=0,
             ),
         )
-        grid = tuner.fit()
+        with _sigint_handler_kept():
+            grid = tuner.fit()
         trials = [_summary(r, sweep.metric) for r in grid]
         # A trial a health rule stopped is broken, whatever its metric said so far.
         ranked = [t for t in trials if t.metric is not None and not math.isnan(t.metric) and t.status == "finished"]
@@ -191,6 +186,19 @@ def run_sweep(sweep: SweepConfig, base: dict[str, Any], *, progress: Any = print
         client.set_terminated(parent_id, status=status)
         if started_ray:
             ray.shutdown()
+
+
+@contextlib.contextmanager
+def _sigint_handler_kept() -> Iterator[None]:
+    """Tune's ``fit`` installs its own Ctrl-C handler and leaves it installed: the caller's (the
+    CLI's, a notebook's) is put back afterwards, so a later Ctrl-C in this process is not Tune's."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if main else None
+    try:
+        yield
+    finally:
+        if main and previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _bundle_total(bundles: list[dict[str, float]]) -> dict[str, float]:

@@ -15,6 +15,7 @@ from typing import Any
 
 from gradmon_ray.config import MlflowSection
 from gradmon_ray.tracking.mlflow_sink import PlotFn
+from gradmon_ray.tracking.store_uri import absolute_tracking_uri
 
 DEFAULT_EXPERIMENT: str = MlflowSection.model_fields["experiment"].default
 """The CLI's default experiment (``gradmon-ray``): what ``gradmon-ray watch`` shows without ``--experiment``."""
@@ -59,17 +60,6 @@ class CallbackSettings:
             raise ValueError("plots_every > 0 needs plot_fn=gradmon_ray.viz.report.log_plots (or your own plotter)")
         if self.close_timeout_s < 0 or self.max_pending < 1:
             raise ValueError("close_timeout_s must be >= 0 and max_pending >= 1")
-
-
-def absolute_tracking_uri(uri: str) -> str:
-    """``uri`` with a relative ``sqlite:///`` or local file path made absolute (other URIs unchanged)."""
-    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////") and uri != "sqlite:///:memory:":
-        return "sqlite:///" + os.path.abspath(uri[len("sqlite:///") :])
-    if "://" not in uri and not os.path.isabs(uri):
-        return os.path.abspath(uri)
-    if uri.startswith("file:") and not uri.startswith("file:/"):
-        return "file://" + os.path.abspath(uri[len("file:") :])
-    return uri
 
 
 def pinned_settings(settings: CallbackSettings) -> CallbackSettings:

@@ -28,6 +28,7 @@ from typing import Any
 
 from gradmon_ray.tracking.sink_writer import PendingIteration, PlotFn, SinkWriter
 from gradmon_ray.tracking.spill import SpillWriter
+from gradmon_ray.tracking.store_uri import absolute_tracking_uri
 
 __all__ = ["MAX_PARAM_VALUE_LEN", "MlflowSink", "PlotFn"]
 
@@ -86,6 +87,7 @@ class MlflowSink(SinkWriter):
         if plots_every > 0 and plot_fn is None:
             raise ValueError("MlflowSink: plots_every > 0 needs plot_fn (e.g. gradmon_ray.viz.report.log_plots)")
         self.tracking_uri = tracking_uri
+        self._store_uri = absolute_tracking_uri(tracking_uri)  # resolved here: the writer may outlive this cwd
         self.experiment = experiment
         self.run_name = run_name
         self._params = {str(k): str(v)[:MAX_PARAM_VALUE_LEN] for k, v in (params or {}).items()}

@@ -57,6 +57,7 @@ class SinkWriter:
     _final_status: str
     _owns_run: bool
     _creates_run: bool
+    _store_uri: str
     _run_ready: threading.Event
     _run_attempted: threading.Event
     _backoff0: float
@@ -164,7 +165,7 @@ class SinkWriter:
     def _create_run(self) -> Any:
         from mlflow.tracking import MlflowClient
 
-        client = MlflowClient(tracking_uri=self.tracking_uri)
+        client = MlflowClient(tracking_uri=self._store_uri)
         if not self._creates_run:
             return client
         exp = client.get_experiment_by_name(self.experiment)

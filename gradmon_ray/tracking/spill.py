@@ -259,9 +259,10 @@ def replay_spill(path: str | Path, tracking_uri: str | None = None, *, mark_done
     from mlflow.tracking import MlflowClient
 
     from gradmon_ray.tracking.mlflow_io import log_in_batches, to_mlflow_metrics
+    from gradmon_ray.tracking.store_uri import absolute_tracking_uri
 
     header, iterations, trailer = read_spill(path)
-    client = MlflowClient(tracking_uri=_replay_uri(Path(path), header, tracking_uri))
+    client = MlflowClient(tracking_uri=absolute_tracking_uri(_replay_uri(Path(path), header, tracking_uri)))
     known = [r.get("run_id") for r in ([*iterations, trailer] if trailer else iterations) if r and r.get("run_id")]
     named = (trailer or {}).get("run_id") or header.get("run_id") or (known[-1] if known else None)
     run_id = _existing_run(client, named)

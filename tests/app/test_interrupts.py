@@ -12,6 +12,16 @@ import pytest
 from gradmon_ray.app.interrupts import GracefulInterrupt, TrainingInterrupted
 
 
+@pytest.fixture(autouse=True)
+def _interpreters_own_handler():
+    """The premise of every test here: Python's own SIGINT handler, as in a program started from a
+    terminal (an xdist worker process starts with SIGINT ignored, so that Ctrl-C reaches pytest's
+    controller only); the worker's own disposition is put back afterwards."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _sigint() -> None:
     os.kill(os.getpid(), signal.SIGINT)
     signal.getsignal(signal.SIGINT)  # a bytecode boundary: Python runs the handler by now

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from gradmon_ray.app.cli import main
-from gradmon_ray.app.sweep import absolute_tracking_uri, load_sweep, tune_search_space
+from gradmon_ray.app.sweep import load_sweep, tune_search_space
 from gradmon_ray.config import ConfigError, config_from_dict
+from gradmon_ray.tracking.store_uri import absolute_tracking_uri
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,6 +17,7 @@ compared with them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -24,8 +25,10 @@ import shlex
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -80,6 +83,33 @@ def _steps(client: MlflowClient, run_id: str) -> list[int]:
     return sorted(m.step for m in client.get_metric_history(run_id, mn.LEARNERS_UPDATED))
 
 
+@contextlib.contextmanager
+def _sigint_as_a_terminal_delivers_it() -> Iterator[None]:
+    """A child inherits SIGINT ignored or blocked from this process (an xdist worker process starts
+    with it ignored), and the console script then rightly ignores the signal: for the start of the
+    child, SIGINT is unblocked and has Python's default handler, as in a shell started from a terminal."""
+    previous = signal.getsignal(signal.SIGINT)
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def _start(work: Path, home: Path, err: IO[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [str(BIN / "gradmon-ray"), *_train(ITERATIONS)],
+        cwd=work,
+        env=clean_env(HOME=str(home)),
+        stdout=subprocess.PIPE,
+        stderr=err,
+        text=True,
+        start_new_session=True,  # its own group, so that the cleanup below can take Ray's processes too
+    )
+
+
 @pytest.fixture(scope="module")
 def interrupted(ray_session, tmp_path_factory: pytest.TempPathFactory) -> Interrupted:
     tmp = tmp_path_factory.mktemp("interrupt")
@@ -89,15 +119,9 @@ def interrupted(ray_session, tmp_path_factory: pytest.TempPathFactory) -> Interr
     home.mkdir()
     err = (tmp / "train.err").open("w")
     started = time.time()
-    proc = subprocess.Popen(
-        [str(BIN / "gradmon-ray"), *_train(ITERATIONS)],
-        cwd=work,
-        env=clean_env(HOME=str(home)),
-        stdout=subprocess.PIPE,
-        stderr=err,
-        text=True,
-        start_new_session=True,  # its own group, so that the cleanup below can take Ray's processes too
-    )
+    here = (signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, set()))  # for a failure
+    with _sigint_as_a_terminal_delivers_it():
+        proc = _start(work, home, err)
     lines: list[str] = []
     try:
         for line in proc.stdout:
@@ -111,7 +135,7 @@ def interrupted(ray_session, tmp_path_factory: pytest.TempPathFactory) -> Interr
             kill_group(proc)
         err.close()
     lines += rest.splitlines()
-    assert proc.returncode == 130, (proc.returncode, lines, (tmp / "train.err").read_text()[-3000:])
+    assert proc.returncode == 130, (proc.returncode, here, lines, (tmp / "train.err").read_text()[-3000:])
     (run_id,) = [m.group(1) for line in lines if (m := RUN_LINE.match(line))]
     client = MlflowClient(store)
     killed, killed_steps = client.get_run(run_id), _steps(client, run_id)  # before the resume
@@ -213,7 +237,8 @@ def test_rays_restart_notice_went_to_its_own_log_not_the_terminal(interrupted: I
     process printed is the filter's doing, not Ray's silence."""
     out = "\n".join(interrupted.lines) + interrupted.stderr
     assert "max_restarts > 0" not in out
-    sessions = [p for p in Path("/tmp/ray").glob("session_*") if p.stat().st_mtime >= interrupted.started]
+    ray_tmp = Path(os.environ.get("RAY_TMPDIR") or "/tmp") / "ray"  # tests/conftest.py: one per xdist worker
+    sessions = [p for p in ray_tmp.glob("session_*") if p.stat().st_mtime >= interrupted.started]
     driver_logs = [
         log
         for session in sessions

@@ -147,3 +147,18 @@ def test_close_gives_a_server_that_never_took_the_run_a_short_last_chance(dead_u
     assert NEVER_CREATED_CLOSE_S - 0.1 <= time.monotonic() - start < NEVER_CREATED_CLOSE_S + 3
     _, records, _ = read_spill(spill)
     assert [(r["step"], r["metrics"]) for r in records if r["metrics"]] == [(1, {"x": 1.0})]
+
+
+def test_a_relative_sqlite_uri_is_the_store_of_the_directory_the_sink_was_opened_in(tmp_path, monkeypatch):
+    """MLflow caches a store per URI string for the whole process: without the sink resolving
+    ``sqlite:///mlflow.db`` where it is opened, a second directory's run lands in the first's file."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        monkeypatch.chdir(tmp_path / name)
+        sink = MlflowSink("sqlite:///mlflow.db", "exp", run_name=name)
+        sink.log_iteration(1, {"x": 1.0})
+        assert sink.close() is True
+    for name in ("a", "b"):
+        client = MlflowClient(f"sqlite:///{tmp_path / name / 'mlflow.db'}")
+        runs = client.search_runs([client.get_experiment_by_name("exp").experiment_id])
+        assert [r.info.run_name for r in runs] == [name]
