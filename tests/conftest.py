@@ -103,8 +103,15 @@ def pytest_collection_modifyitems(config, items):
     # is not isolated yet: some Ray/Tune process-wide state that outlives ray.shutdown()).  It runs
     # first, before anything else has used Ray in this process (under xdist's ``--dist loadfile``
     # the first module collected is the first one a worker takes).
-    first = [item for item in items if item.nodeid.startswith(_RUN_FIRST)]
-    items[:] = first + [item for item in items if not item.nodeid.startswith(_RUN_FIRST)]
+    # Then every other integration module, then the fast ones: the two xdist workers take modules in
+    # this order (--no-loadscope-reorder), so the long ones start early and the short ones fill in.
+    # A module ranks by its first integration test, so that its tests stay together.
+    module_rank: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        rank = 0 if module == _RUN_FIRST else 1 if item.get_closest_marker("e2e") else 2
+        module_rank[module] = min(rank, module_rank.get(module, 2))
+    items.sort(key=lambda item: module_rank[item.nodeid.split("::", 1)[0]])  # stable: order kept within a rank
 
 
 def _implicit(args) -> bool:

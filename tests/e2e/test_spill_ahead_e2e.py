@@ -159,7 +159,9 @@ def test_a_trainer_killed_during_an_outage_loses_no_iteration(tmp_path):
     own = f"sqlite:///{tmp_path / 'server.db'}"
     run_id = next(r["run_id"] for r in records if r.get("run_id"))
     before = _steps(own, run_id)
-    assert before and max(before) <= KILL_SERVER_AFTER + 1, before
+    # What it took before the kill (on a loaded box possibly nothing yet: those iterations were
+    # spilled with the rest, and the history check below counts them).
+    assert max(before, default=0) <= KILL_SERVER_AFTER + 1, before
     result = replay_spill(kept, own)
     assert result.run_id == run_id and not result.created_run
     history = _steps(own, run_id)
