@@ -14,6 +14,9 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 # files apart from the other worker's: Ray records "the current cluster" in its temp directory.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("RAY_TMPDIR", f"/tmp/ray-{os.environ['PYTEST_XDIST_WORKER']}")
+    # One intra-op thread per worker (torch reads it when imported, after this): two workers with
+    # torch's default of a thread per core would put four busy threads on a 2-core box.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _init_local_ray() -> None:
