@@ -71,7 +71,7 @@ def test_nan_on_one_rank_latches_everywhere_and_replicas_are_checked(ray_session
     cfg = config_from_dict(
         {
             "seed": 5,
-            "resources": {"num_learners": 2, "num_env_runners": 1},
+            "resources": {"num_learners": 2, "num_env_runners": 0},  # sampled here: no EnvRunner process to start
             "ppo": {"train_batch_size": 400, "minibatch_size": 100, "num_epochs": 2},
             "model": {"trunk_hiddens": [32, 32]},
             "distributed": {"replica_check_every": 1},
@@ -159,7 +159,7 @@ def test_nan_and_inf_in_one_parameter_gradient_on_one_rank_skip_the_update_on_bo
     cfg = config_from_dict(
         {
             "seed": 6,
-            "resources": {"num_learners": 2, "num_env_runners": 1},
+            "resources": {"num_learners": 2, "num_env_runners": 0},  # sampled here: no EnvRunner process to start
             "ppo": {"train_batch_size": 400, "minibatch_size": 100, "num_epochs": 2},
             "model": {"trunk_hiddens": [32, 32]},
             "distributed": {"replica_check_every": 1},

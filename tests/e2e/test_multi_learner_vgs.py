@@ -35,7 +35,7 @@ def test_two_learners_apply_identical_vgs_scale_and_stay_identical(ray_session):
             "seed": 3,
             "optimizer": "upgd",
             "vgs": {"enabled": True, "warmup_steps": 0, "alpha": 2.0},
-            "resources": {"num_learners": 2, "num_env_runners": 1},
+            "resources": {"num_learners": 2, "num_env_runners": 0},  # sampled here: no EnvRunner process to start
             "ppo": {"train_batch_size": 400, "minibatch_size": 50, "num_epochs": 2, "lr": 1e-3},
             "model": {"trunk_hiddens": [32, 32]},
         }

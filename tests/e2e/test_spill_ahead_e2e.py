@@ -22,6 +22,7 @@ from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.tracking.spill import read_spill, replay_spill
+from tests.e2e.in_process import run_cli
 from tests.e2e.processes import BIN, SMALL_TRAIN_ARGS, clean_env, free_port, kill_group, wait_http
 
 pytestmark = pytest.mark.e2e
@@ -134,13 +135,7 @@ def test_a_trainer_killed_during_an_outage_loses_no_iteration(tmp_path):
     kept = shutil.copy(spill, tmp_path / "kept.jsonl")
 
     fresh = f"sqlite:///{tmp_path / 'fresh.db'}"
-    replay = subprocess.run(
-        [str(BIN / "gradmon-ray"), "replay", str(spill), "--tracking-uri", fresh],
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    replay = run_cli(["replay", str(spill), "--tracking-uri", fresh], tmp_path)  # the CLI's main, in this process
     assert replay.returncode == 0, replay.stderr[-3000:]
     client = MlflowClient(fresh)
     (run,) = client.search_runs([client.get_experiment_by_name("spill-ahead").experiment_id])
