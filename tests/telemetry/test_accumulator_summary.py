@@ -295,16 +295,21 @@ def test_one_minibatch_gives_its_own_global_norm():
     assert summary.head_norms == {"op": 1.0, "slot": 2.0, "value": 3.0}
 
 
+def _one_minibatch_of_logp(logp: torch.Tensor):
+    """The summary of one iteration of one minibatch (norms 1) whose log-probs are ``logp``."""
+    tracker = TelemetryTracker(REPORTED, ACTION)
+    acc = IterationAccumulator(tracker.layout)
+    acc.add_minibatch_logp(_norms([1.0, 1.0, 1.0], 1.0), logp, torch.tensor(0.0))
+    return tracker.finish_iteration(acc.drain()[0])
+
+
 def test_batched_logp_rows_latch_like_their_flattened_rows():
     """A ``[T, B, heads]`` log-prob tensor is read as its ``T*B`` rows: a NaN at (1, 2) of head
     ``slot`` and a -Inf at (0, 0) of head ``op`` latch those heads, nothing else."""
     logp = torch.full((2, 3, 2), -0.5)
     logp[1, 2, 1] = float("nan")
     logp[0, 0, 0] = float("-inf")
-    tracker = TelemetryTracker(REPORTED, ACTION)
-    acc = IterationAccumulator(tracker.layout)
-    acc.add_minibatch_logp(_norms([1.0, 1.0, 1.0], 1.0), logp, torch.tensor(0.0))
-    summary = tracker.finish_iteration(acc.drain()[0])
+    summary = _one_minibatch_of_logp(logp)
     assert summary.nan_latched == {"op": False, "slot": True}
     assert summary.inf_latched == {"op": True, "slot": False}
     # the same rows, flattened by hand, and a row mask that drops the NaN row (row 5 = (1, 2))
@@ -386,10 +391,7 @@ def test_an_iteration_whose_only_nonfinite_flag_is_an_inf_latches_inf():
 def test_a_head_with_nan_and_plus_inf_log_probs_latches_both():
     """Column ``op`` holds a NaN and a +Inf (two rows), column ``slot`` only finite values."""
     logp = torch.tensor([[float("nan"), -1.0], [float("inf"), -2.0], [-0.5, -0.5]])
-    tracker = TelemetryTracker(REPORTED, ACTION)
-    acc = IterationAccumulator(tracker.layout)
-    acc.add_minibatch_logp(_norms([1.0, 1.0, 1.0], 1.0), logp, torch.tensor(0.0))
-    summary = tracker.finish_iteration(acc.drain()[0])
+    summary = _one_minibatch_of_logp(logp)
     assert summary.nan_latched == {"op": True, "slot": False}
     assert summary.inf_latched == {"op": True, "slot": False}
 
