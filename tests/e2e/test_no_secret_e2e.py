@@ -141,12 +141,6 @@ def _rows_holding(marker: str, store: Path) -> list[tuple[str, tuple]]:
     return found
 
 
-def _run(argv: list[str], cwd: Path) -> CliResult:
-    """The command through the CLI's ``main`` in this process (``no_credential_env``: the URI is the
-    only place the password is given)."""
-    return run_cli(argv, cwd)
-
-
 def _assert_no_marker_left(server: Server, proc: CliResult, run_dir: Path) -> None:
     assert server.marker not in proc.stdout and server.marker not in proc.stderr
     assert _files_holding(server.marker, run_dir) == []
@@ -159,7 +153,7 @@ def test_train_uses_the_password_and_leaves_it_nowhere(server, ray_session, no_c
     run_dir.mkdir()
     argv = ["train", *SMALL_TRAIN_ARGS, "--mlflow-uri", server.uri(server.marker)]
     argv += ["--experiment", "no-secret", "--set", "checkpoint_every=1", "--set", "mlflow.plots_every=1"]
-    proc = _run(argv, run_dir)
+    proc = run_cli(argv, run_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     shown = f"http://admin:***@127.0.0.1:{server.port}"
     assert f"MLflow: {shown}" in proc.stdout and f"open {shown} in a browser" in proc.stdout
@@ -199,7 +193,7 @@ def test_tune_uses_the_password_and_leaves_it_nowhere(server, ray_session, no_cr
         )
     )
     argv = ["tune", "tiny_sweep.yaml", "--mlflow-uri", server.uri(server.marker)]
-    proc = _run(argv, run_dir)
+    proc = run_cli(argv, run_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     client = MlflowClient(server.uri(server.marker))
     runs = client.search_runs([client.get_experiment_by_name("no-secret-sweep").experiment_id])
@@ -220,7 +214,7 @@ def test_offline_ok_spills_without_the_password(ray_session, no_credential_env, 
     uri = f"http://admin:{marker}@127.0.0.1:{free_port()}"
     argv = ["train", *SMALL_TRAIN_ARGS, "--mlflow-uri", uri]
     argv += ["--iterations", "1", "--set", "mlflow.offline_ok=true", "--set", "mlflow.plots_every=0"]
-    proc = _run(argv, run_dir)
+    proc = run_cli(argv, run_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "mlflow.offline_ok: training anyway" in proc.stderr
     assert "never took the run; replay it with: gradmon-ray replay" in proc.stdout

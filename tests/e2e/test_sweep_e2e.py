@@ -18,6 +18,7 @@ from gradmon_ray import metric_names as mn
 from gradmon_ray.app.sweep import PARENT_RUN_TAG, SweepConfig, run_sweep
 from gradmon_ray.envs import HEAD_NAMES
 from gradmon_ray.telemetry.bands import worst_head
+from tests.e2e.in_process import run_cli
 from tests.fixtures.user_envs import crash_once_countdown
 
 pytestmark = pytest.mark.e2e
@@ -56,12 +57,7 @@ def sweep(ray_session, tmp_path_factory):
     process, on the session's Ray (2 grid points x 1 sample = 2 trials, one after the other); every
     line it prints is recorded as it comes, with the time and how many trial runs MLflow held then.
     The console script itself, in a process of its own, is tests/e2e/test_console_script_e2e.py."""
-    import contextlib
-    import io
-    import os
-
     from gradmon_ray.app import tune_command
-    from gradmon_ray.app.cli import main
 
     tmp = tmp_path_factory.mktemp("sweep")
     (tmp / "heads.yaml").write_text(SWEEP_FILE)
@@ -79,31 +75,19 @@ def sweep(ray_session, tmp_path_factory):
             runs_at_first_progress.append(_runs_now(MlflowClient(uri)))
 
     sigint_before = signal.getsignal(signal.SIGINT)
-    stderr = io.StringIO()  # Python's writes; native ones (Ray's C++ core worker) go to fd 2:
-    native = (tmp / "fd2.txt").open("w+")
-    saved_fd2, cwd = os.dup(2), os.getcwd()
-    mp = pytest.MonkeyPatch()
-    mp.setattr(tune_command, "print", recording_print, raising=False)
-    try:
-        os.chdir(tmp)
-        os.dup2(native.fileno(), 2)
-        with contextlib.redirect_stderr(stderr):
-            rc = main(argv)
-    finally:
-        os.dup2(saved_fd2, 2)
-        os.close(saved_fd2)
-        os.chdir(cwd)
-        mp.undo()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tune_command, "print", recording_print, raising=False)
+        result = run_cli(argv, tmp)
     exited = time.monotonic() - start
     sigint_after = signal.getsignal(signal.SIGINT)
     (tmp / "stdout.txt").write_text("".join(f"{t:7.1f} {line}\n" for t, line in lines))  # for a failing test
     return {
         "tmp": tmp,
         "uri": uri,
-        "rc": rc,
+        "rc": result.returncode,
         "lines": lines,
         "exited": exited,
-        "stderr": stderr.getvalue() + (tmp / "fd2.txt").read_text(),
+        "stderr": result.stderr,
         "sigint_handler_before": sigint_before,
         "sigint_handler_after": sigint_after,
         "runs_at_first_progress": runs_at_first_progress[0] if runs_at_first_progress else None,
