@@ -1,11 +1,11 @@
 """Issue #8 fault 6: an EnvRunner crashes inside ``env.step``; RLlib restarts it, telemetry goes on.
 
-Real PPO on the shared local Ray instance.  The env is the built-in one behind a wrapper that
-crashes once, after a set number of steps, while the single remote EnvRunner is sampling the
-second iteration: by SIGKILL of the EnvRunner's process (a segfaulting simulator) or by an
-exception out of ``step``.  Until the restarted EnvRunner is back RLlib returns iterations
-with nothing trained; those must not be logged as (NaN) telemetry or judged by the health
-rules.
+Real PPO on the shared local Ray instance, one run with two crashes.  The env is the built-in one
+behind a wrapper that crashes at set points while the single remote EnvRunner samples: first by
+an exception out of ``step`` (inside iteration 2), then, a few trained iterations after the
+restart, by SIGKILL of the EnvRunner's process (a segfaulting simulator).  Until the restarted
+EnvRunner is back RLlib returns iterations with nothing trained; those must not be logged as
+(NaN) telemetry or judged by the health rules.
 """
 
 from __future__ import annotations
@@ -21,23 +21,21 @@ from gradmon_ray.config import config_from_dict
 
 pytestmark = pytest.mark.e2e
 
-ITERATIONS = 12
+ITERATIONS = 16
 BATCH = 256
+RAISE_AT, KILL_AFTER = BATCH + 40, 3 * BATCH + 40
+"""Env steps until the exception (inside iteration 2's sampling), then from it to the SIGKILL."""
 
 
-@pytest.mark.parametrize("mode", ["kill", "raise"])
-def test_a_crashed_env_runner_is_restarted_and_telemetry_continues(ray_session, tmp_path, mode):
+def test_crashed_env_runners_are_restarted_and_telemetry_continues(ray_session, tmp_path):
     crash_file = tmp_path / "crash"
-    crash_file.write_text(str(BATCH + 40))  # the crash falls inside iteration 2's sampling
+    crash_file.write_text(f"{RAISE_AT} raise\n{KILL_AFTER} kill\n")
     cfg = config_from_dict(
         {
             "iterations": ITERATIONS,
             "seed": 2,
             "checkpoint_dir": str(tmp_path / "ckpt"),  # checkpoints are on by default: not into the repository
-            "env": {
-                "id": "tests.fixtures.user_envs:CrashingFactoredOps",
-                "config": {"crash_file": str(crash_file), "crash_mode": mode},
-            },
+            "env": {"id": "tests.fixtures.user_envs:CrashingFactoredOps", "config": {"crash_file": str(crash_file)}},
             "resources": {"num_env_runners": 1, "env_runner_restart_delay_s": 0.0},
             "ppo": {"train_batch_size": BATCH, "minibatch_size": 128, "num_epochs": 1},
             "model": {"trunk_hiddens": [32]},
@@ -48,7 +46,7 @@ def test_a_crashed_env_runner_is_restarted_and_telemetry_continues(ray_session, 
     lines: list[str] = []
     outcome = run_training(cfg, progress=lines.append)
 
-    assert not crash_file.exists()  # the fault fired
+    assert not crash_file.exists()  # both faults fired
     assert outcome.iterations_done == ITERATIONS and outcome.stop_reason is None and outcome.mlflow_complete
     client = MlflowClient(cfg.mlflow.tracking_uri)
     run = client.get_run(outcome.run_id)
@@ -61,9 +59,20 @@ def test_a_crashed_env_runner_is_restarted_and_telemetry_continues(ray_session, 
     assert sorted(trained) == list(range(1, ITERATIONS + 1))
     idle = [step for step, value in trained.items() if value == 0.0]
     busy = [step for step, value in trained.items() if value == 1.0]
-    assert idle and idle[0] == 2, trained  # the crash cost iteration 2 (and a few more while it restarts)
-    assert busy[-1] == ITERATIONS and len(busy) >= 3 and max(busy) > max(idle)  # training came back
-    assert history(mn.ENV_RUNNER_RESTARTS)[ITERATIONS] == 1.0
+    restarts = history(mn.ENV_RUNNER_RESTARTS)
+    # Each crash cost the iteration it fell in (and a few more while the EnvRunner restarted),
+    # the raise iteration 2; RLlib counted one restart per crash.
+    assert idle and idle[0] == 2, trained
+    first_restart = min(step for step, value in restarts.items() if value >= 1.0)
+    second_restart = min(step for step, value in restarts.items() if value >= 2.0)
+    assert first_restart >= 2 and restarts[ITERATIONS] == 2.0, restarts
+    between = [step for step in busy if first_restart < step < second_restart]
+    assert len(between) >= 2, (trained, restarts)  # trained again between the two crashes
+    assert any(first_restart < step <= second_restart for step in idle), (
+        trained,
+        restarts,
+    )  # the kill's idle iteration
+    assert busy[-1] == ITERATIONS and len([s for s in busy if s > second_restart]) >= 2  # and after the second
     assert history(mn.ENV_RUNNERS_HEALTHY)[ITERATIONS] == 1.0
     assert history(mn.ENV_RUNNERS_HEALTHY)[2] == 0.0
 
@@ -73,5 +82,5 @@ def test_a_crashed_env_runner_is_restarted_and_telemetry_continues(ray_session, 
         norms = history(mn.head_metric(mn.HEAD_GRAD_NORM, head))
         assert sorted(norms) == busy and all(math.isfinite(v) and v > 0 for v in norms.values()), head
     steps = history(mn.ENV_STEPS_SAMPLED_LIFETIME)
-    assert steps[ITERATIONS] == len(busy) * BATCH  # the restarted EnvRunner sampled every trained batch
+    assert steps[ITERATIONS] == len(busy) * BATCH  # the restarted EnvRunners sampled every trained batch
     assert any("no update: nothing to train on" in line for line in lines)

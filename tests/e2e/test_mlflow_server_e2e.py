@@ -27,70 +27,56 @@ from tests.e2e.processes import BIN, SMALL_TRAIN_ARGS, free_port, kill_group, wa
 pytestmark = pytest.mark.e2e
 
 
+class MlflowServer:
+    """``mlflow server`` on one loopback port and one store, which a test may kill and start again."""
+
+    def __init__(self, port: int, store: Path) -> None:
+        self.port, self.store = port, store
+        self.uri = f"http://127.0.0.1:{port}"
+        self.processes: list[subprocess.Popen] = []
+
+    def start(self) -> None:
+        """Start a server process (not waited for: see ``wait``)."""
+        log = (self.store / f"server-{time.monotonic_ns()}.log").open("w")  # read when a test fails
+        command = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
+        command += ["--backend-store-uri", f"sqlite:///{self.store / 'server.db'}"]
+        command += ["--default-artifact-root", str(self.store / "art")]
+        self.processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+
+    def wait(self, timeout_s: float = 120) -> None:
+        wait_http(f"{self.uri}/health", timeout_s)
+
+    def kill(self, grace_s: float = 20) -> None:
+        """End every server process this object started (a SIGKILL at once when ``grace_s`` is 0)."""
+        for process in self.processes:
+            kill_group(process, grace_s=grace_s)
+        self.processes.clear()
+
+
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("mlflow-server")
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            str(BIN / "mlflow"),
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-            "--backend-store-uri",
-            f"sqlite:///{tmp / 'server.db'}",
-            "--default-artifact-root",
-            str(tmp / "art"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    """One server for the module (each start costs ~10 s of a loaded box); the outage test kills
+    it and starts it again on the same port and store, and leaves it running."""
+    server = MlflowServer(free_port(), tmp_path_factory.mktemp("mlflow-server"))
+    server.start()
     try:
-        wait_http(f"http://127.0.0.1:{port}/health", 90)
-        yield f"http://127.0.0.1:{port}"
+        server.wait(90)
+        yield server
     finally:
-        kill_group(proc)
+        server.kill()
 
 
 def test_cli_train_against_a_real_mlflow_server(mlflow_server, ray_session, tmp_path):
-    args = [*SMALL_TRAIN_ARGS, "--mlflow-uri", mlflow_server, "--experiment", "server"]
+    args = [*SMALL_TRAIN_ARGS, "--mlflow-uri", mlflow_server.uri, "--experiment", "server"]
     args += ["--checkpoint-dir", str(tmp_path / "ckpt")]  # checkpoints are on by default: not into the repository
     proc = run_cli(["train", *args], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    client = MlflowClient(mlflow_server)
+    client = MlflowClient(mlflow_server.uri)
     (run,) = client.search_runs([client.get_experiment_by_name("server").experiment_id])
     assert run.info.status == "FINISHED"
     history = client.get_metric_history(run.info.run_id, mn.head_metric(mn.HEAD_GRAD_NORM, "op"))
     assert [m.step for m in history] == [1, 2]
     assert f"gradmon-ray: MLflow run {run.info.run_id} " in proc.stdout  # the run the server holds
-
-
-def _start_server(port: int, store: Path) -> subprocess.Popen:
-    log = (store / f"server-{time.monotonic_ns()}.log").open("w")  # read when a test fails
-    return subprocess.Popen(
-        [
-            str(BIN / "mlflow"),
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-            "--backend-store-uri",
-            f"sqlite:///{store / 'server.db'}",
-            "--default-artifact-root",
-            str(store / "art"),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
 
 
 def _warm_up(uri: str) -> None:
@@ -101,7 +87,7 @@ def _warm_up(uri: str) -> None:
     client.set_terminated(run_id)
 
 
-def test_tracking_server_killed_and_restarted_mid_run(ray_session, tmp_path, monkeypatch):
+def test_tracking_server_killed_and_restarted_mid_run(mlflow_server, ray_session, tmp_path, monkeypatch):
     """Training never waits for MLflow; what the server missed is delivered later or spilled and replayed.
 
     Issue #8's bar: iteration time during the outage within 1.2x of the no-fault median, timed as
@@ -115,10 +101,9 @@ def test_tracking_server_killed_and_restarted_mid_run(ray_session, tmp_path, mon
     """
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # what `gradmon-ray train` sets
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-    port, iterations, kill_after, restart_after = free_port(), 20, 8, 16
-    uri = f"http://127.0.0.1:{port}"
-    servers = [_start_server(port, tmp_path)]
-    wait_http(f"{uri}/health", 90)
+    # Iteration 17 only waits for the restarted server: the timed windows end at iteration 15.
+    iterations, kill_after, restart_after = 17, 8, 16
+    uri = mlflow_server.uri
     _warm_up(uri)
     cfg = config_from_dict(
         {
@@ -147,21 +132,21 @@ def test_tracking_server_killed_and_restarted_mid_run(ray_session, tmp_path, mon
     def progress(line: str) -> None:
         ends.append(time.thread_time())
         if line.startswith(f"iter {kill_after}/"):
-            kill_group(servers[0], grace_s=0)
+            mlflow_server.kill(grace_s=0)
         elif line.startswith(f"iter {restart_after}/"):
-            servers.append(_start_server(port, tmp_path))  # not waited for: training goes on
+            mlflow_server.start()  # not waited for: training goes on
         elif line.startswith(f"iter {iterations}/"):
             # After the timed iterations: let the server finish starting (slow on a loaded 2-core
             # box), so that what is still buffered is delivered by close() rather than spilled.
-            wait_http(f"{uri}/health", 120)
+            mlflow_server.wait()
         resumes.append(time.thread_time())
 
+    start = time.thread_time()
     try:
-        start = time.thread_time()
         outcome = run_training(cfg, progress=progress)  # must not raise
     finally:
-        for server in servers:
-            kill_group(server, grace_s=5)
+        if not mlflow_server.processes:  # failed between the kill and the restart: the next test needs one
+            mlflow_server.start()
     assert outcome.iterations_done == iterations
     times = [end - begin for begin, end in zip([start, *resumes[:-1]], ends, strict=True)]
     no_fault = times[1:kill_after]  # iteration 1 builds and warms up
@@ -172,24 +157,20 @@ def test_tracking_server_killed_and_restarted_mid_run(ray_session, tmp_path, mon
     assert len(in_sink) >= iterations and max(in_sink) < 0.05, in_sink
 
     # Everything the server missed is either delivered after its return or in the spill file.
-    servers = [_start_server(port, tmp_path)]
-    try:
-        wait_http(f"{uri}/health", 90)
-        client = MlflowClient(uri)
-        name = mn.head_metric(mn.HEAD_GRAD_NORM, "op")
-        delivered = {m.step for m in client.get_metric_history(outcome.run_id, name)}
-        assert outcome.spill_path is not None, "a 5-iteration outage with a 2-iteration buffer must spill"
-        _, spilled_lines, trailer = read_spill(outcome.spill_path)
-        spilled = {r["step"] for r in spilled_lines if name in r["metrics"]}
-        assert spilled and delivered | spilled == set(range(1, iterations + 1)), (delivered, spilled)
-        # Before the outage, and after the server came back. (Iterations just before the kill
-        # may still have been in flight then: those are spilled, not lost, which the union checks.)
-        assert {1, iterations} <= delivered
-        assert trailer is not None
-        # ... and the replay completes the history: each iteration exactly once.
-        assert main(["replay", outcome.spill_path]) == 0
-        history = client.get_metric_history(outcome.run_id, name)
-        assert sorted(m.step for m in history) == list(range(1, iterations + 1))
-        assert client.get_run(outcome.run_id).info.status == "FINISHED"
-    finally:
-        kill_group(servers[0], grace_s=5)
+    mlflow_server.wait()
+    client = MlflowClient(uri)
+    name = mn.head_metric(mn.HEAD_GRAD_NORM, "op")
+    delivered = {m.step for m in client.get_metric_history(outcome.run_id, name)}
+    assert outcome.spill_path is not None, "an outage longer than the 2-iteration buffer must spill"
+    _, spilled_lines, trailer = read_spill(outcome.spill_path)
+    spilled = {r["step"] for r in spilled_lines if name in r["metrics"]}
+    assert spilled and delivered | spilled == set(range(1, iterations + 1)), (delivered, spilled)
+    # Before the outage, and after the server came back. (Iterations just before the kill
+    # may still have been in flight then: those are spilled, not lost, which the union checks.)
+    assert {1, iterations} <= delivered
+    assert trailer is not None
+    # ... and the replay completes the history: each iteration exactly once.
+    assert main(["replay", outcome.spill_path]) == 0
+    history = client.get_metric_history(outcome.run_id, name)
+    assert sorted(m.step for m in history) == list(range(1, iterations + 1))
+    assert client.get_run(outcome.run_id).info.status == "FINISHED"

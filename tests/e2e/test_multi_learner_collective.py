@@ -1,9 +1,24 @@
-"""Two real learner actors: one packed Ray-collective reduction, cross-rank latches, replica checksum."""
+"""Two real learner actors, one build, one fault schedule: one packed Ray-collective reduction per
+iteration, non-finite gradients and log-probs on one rank, cross-rank latches, the replica checksum.
+
+The schedule (1-based iterations of one Algorithm, two learners over gloo):
+
+1. clean;
+2. rank 1 writes a NaN into one element of head ``slot``'s gradient (before DDP's all-reduce);
+3. rank 0 writes an Inf into head ``op``'s gradient;
+4. rank 1's ``tempo`` logits are NaN (its log-probs too; rank 0's are fine);
+5-6. clean: training resumes on both replicas, the ``tempo`` latch stays;
+7. rank 1's first parameter is nudged by 1e-3 before the iteration: the replica check fails it.
+
+The module's fixture runs it and records what each learner held after each step; the tests read
+the record (one two-learner build, not one per subject: each build starts two actor processes).
+"""
 
 from __future__ import annotations
 
 import hashlib
 import math
+from typing import Any
 
 import pytest
 
@@ -13,14 +28,24 @@ from gradmon_ray.rllib import build_ppo_config
 
 pytestmark = pytest.mark.e2e
 
+NAN_GRAD, INF_GRAD, NAN_LOGITS, CLEAN_AFTER = 2, 3, 4, (5, 6)
+MINIBATCHES = 4
+"""Per learner and iteration: its 200-row shard / 100 per minibatch x 2 epochs."""
 
-def _probe(learner) -> dict:
-    module = learner.module["default_policy"].unwrapped()
-    digest = hashlib.sha256()
-    finite = True
-    for p in module.parameters():
-        finite &= bool(p.detach().isfinite().all())
-        digest.update(p.detach().cpu().numpy().tobytes())
+
+def _state(learner) -> dict:
+    """What one learner holds: a digest of its parameters and Adam moments, its telemetry and collective."""
+    digest, finite = hashlib.sha256(), True
+    params = [p.detach() for p in learner.module["default_policy"].unwrapped().parameters()]
+    params_digest = hashlib.sha256()
+    for p in params:
+        params_digest.update(p.cpu().numpy().tobytes())
+    tensors = list(params)
+    for state in learner.get_optimizer().state.values():
+        tensors += [state["exp_avg"], state["exp_avg_sq"], state["step"].reshape(1)]
+    for t in tensors:
+        finite &= bool(t.isfinite().all())
+        digest.update(t.cpu().numpy().tobytes())
     tele = learner.last_telemetry
     return {
         "rank": learner.collective.rank,
@@ -28,13 +53,16 @@ def _probe(learner) -> dict:
         "backend": learner.collective.backend,
         "group": learner.collective.group_name,
         "calls": learner.collective.calls,
-        "params": digest.hexdigest(),
+        "params": params_digest.hexdigest(),
+        "digest": digest.hexdigest(),
         "finite": finite,
         "nan_latched": [h for h, v in tele.nan_latched.items() if v],
+        "inf_latched": [h for h, v in tele.inf_latched.items() if v],
         "first": dict(tele.nan_first_iteration),
         "skipped": tele.skipped,
         "minibatches": tele.minibatches,
         "iteration": tele.iteration,
+        "steps": sorted({int(s["step"]) for s in learner.get_optimizer().state.values()}),
     }
 
 
@@ -67,7 +95,8 @@ def _noise_logged(learner) -> list[dict[str, float]]:
     return learner._noise_logged
 
 
-def test_nan_on_one_rank_latches_everywhere_and_replicas_are_checked(ray_session):
+@pytest.fixture(scope="module")
+def schedule(ray_session) -> dict[str, Any]:
     cfg = config_from_dict(
         {
             "seed": 5,
@@ -78,134 +107,112 @@ def test_nan_on_one_rank_latches_everywhere_and_replicas_are_checked(ray_session
         }
     )
     ppo = build_ppo_config(cfg)
-    ppo.learner_config_dict["gradmon"]["fault_injection"] = {"nan_logits": {"rank": 1, "head": "tempo", "iteration": 2}}
-    algo = ppo.build_algo()
-    try:
-        assert sorted(r.get() for r in algo.learner_group.foreach_learner(_record_noise_metrics)) == [0, 1]
-        algo.train()
-        result = algo.train()  # iteration 2: rank 1's tempo logits are NaN
-        learners = sorted((r.get() for r in algo.learner_group.foreach_learner(_probe)), key=lambda d: d["rank"])
-        assert [d["rank"] for d in learners] == [0, 1] and {d["world"] for d in learners} == {2}
-        assert {d["backend"] for d in learners} == {"gloo"}
-        assert learners[0]["group"] == learners[1]["group"] != "default"
-        for d in learners:  # rank 0 never saw a NaN log-prob, yet latches 'tempo' in the same iteration
-            assert d["nan_latched"] == ["tempo"] and d["first"] == {"tempo": 2}
-            assert d["skipped"] == d["minibatches"] > 0
-            assert d["finite"]
-        assert learners[0]["params"] == learners[1]["params"]
-        logged = result["learners"]["default_policy"]
-        assert logged[mn.head_metric(mn.HEAD_NAN_LATCH, "tempo")] == 1.0
-        assert logged[mn.head_metric(mn.HEAD_NAN_LATCH, "op")] == 0.0
-        assert logged[mn.SKIPPED_UPDATES] == learners[0]["minibatches"]
-
-        for _ in range(3):  # iterations 3-5: clean again
-            result = algo.train()
-        learners = sorted((r.get() for r in algo.learner_group.foreach_learner(_probe)), key=lambda d: d["rank"])
-        assert [d["calls"] for d in learners] == [5, 5]  # exactly one collective call per iteration
-        assert learners[0]["params"] == learners[1]["params"] and learners[0]["iteration"] == 5
-        assert result["learners"]["default_policy"][mn.REPLICA_CHECKSUM_OK] == 1.0
-        assert result["learners"]["default_policy"][mn.SKIPPED_UPDATES] == 0.0
-        assert learners[0]["nan_latched"] == ["tempo"]  # the latch survives clean iterations
-        assert math.isfinite(result["learners"]["default_policy"][mn.head_metric(mn.HEAD_GRAD_NORM, "tempo")])
-        # Noise scale: local (comm hook, pre-all-reduce) vs all-reduced norms; the NaN
-        # iteration is left out of the EMAs.  A head whose |G|^2 estimate is still <= 0 (weak
-        # signal: the two-batch estimate can be negative) is left out, never logged as NaN.
-        logged = result["learners"]["default_policy"]
-        assert math.isfinite(logged[mn.GLOBAL_NOISE_SCALE])
-        noise = [r.get() for r in algo.learner_group.foreach_learner(_noise_logged)]
-        for per_iteration in noise[0] + noise[1]:
-            assert all(math.isfinite(v) for v in per_iteration.values()), per_iteration
-            assert mn.GLOBAL_NOISE_SCALE in per_iteration
-        assert noise[0] == noise[1] and len(noise[0]) == 5  # every iteration, identical on both ranks
-        for key, value in noise[0][-1].items():
-            assert logged[key] == pytest.approx(value)
-
-        assert sorted(r.get() for r in algo.learner_group.foreach_learner(_perturb_rank_1)) == [0, 1]
-        with pytest.raises(Exception, match="replicas hold different parameters"):
-            algo.train()
-    finally:
-        algo.stop()
-
-
-def _replica_state(learner) -> dict:
-    """Parameters and Adam moments: finite? and a digest to compare replicas bit for bit."""
-    digest, finite = hashlib.sha256(), True
-    tensors = [p.detach() for p in learner.module["default_policy"].unwrapped().parameters()]
-    for state in learner.get_optimizer().state.values():
-        tensors += [state["exp_avg"], state["exp_avg_sq"], state["step"].reshape(1)]
-    for t in tensors:
-        finite &= bool(t.isfinite().all())
-        digest.update(t.cpu().numpy().tobytes())
-    tele = learner.last_telemetry
-    return {
-        "rank": learner.collective.rank,
-        "digest": digest.hexdigest(),
-        "finite": finite,
-        "nan_latched": [h for h, v in tele.nan_latched.items() if v],
-        "inf_latched": [h for h, v in tele.inf_latched.items() if v],
-        "skipped": tele.skipped,
-        "minibatches": tele.minibatches,
-        "steps": sorted({int(s["step"]) for s in learner.get_optimizer().state.values()}),
-    }
-
-
-def test_nan_and_inf_in_one_parameter_gradient_on_one_rank_skip_the_update_on_both(ray_session):
-    """Issue #8 fault 1b: a non-finite gradient element on ONE learner (before DDP's all-reduce).
-
-    Expected on both replicas in that iteration: the gradient NaN (or Inf) count says so, every
-    minibatch update is skipped, the log-prob latches stay clear (the log-probs were fine),
-    parameters and Adam moments stay finite and identical, and the next iteration trains again.
-    """
-    cfg = config_from_dict(
-        {
-            "seed": 6,
-            "resources": {"num_learners": 2, "num_env_runners": 0},  # sampled here: no EnvRunner process to start
-            "ppo": {"train_batch_size": 400, "minibatch_size": 100, "num_epochs": 2},
-            "model": {"trunk_hiddens": [32, 32]},
-            "distributed": {"replica_check_every": 1},
-        }
-    )
-    ppo = build_ppo_config(cfg)
     ppo.learner_config_dict["gradmon"]["fault_injection"] = {
         "grad": [
-            {"rank": 1, "head": "slot", "iteration": 2, "value": "nan"},
-            {"rank": 0, "head": "op", "iteration": 3, "value": "inf"},
-        ]
+            {"rank": 1, "head": "slot", "iteration": NAN_GRAD, "value": "nan"},
+            {"rank": 0, "head": "op", "iteration": INF_GRAD, "value": "inf"},
+        ],
+        "nan_logits": {"rank": 1, "head": "tempo", "iteration": NAN_LOGITS},
     }
     algo = ppo.build_algo()
 
     def states() -> list[dict]:
-        return sorted((r.get() for r in algo.learner_group.foreach_learner(_replica_state)), key=lambda d: d["rank"])
+        return sorted((r.get() for r in algo.learner_group.foreach_learner(_state)), key=lambda d: d["rank"])
 
+    record: dict[str, Any] = {"logged": {}, "states": {}}
     try:
-        logged = [algo.train()["learners"]["default_policy"]]
-        before = states()
-        assert before[0]["skipped"] == 0 and before[0]["digest"] == before[1]["digest"]
-        for iteration, (count_name, other_name) in (
-            (2, (mn.NAN_GRAD_COUNT, mn.INF_GRAD_COUNT)),
-            (3, (mn.INF_GRAD_COUNT, mn.NAN_GRAD_COUNT)),
-        ):
-            logged.append(algo.train()["learners"]["default_policy"])
-            after = states()
-            m = after[0]["minibatches"]
-            assert m == 4  # each learner's shard: 200 rows / 100 per minibatch x 2 epochs
-            for d in after:
-                assert d["skipped"] == m, (iteration, d)  # skipped on BOTH replicas
-                assert d["nan_latched"] == [] and d["inf_latched"] == []  # log-probs were finite
-                assert d["finite"]
-                assert d["digest"] == before[0]["digest"]  # nothing moved: params, moments, step counts
-            assert logged[-1][count_name] == m  # one poisoned element per minibatch, counted once (not per replica)
-            assert logged[-1][other_name] == 0
-            assert logged[-1][mn.SKIPPED_UPDATES] == m and logged[-1][mn.REPLICA_CHECKSUM_OK] == 1.0
-        for _ in range(2):  # iterations 4-5: clean again, training resumes on both replicas
-            logged.append(algo.train()["learners"]["default_policy"])
-        after = states()
-        assert after[0]["digest"] == after[1]["digest"] != before[0]["digest"]
-        assert after[0]["steps"] == [before[0]["steps"][0] + 2 * after[0]["minibatches"]]
-        assert all(d["finite"] and d["skipped"] == 0 for d in after)
-        assert logged[-1][mn.NAN_GRAD_COUNT] == 0 and logged[-1][mn.SKIPPED_UPDATES] == 0
-        assert logged[-1][mn.SKIPPED_UPDATES_TOTAL] == 2 * m
-        for head in ("op", "slot", "value"):
-            assert math.isfinite(logged[-1][mn.head_metric(mn.HEAD_GRAD_NORM, head)])
+        assert sorted(r.get() for r in algo.learner_group.foreach_learner(_record_noise_metrics)) == [0, 1]
+        for iteration in range(1, CLEAN_AFTER[-1] + 1):
+            record["logged"][iteration] = algo.train()["learners"]["default_policy"]
+            record["states"][iteration] = states()
+        record["noise"] = [r.get() for r in algo.learner_group.foreach_learner(_noise_logged)]
+        assert sorted(r.get() for r in algo.learner_group.foreach_learner(_perturb_rank_1)) == [0, 1]
+        try:
+            algo.train()
+            record["replica_error"] = None
+        except Exception as exc:  # what the test expects
+            record["replica_error"] = exc
     finally:
         algo.stop()
+    return record
+
+
+def test_two_ranks_one_gloo_group_one_collective_call_per_iteration(schedule):
+    learners = schedule["states"][CLEAN_AFTER[-1]]
+    assert [d["rank"] for d in learners] == [0, 1] and {d["world"] for d in learners} == {2}
+    assert {d["backend"] for d in learners} == {"gloo"}
+    assert learners[0]["group"] == learners[1]["group"] != "default"
+    assert [d["calls"] for d in learners] == [6, 6]  # exactly one collective call per iteration
+    assert all(d["iteration"] == 6 for d in learners)
+
+
+def test_a_non_finite_gradient_element_on_one_rank_skips_the_update_on_both(schedule):
+    """Issue #8 fault 1b: a non-finite gradient element on ONE learner (before DDP's all-reduce).
+
+    Expected on both replicas in that iteration: the gradient NaN (or Inf) count says so, every
+    minibatch update is skipped, the log-prob latches stay clear (the log-probs were fine),
+    parameters and Adam moments stay finite and identical.
+    """
+    before = schedule["states"][1]
+    assert before[0]["skipped"] == 0 and before[0]["digest"] == before[1]["digest"]
+    for iteration, count_name, other_name in (
+        (NAN_GRAD, mn.NAN_GRAD_COUNT, mn.INF_GRAD_COUNT),
+        (INF_GRAD, mn.INF_GRAD_COUNT, mn.NAN_GRAD_COUNT),
+    ):
+        after, logged = schedule["states"][iteration], schedule["logged"][iteration]
+        for d in after:
+            assert d["minibatches"] == MINIBATCHES, (iteration, d)
+            assert d["skipped"] == MINIBATCHES, (iteration, d)  # skipped on BOTH replicas
+            assert d["nan_latched"] == [] and d["inf_latched"] == [], (iteration, d)  # log-probs were finite
+            assert d["finite"], (iteration, d)
+            assert d["digest"] == before[0]["digest"], (iteration, d)  # nothing moved: params, moments, steps
+        assert logged[count_name] == MINIBATCHES, iteration  # one element per minibatch, counted once, not per replica
+        assert logged[other_name] == 0, iteration
+        assert logged[mn.SKIPPED_UPDATES] == MINIBATCHES and logged[mn.REPLICA_CHECKSUM_OK] == 1.0, iteration
+
+
+def test_nan_log_probs_on_one_rank_latch_on_both_and_skip_the_update(schedule):
+    learners, logged = schedule["states"][NAN_LOGITS], schedule["logged"][NAN_LOGITS]
+    for d in learners:  # rank 0 never saw a NaN log-prob, yet latches 'tempo' in the same iteration
+        assert d["nan_latched"] == ["tempo"] and d["first"] == {"tempo": NAN_LOGITS}, d
+        assert d["skipped"] == d["minibatches"] == MINIBATCHES, d
+        assert d["finite"], d
+        assert d["digest"] == schedule["states"][1][0]["digest"]  # three skipped iterations: still iteration 1's
+    assert learners[0]["params"] == learners[1]["params"]
+    assert logged[mn.head_metric(mn.HEAD_NAN_LATCH, "tempo")] == 1.0
+    assert logged[mn.head_metric(mn.HEAD_NAN_LATCH, "op")] == 0.0
+    assert logged[mn.SKIPPED_UPDATES] == MINIBATCHES
+
+
+def test_clean_iterations_train_both_replicas_again_and_the_latch_stays(schedule):
+    before, after = schedule["states"][1], schedule["states"][CLEAN_AFTER[-1]]
+    logged = schedule["logged"][CLEAN_AFTER[-1]]
+    assert after[0]["digest"] == after[1]["digest"] != before[0]["digest"]
+    assert after[0]["steps"] == [before[0]["steps"][0] + len(CLEAN_AFTER) * MINIBATCHES]
+    assert all(d["finite"] and d["skipped"] == 0 for d in after)
+    assert all(d["nan_latched"] == ["tempo"] for d in after)  # the latch survives clean iterations
+    assert logged[mn.NAN_GRAD_COUNT] == 0 and logged[mn.SKIPPED_UPDATES] == 0
+    assert logged[mn.SKIPPED_UPDATES_TOTAL] == 3 * MINIBATCHES
+    assert logged[mn.REPLICA_CHECKSUM_OK] == 1.0
+    for head in ("op", "slot", "tempo", "value"):
+        assert math.isfinite(logged[mn.head_metric(mn.HEAD_GRAD_NORM, head)]), head
+
+
+def test_the_noise_scale_is_logged_every_iteration_identically_on_both_ranks(schedule):
+    """Local (comm hook, pre-all-reduce) vs all-reduced norms; the non-finite iterations are left out
+    of the EMAs.  A head whose |G|^2 estimate is still <= 0 (weak signal: the two-batch estimate
+    can be negative) is left out, never logged as NaN."""
+    noise = schedule["noise"]
+    for per_iteration in noise[0] + noise[1]:
+        assert all(math.isfinite(v) for v in per_iteration.values()), per_iteration
+        assert mn.GLOBAL_NOISE_SCALE in per_iteration
+    assert noise[0] == noise[1] and len(noise[0]) == CLEAN_AFTER[-1]  # every iteration, identical on both ranks
+    logged = schedule["logged"][CLEAN_AFTER[-1]]
+    assert math.isfinite(logged[mn.GLOBAL_NOISE_SCALE])
+    for key, value in noise[0][-1].items():
+        assert logged[key] == pytest.approx(value)
+
+
+def test_replicas_that_hold_different_parameters_fail_the_iteration(schedule):
+    assert schedule["replica_error"] is not None, "a nudged replica went unnoticed"
+    assert "replicas hold different parameters" in str(schedule["replica_error"])
