@@ -53,20 +53,6 @@ def without_shared_ray():
         _init_local_ray()
 
 
-@pytest.fixture
-def tiny_config_data(tmp_path):
-    """A CI-sized run config (as plain data) writing MLflow into a temp sqlite store and checkpoints into a
-    temp directory."""
-    return {
-        "iterations": 2,
-        "seed": 0,
-        "checkpoint_dir": str(tmp_path / "ckpt"),  # checkpoints are on by default: never into the repository
-        "ppo": {"train_batch_size": 512, "minibatch_size": 128, "num_epochs": 2},
-        "resources": {"num_env_runners": 1},
-        "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "test"},
-    }
-
-
 # --- lanes -------------------------------------------------------------------------------------
 # The fast lane (``-m "not e2e and not gpu"``) starts neither Ray nor a subprocess.  A test that
 # does carries ``@pytest.mark.e2e`` (tests/README.md): a test using a Ray fixture gets it here,

@@ -22,7 +22,10 @@ BIN = Path(sys.executable).parent
 
 SMALL_TRAIN_ARGS = ["--iterations", "2", "--set", "ppo.train_batch_size=256", "--set", "ppo.minibatch_size=128"]
 SMALL_TRAIN_ARGS += ["--set", "ppo.num_epochs=1", "--set", "model.trunk_hiddens=[32]"]
-"""``gradmon-ray train`` arguments for a two-iteration, CI-sized run."""
+SMALL_TRAIN_ARGS += ["--set", "resources.num_env_runners=0"]
+"""``gradmon-ray train`` arguments for a two-iteration, CI-sized run, sampled in the driver: an
+EnvRunner actor is a process importing torch and RLlib (seconds of a loaded 2-core box), and the
+tests using these are about stores and servers (the embedded defaults have tests of their own)."""
 
 
 def free_port() -> int:

@@ -112,6 +112,7 @@ def test_tracking_server_killed_and_restarted_mid_run(mlflow_server, ray_session
             "checkpoint_dir": str(tmp_path / "ckpt"),  # checkpoints are on by default: not into the repository
             "ppo": {"train_batch_size": 256, "minibatch_size": 128, "num_epochs": 1},
             "model": {"trunk_hiddens": [32]},
+            "resources": {"num_env_runners": 0},  # sampled in the training thread: both windows alike
             # a 2-iteration buffer overflows during a 7-iteration outage: those go to the spill file
             "mlflow": {"tracking_uri": uri, "experiment": "outage", "queue_size": 2, "plots_every": 0},
         }

@@ -34,6 +34,7 @@ base:
   seed: 0
   ppo: {train_batch_size: 256, minibatch_size: 128, num_epochs: 1}
   model: {trunk_hiddens: [32]}
+  resources: {num_env_runners: 0}
   health_stop: {exploding_iterations: 1}
 search_space:
   model.head_logit_scale: {grid: [{}, {op: 100.0}]}
@@ -215,6 +216,7 @@ def crashed_sweep(ray_session, tmp_path_factory):
         "seed": 0,
         "ppo": {"train_batch_size": 256, "minibatch_size": 128, "num_epochs": 1},
         "model": {"trunk_hiddens": [32]},
+        "resources": {"num_env_runners": 0},
         "vgs": {"enabled": True, "warmup_steps": 1},
         "regularizers": [{"name": "crash", "fn": "tests.fixtures.user_envs:crash_once", "weight": 1.0}],
         "mlflow": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}", "experiment": "crash"},
@@ -298,7 +300,7 @@ def killed_learner_sweep(ray_session, tmp_path_factory):
     base = {
         "iterations": KILL_ITERATIONS,
         "seed": 0,
-        "resources": {"num_learners": 1},
+        "resources": {"num_learners": 1, "num_env_runners": 0},  # the remote learner is the subject
         "ppo": {"train_batch_size": 256, "minibatch_size": 128, "num_epochs": 2},
         "model": {"trunk_hiddens": [32, 32]},
         "vgs": {"enabled": True, "warmup_steps": 1},

@@ -1,18 +1,20 @@
-"""What users look at, in a real browser: the MLflow UI of a real two-agent run, driven headless.
+"""What users look at of a real two-agent run in MLflow: the names each module's metrics get, then
+the MLflow UI itself in a real browser, driven headless.
 
-Debian's ``chromium`` package (``apt-get install chromium``; ``.ci/run`` installs it) through
-Playwright's Python package with ``executable_path``: a browser build downloaded by Playwright
-cannot be fetched here.  The test trains two iterations of the built-in two-agent env on the
-session's Ray, serves the sqlite store with ``mlflow server`` on a free loopback port, then:
+The module trains two iterations of the built-in two-agent env on the session's Ray (sampled in
+the driver) into a sqlite store; the names test reads the store. The browser tests use Debian's
+``chromium`` package (``apt-get install chromium``; ``.ci/run`` installs it) through Playwright's
+Python package with ``executable_path`` (a browser build downloaded by Playwright cannot be
+fetched here), serve the store with ``mlflow server`` on a free loopback port, then:
 
-- finds every head's norm chart under *Model metrics* (searching its metric name) and saves a
+- find every head's norm chart under *Model metrics* (searching its metric name) and save a
   screenshot of each;
-- opens each plot under *Artifacts*, saves a screenshot, checks the image the browser shows is
-  the PNG the run logged, and reads the lines plot's pixels: each module's value line sits on
-  its value axes' healthy (green) shading, judged by the value edges, never on a red band.
+- open each plot under *Artifacts*, save a screenshot, check the image the browser shows is the
+  PNG the run logged, and read the lines plot's pixels: each module's value line sits on its
+  value axes' healthy (green) shading, judged by the value edges, never on a red band.
 
 Screenshots go to ``$GRADMON_SCREENSHOTS`` when set (to look at them), else to a temp folder.
-Skipped, with the reason, only where ``/usr/bin/chromium`` is absent.
+The browser tests are skipped, with the reason, only where ``/usr/bin/chromium`` is absent.
 """
 
 from __future__ import annotations
@@ -45,18 +47,18 @@ CHROMIUM_FLAGS = [
     "--disable-component-update",
     "--no-first-run",
 ]
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(
-        not CHROMIUM.exists(), reason="no /usr/bin/chromium: install Debian's package (apt-get install -y chromium)"
-    ),
-]
+pytestmark = pytest.mark.e2e
+needs_chromium = pytest.mark.skipif(
+    not CHROMIUM.exists(), reason="no /usr/bin/chromium: install Debian's package (apt-get install -y chromium)"
+)
+AGENTS = ("agent_0", "agent_1")
 UI_TIMEOUT_MS = 120_000  # the first page load compiles MLflow's JS bundle: slow on a loaded 2-core box
 
 
 @pytest.fixture(scope="module")
 def real_run(ray_session, tmp_path_factory):
-    """Two iterations of the built-in two-agent env; its artifacts (the plots) under the temp folder."""
+    """Two iterations of the built-in two-agent env through ``run_training`` (what ``gradmon-ray train``
+    runs); its store and artifacts (the plots) under the temp folder."""
     tmp = tmp_path_factory.mktemp("browser")
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
     client = MlflowClient(uri)
@@ -67,7 +69,7 @@ def real_run(ray_session, tmp_path_factory):
             "iterations": 2,
             "checkpoint_dir": str(tmp / "ckpt"),
             "env": {"id": "gradmon/FactoredOpsMultiAgent-v0"},
-            "resources": {"num_env_runners": 1},
+            "resources": {"num_env_runners": 0},  # sampled here: the run is the material, not its EnvRunners
             "ppo": {"train_batch_size": 256, "minibatch_size": 128, "num_epochs": 1},
             "model": {"trunk_hiddens": [16]},
             "mlflow": {"tracking_uri": uri, "experiment": "browser"},
@@ -77,6 +79,20 @@ def real_run(ray_session, tmp_path_factory):
     assert outcome.mlflow_complete
     run = client.get_run(outcome.run_id)
     return tmp, client, run
+
+
+def test_each_modules_metrics_are_prefixed_with_its_id_and_the_heads_tagged_in_order(real_run):
+    _, _, run = real_run
+    metrics = run.data.metrics
+    for mid in AGENTS:
+        for head in ("op", "tempo", "value"):
+            assert f"module/{mid}/grad/head/{head}/norm" in metrics, (mid, head)
+        assert f"module/{mid}/grad/global_norm" in metrics
+    assert not any(k.startswith("grad/") for k in metrics), "no unprefixed per-module metric in a multi-module run"
+    tagged = run.data.tags[mn.TAG_HEAD_NAMES].split(",")
+    # the declared order, op first, module by module
+    assert tagged[0] == "agent_0/op" and tagged[8] == "agent_0/value" and tagged[-1] == "agent_1/value"
+    assert len(tagged) == 18
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +142,7 @@ def _open(page, url: str) -> None:
         close.first.click(timeout=15_000)
 
 
+@needs_chromium
 def test_every_heads_norm_chart_is_in_the_mlflow_ui(real_run, mlflow_ui, page, shots):
     _, _, run = real_run
     heads = run.data.tags[mn.TAG_HEAD_NAMES].split(",")
@@ -143,6 +160,7 @@ def test_every_heads_norm_chart_is_in_the_mlflow_ui(real_run, mlflow_ui, page, s
         page.screenshot(path=shots / f"chart_{head.replace('/', '_')}.png")
 
 
+@needs_chromium
 def test_the_plots_under_artifacts_are_what_the_run_logged_and_the_value_lines_sit_on_green(
     real_run, mlflow_ui, page, shots, tmp_path
 ):
