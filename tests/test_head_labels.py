@@ -34,10 +34,9 @@ from gradmon_ray.tracking.result_metrics import latch_tags, progress_line, run_v
 from gradmon_ray.viz.panel import watch
 from gradmon_ray.viz.report import summary_markdown
 from gradmon_ray.viz.runs import ProbeView, load_history
+from tests.band_oracle import ACTION_EDGES, VALUE_EDGES
 from tests.viz.module_runs import log_run
 
-VALUE_EDGES = (0.01, 0.1, 10.0, 50.0)  # docs: the value heads' default edges
-ACTION_EDGES = (0.01, 0.1, 2.0, 5.0)  # docs: the action heads' default edges
 HEALTHY, EXPLODING, DEAD = 2.0, 4.0, 0.0  # docs/metrics.md: HEALTH_CODES
 
 # (head name, what the run declares besides value / vf): the three ways a head is a value head.

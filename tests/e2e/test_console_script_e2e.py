@@ -72,6 +72,8 @@ class Interrupted:
     resumed: CliResult
     argv: list[str]
     """The resume command as printed, split as a shell would."""
+    runs_after_resume: list[str]
+    """The experiment's run ids once the resume had finished."""
 
 
 def _train(iterations: int) -> list[str]:
@@ -144,6 +146,7 @@ def interrupted(ray_session, tmp_path_factory: pytest.TempPathFactory) -> Interr
     argv = shlex.split(command)
     assert argv[0] == "gradmon-ray"
     resumed = run_cli(argv[1:], work)
+    runs_after_resume = [r.info.run_id for r in client.search_runs([killed.info.experiment_id])]
     return Interrupted(
         store,
         root,
@@ -159,6 +162,7 @@ def interrupted(ray_session, tmp_path_factory: pytest.TempPathFactory) -> Interr
         (tmp / "train.err").read_text(),
         resumed,
         argv,
+        runs_after_resume,
     )
 
 
@@ -198,9 +202,10 @@ def test_ctrl_c_ends_the_run_killed_with_its_last_iteration_checkpointed(interru
 def test_the_printed_command_finishes_the_same_run(interrupted: Interrupted):
     resumed = interrupted.resumed
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert interrupted.runs_after_resume == [interrupted.run_id]  # the resume made no run of its own
     client = MlflowClient(interrupted.store)
-    (run,) = client.search_runs([client.get_experiment_by_name("gradmon-ray").experiment_id])
-    assert run.info.run_id == interrupted.run_id and run.info.status == "FINISHED"
+    run = client.get_run(interrupted.run_id)
+    assert run.info.status == "FINISHED"
     assert run.info.run_name == interrupted.name_before  # a resumed run keeps its name
     assert run.data.tags[mn.TAG_RESUMED_FROM] == str(interrupted.checkpointed)
     assert _steps(client, interrupted.run_id) == list(range(1, ITERATIONS + 1))  # each iteration once
@@ -249,9 +254,12 @@ def test_rays_restart_notice_went_to_its_own_log_not_the_terminal(interrupted: I
 
 
 def test_two_default_runs_get_different_names(interrupted: Interrupted):
-    """A second run with the same (default) seed: MLflow's generator named both alike; now they differ."""
-    proc = run_cli(_train(1), interrupted.work)
+    """A second run with the same (default) seed: MLflow's generator named both alike; now they differ.
+    This one is the README's command with nothing set but one iteration (its batch sizes too: the
+    first run's are tiny), through the CLI's ``main``."""
+    proc = run_cli(["train", "--iterations", "1"], interrupted.work)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "iter 1/1 | env steps 1024 | return " in proc.stdout
     client = MlflowClient(interrupted.store)
     runs = client.search_runs([client.get_experiment_by_name("gradmon-ray").experiment_id])
     assert len(runs) == 2 and {r.data.params["seed"] for r in runs} == {"0"}

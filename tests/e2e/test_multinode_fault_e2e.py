@@ -27,7 +27,9 @@ from tests.e2e.processes import free_port
 
 pytestmark = pytest.mark.e2e
 
-ITERATIONS = 40  # ~0.5 s each here; room for the idle iterations while the EnvRunner is away
+ITERATIONS = 30
+"""~0.7 s each. On a quiet box both faults are done by iteration 10 (five idle iterations while the
+EnvRunner is away); the rest is room for a loaded one, and the resumed attempt's run to the end."""
 LEARNER, RUNNER, PROBE = "gradmon_test_learner_node", "gradmon_test_runner_node", "gradmon_test_probe_node"
 LEARNER_CLASS, RUNNER_CLASS, PROBE_CLASS, TRIAL_CLASS = (
     "_WrappedExecutable",  # RLlib's learner actors (Ray Train's worker wrapper)
@@ -158,7 +160,7 @@ class FaultDriver:
         self.seen["runner_node_removed"] = role
         self.seen["runner_removed_after"] = self._last_logged()
         self.cluster.remove_node(self.nodes[role])
-        self.note(f"removed {role} (EnvRunner {runner_id[:8]})")
+        self.note(f"removed {role} (EnvRunner {runner_id[:8]}) after iteration {self.seen['runner_removed_after']}")
         node = self.cluster.add_node(num_cpus=1, resources={RUNNER: 1})
         self.seen["node_ids"]["runner_2"] = node.node_id
         self.note("added runner_2")
@@ -183,7 +185,7 @@ class FaultDriver:
         self.seen["learner_node_removed"] = role
         self.seen["learner_removed_after"] = self._last_logged()
         self.cluster.remove_node(self.nodes[role])
-        self.note(f"removed {role} (learner {learners[0][0][:8]})")
+        self.note(f"removed {role} (learner {learners[0][0][:8]}) after iteration {self.seen['learner_removed_after']}")
         node = self.cluster.add_node(num_cpus=1, resources={LEARNER: 1})
         self.seen["node_ids"]["learner_c"] = node.node_id
         self.note("added learner_c")
@@ -196,6 +198,7 @@ class FaultDriver:
             return placement
 
         self.seen["after_learner_fault"] = self._wait("two new learners alive", resumed)
+        self.note(f"iteration {self._last_logged()} logged")
         self.seen["all_actors"] = {
             cls: [(a.actor_id, a.node_id, a.state, a.num_restarts) for a in found] for cls, found in _actors().items()
         }

@@ -19,7 +19,7 @@ from gradmon_ray.viz.panel import watch
 from gradmon_ray.viz.plots import ENTROPY_FILE, HEATMAP_FILE, LINES_FILE, norm_matrix
 from gradmon_ray.viz.report import PLOTS_ARTIFACT_DIR
 from gradmon_ray.viz.runs import load_history
-from tests.e2e.in_process import run_cli
+from tests.band_oracle import ACTION_EDGES, BAND_NAMES, VALUE_EDGES, band_code
 
 pytestmark = pytest.mark.e2e
 
@@ -59,16 +59,6 @@ def trained(ray_session, tmp_path_factory):
     return cfg, outcome, lines
 
 
-def _band(norm: float, edges: tuple[float, float, float, float]) -> int:
-    """The health code written out from the documented edges (dead, weak, healthy, elevated, exploding)."""
-    dead, weak, healthy, elevated = edges
-    return 0 if norm < dead else 1 if norm < weak else 2 if norm <= healthy else 3 if norm <= elevated else 4
-
-
-ACTION_EDGES = (0.01, 0.1, 2.0, 5.0)
-VALUE_EDGES = (0.01, 0.1, 10.0, 50.0)
-
-
 def test_mlflow_holds_every_iteration_and_its_derived_metrics_follow_from_the_norms(trained):
     """Every telemetry name has one value per iteration in MLflow, and what is derived from the
     norms is what the norms imply, recomputed here: ``norm_prev[t] == norm[t-1]``, the CV is numpy's
@@ -96,7 +86,7 @@ def test_mlflow_holds_every_iteration_and_its_derived_metrics_follow_from_the_no
         health = series(mn.head_metric(mn.HEAD_GRAD_HEALTH, head))
         edges = VALUE_EDGES if head == "value" else ACTION_EDGES
         for t in range(1, 11):
-            assert health[t] == _band(norms[head][t], edges), (head, t)
+            assert health[t] == band_code(norms[head][t], edges), (head, t)
         for t in range(2, 11):
             assert prev[t] == norms[head][t - 1], (head, t)
             delta = norms[head][t] - norms[head][t - 1]
@@ -138,42 +128,31 @@ def test_checkpoint_restores_telemetry_state(trained):
         algo.stop()
 
 
-def test_cli_train_on_embedded_defaults(ray_session, tmp_path, monkeypatch):
-    """The README's run command in a fresh directory (through the CLI's ``main``, on the session's
-    Ray): built-in env, sqlite MLflow in ./mlflow.db.  Its start-up noise, which only a fresh
-    process shows, is tests/e2e/test_console_script_e2e.py's."""
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    proc = run_cli(["train", "--iterations", "3"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "iter 3/3 | env steps 3072" in proc.stdout
-    assert (Path(tmp_path) / "mlflow.db").exists()
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name("gradmon-ray").experiment_id])
-    for head in ALL_HEADS:
-        history = client.get_metric_history(run.info.run_id, mn.head_metric(mn.HEAD_GRAD_NORM, head))
-        assert sorted(m.step for m in history) == [1, 2, 3], head
-    # What the last progress line printed is what MLflow holds for iteration 3: the return, and the
-    # worst action head (the most severe band: dead/exploding, then weak/elevated, then healthy; ties
-    # to the norm furthest on a log scale from sqrt(0.1 * 2.0), the healthy band's centre) and its norm.
-    last = next(line for line in proc.stdout.splitlines() if line.startswith("iter 3/3"))
-    match = re.search(r"return (\S+) \| worst head (\S+) (\S+) \((\w+)\)", last)
-    assert match, last
+def test_the_last_progress_line_shows_what_mlflow_holds(trained):
+    """The line ``gradmon-ray train`` prints for iteration 10 says what MLflow holds for it: the
+    return, and the worst action head (the most severe band: dead/exploding, then weak/elevated, then
+    healthy; ties to the norm furthest on a log scale from sqrt(0.1 * 2.0), the healthy band's
+    centre) with its norm and band.  (The README's command itself, in a fresh directory and a
+    process of its own: tests/e2e/test_console_script_e2e.py.)"""
+    cfg, outcome, lines = trained
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    match = re.search(r"^iter 10/10 \| env steps 10000 \| return (\S+) \| worst head (\S+) (\S+) \((\w+)\)", lines[-1])
+    assert match, lines[-1]
     ret, worst, shown = float(match[1]), match[2], float(match[3])
 
-    def at_3(name: str) -> float:
-        return {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}[3]
+    def at_10(name: str) -> float:
+        return {m.step: m.value for m in client.get_metric_history(outcome.run_id, name)}[10]
 
-    assert ret == round(at_3(mn.EPISODE_RETURN_MEAN), 3)
-    norms = {h: at_3(mn.head_metric(mn.HEAD_GRAD_NORM, h)) for h in HEAD_NAMES}
+    assert ret == round(at_10(mn.EPISODE_RETURN_MEAN), 3)
+    norms = {h: at_10(mn.head_metric(mn.HEAD_GRAD_NORM, h)) for h in HEAD_NAMES}
     severity = {0: 2, 4: 2, 1: 1, 3: 1, 2: 0}  # by band code: dead, weak, healthy, elevated, exploding
 
     def rank(head: str) -> tuple[int, float]:
         v = norms[head]
-        return severity[_band(v, ACTION_EDGES)], abs(math.log(v) - math.log(math.sqrt(0.1 * 2.0)))
+        return severity[band_code(v, ACTION_EDGES)], abs(math.log(v) - math.log(math.sqrt(0.1 * 2.0)))
 
-    names = ["dead", "weak", "healthy", "elevated", "exploding"]
     assert worst == max(norms, key=rank) and shown == round(norms[worst], 3)
-    assert match[4] == names[_band(norms[worst], ACTION_EDGES)]
+    assert match[4] == BAND_NAMES[band_code(norms[worst], ACTION_EDGES)]
 
 
 def test_plots_are_artifacts_of_the_real_run_and_match_its_metrics(trained, tmp_path):

@@ -24,6 +24,7 @@ from gradmon_ray import metric_names as mn
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.distributed import ReplicaDivergenceError
 from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch, update
+from tests.band_oracle import ACTION_EDGES, VALUE_EDGES, band_code
 from tests.vgs.vgs_oracle import assert_vgs_metrics_close, numpy_vgs_metrics
 
 MID = DEFAULT_MODULE_ID
@@ -119,18 +120,6 @@ def _first_valid_row(batch) -> int:
 
 # --- the iteration's aggregation: mean over minibatches, prev, trend, band, CV -------------------
 
-_ACTION_EDGES = (0.01, 0.1, 2.0, 5.0)  # dead < 0.01 <= weak < 0.1 <= healthy <= 2 < elevated <= 5 < exploding
-
-
-_VALUE_EDGES = (0.01, 0.1, 10.0, 50.0)  # the value head's own default edges
-
-
-def _band_code(x: float, edges=_ACTION_EDGES) -> int:
-    if math.isnan(x):
-        return -1
-    dead, weak, healthy, elevated = edges
-    return 0 if x < dead else 1 if x < weak else 2 if x <= healthy else 3 if x <= elevated else 4
-
 
 def test_iteration_metrics_equal_per_minibatch_gradients_captured_by_hooks(episodes_cfg):
     """Two iterations of 2 epochs x 4 minibatches: every minibatch's gradient is captured by tensor
@@ -184,8 +173,8 @@ def test_iteration_metrics_equal_per_minibatch_gradients_captured_by_hooks(episo
             delta = mean - prev[head]
             trend = 1 if delta > 0.01 else -1 if delta < -0.01 else 0
             assert float(logged[f"grad/head/{head}/trend"]) == trend, head
-            edges = _VALUE_EDGES if head == "value" else _ACTION_EDGES
-            assert float(logged[f"grad/head/{head}/health"]) == _band_code(mean, edges), head
+            edges = VALUE_EDGES if head == "value" else ACTION_EDGES
+            assert float(logged[f"grad/head/{head}/health"]) == band_code(mean, edges), head
         action = np.array([means[h] for h in owners if h != "value"])
         assert float(logged["grad/head_norm_cv"]) == pytest.approx(float(action.std(ddof=0) / action.mean()), rel=1e-4)
         prev = means
@@ -249,7 +238,7 @@ def test_latches_first_iteration_skips_counts_and_clock_across_a_checkpoint_rest
             slots = [i for i, p in enumerate(recorder.params) if id(p) in value_ids]
             norm = float(np.mean([np.sqrt(sum(float((mb[i] ** 2).sum()) for i in slots)) for mb in minibatches]))
             assert logged[mn.head_metric(mn.HEAD_GRAD_NORM, "value")] == pytest.approx(norm, rel=1e-4)
-            assert logged[mn.head_metric(mn.HEAD_GRAD_HEALTH, "value")] == _band_code(norm, _VALUE_EDGES)
+            assert logged[mn.head_metric(mn.HEAD_GRAD_HEALTH, "value")] == band_code(norm, VALUE_EDGES)
             value_norms.append(norm)
 
     run(learner, 1)
