@@ -1,6 +1,6 @@
 """The README's drop-in example (APPO, CartPole, RLlib's default module and learner settings), run
-from the README's own block, and two remote learners: one packed reduction, the noise scale and the
-replica checksum."""
+from the README's own block; and two remote APPO learners on RLlib's default modules of a
+two-policy run with no head settings: one packed reduction per step, the replica checksum."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 import pytest
 from ray.rllib.algorithms.appo import APPOConfig
 from ray.rllib.algorithms.appo.torch.appo_torch_learner import APPOTorchLearner
+from ray.rllib.examples.envs.classes.multi_agent import MultiAgentCartPole
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.rllib import with_gradmon
@@ -23,14 +24,15 @@ GRAD_CLIP = 0.5
 """Small enough that RLlib's clip really scales CartPole's gradients (gradmon reports before it)."""
 
 
-def _train_until_learner_results(algo, max_seconds: float = 150.0) -> dict:
-    """``algo.train()`` until ``result["learners"]`` holds gradmon's metrics.  APPO updates
-    asynchronously: on a loaded machine stock RLlib's first iterations can carry no learner
+def _train_until_learner_results(algo, modules=("default_policy",), max_seconds: float = 150.0) -> dict:
+    """``algo.train()`` until ``result["learners"]`` holds gradmon's metrics for every module.  APPO
+    updates asynchronously: on a loaded machine stock RLlib's first iterations can carry no learner
     results at all (its EnvRunners are still starting)."""
     deadline = time.monotonic() + max_seconds
     while time.monotonic() < deadline:
         result = algo.train()
-        if "grad/head/pi/norm" in result.get("learners", {}).get("default_policy", {}):
+        learners = result.get("learners", {})
+        if all(mn.head_metric(mn.HEAD_GRAD_NORM, "pi") in learners.get(mid, {}) for mid in modules):
             return result
     raise AssertionError(f"no learner results within {max_seconds} s")
 
@@ -99,34 +101,40 @@ def test_appo_example_as_written(ray_session):
         algo.stop()
 
 
-def test_two_appo_learners_reduce_once_per_step(ray_session):
+def test_two_appo_learners_on_rllibs_default_multi_agent_modules(ray_session):
+    """Two policies with RLlib's default APPO modules and no head settings (gradmon finds each
+    module's ``pi`` and ``vf`` itself), two remote learners: per module, finite head norms and a
+    replica checksum that agrees; on both learners, one collective call per telemetry step however
+    many modules.  The only setting is the checksum's cadence (every step, to see it here)."""
     start = time.monotonic()
     config = (
         APPOConfig()
-        .environment("CartPole-v1")
-        .env_runners(num_env_runners=1)
+        .environment(MultiAgentCartPole, env_config={"num_agents": 2})
+        .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=lambda aid, *a, **k: f"p{aid}")
+        .env_runners(num_env_runners=1, rollout_fragment_length=50)
         .learners(
             num_learners=2,
             learner_class=with_gradmon(APPOTorchLearner),
-            learner_config_dict={"gradmon": {"heads": HEADS, "replica_check_every": 1}},
+            learner_config_dict={"gradmon": {"replica_check_every": 1}},
         )
-        .reporting(min_time_s_per_iteration=2)
+        .training(train_batch_size_per_learner=200)
+        .debugging(seed=0)
     )
     algo = config.build_algo()
     try:
-        result = _train_until_learner_results(algo)
-        logged = result["learners"]["default_policy"]
-        assert logged[mn.REPLICA_CHECKSUM_OK] == 1.0
-        for head in ("pi", "vf"):
-            assert math.isfinite(logged[f"grad/head/{head}/norm"])
+        learners = _train_until_learner_results(algo, modules=("p0", "p1"))["learners"]
+        for mid in ("p0", "p1"):
+            assert learners[mid][mn.REPLICA_CHECKSUM_OK] == 1.0, mid
+            for head in ("pi", "vf"):
+                assert math.isfinite(learners[mid][mn.head_metric(mn.HEAD_GRAD_NORM, head)]), (mid, head)
 
         def probe(learner):
             c = learner.collective
-            return c.rank, c.world_size, c.calls, learner.gradmon_iteration
+            return c.rank, c.world_size, c.calls, learner.gradmon_iteration, sorted(learner.gradmon_modules)
 
         states = [r.get() for r in algo.learner_group.foreach_learner(probe)]
-        ranks = sorted(s[0] for s in states)
-        assert ranks == [0, 1] and all(s[1] == 2 for s in states)
+        assert sorted(s[0] for s in states) == [0, 1] and all(s[1] == 2 for s in states)
+        assert all(s[4] == ["p0", "p1"] for s in states), states
         # ONE collective call per telemetry step on every learner (read while the learner
         # thread may be inside a step: the call is counted before the clock advances).
         assert all(1 <= s[3] <= s[2] <= s[3] + 1 for s in states), states

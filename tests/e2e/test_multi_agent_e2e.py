@@ -1,19 +1,15 @@
-"""Multi-agent on real Ray: two learner actors x two modules, one collective per step; APPO with
-RLlib's default modules and no gradmon settings. (A two-agent run's MLflow names per module:
-test_mlflow_ui_e2e.py, which trains one for the browser too.)"""
+"""Multi-agent PPO on real Ray: two learner actors x two modules, one collective per step, each
+module's DDP on its own process group, a NaN on one rank latched on both, per module.  (APPO's
+two learners on RLlib's default multi-agent modules: test_dropin_e2e.py; a two-agent run's MLflow
+names per module: test_mlflow_ui_e2e.py, which trains one for the browser too.)"""
 
 from __future__ import annotations
 
-import math
-
 import pytest
-from ray.rllib.algorithms.appo import APPOConfig
-from ray.rllib.algorithms.appo.torch.appo_torch_learner import APPOTorchLearner
-from ray.rllib.examples.envs.classes.multi_agent import MultiAgentCartPole
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import config_from_dict
-from gradmon_ray.rllib import build_ppo_config, with_gradmon
+from gradmon_ray.rllib import build_ppo_config
 
 pytestmark = pytest.mark.e2e
 
@@ -78,29 +74,3 @@ def test_two_learners_two_modules_one_collective_per_step(ray_session):
         )
     # the two agents' policies are different modules with different gradients
     assert learners[0]["modules"]["agent_0"]["norms"] != learners[0]["modules"]["agent_1"]["norms"]
-
-
-def test_appo_default_modules_multi_agent_need_no_settings(ray_session):
-    config = (
-        APPOConfig()
-        .environment(MultiAgentCartPole, env_config={"num_agents": 2})
-        .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=lambda aid, *a, **k: f"p{aid}")
-        .env_runners(num_env_runners=1, rollout_fragment_length=50)
-        .learners(num_learners=0, learner_class=with_gradmon(APPOTorchLearner))
-        .training(train_batch_size_per_learner=200)
-        .debugging(seed=0)
-    )
-    algo = config.build_algo()
-    try:
-        learners = {}
-        for _ in range(20):  # APPO learns asynchronously: the first results may hold no learners yet
-            learners = algo.train().get("learners", {})
-            if all(
-                mid in learners and mn.head_metric(mn.HEAD_GRAD_NORM, "pi") in learners[mid] for mid in ("p0", "p1")
-            ):
-                break
-    finally:
-        algo.stop()
-    for mid in ("p0", "p1"):
-        for head in ("pi", "vf"):
-            assert math.isfinite(learners[mid][mn.head_metric(mn.HEAD_GRAD_NORM, head)]), (mid, head)
