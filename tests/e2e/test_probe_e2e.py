@@ -28,6 +28,7 @@ def probed_run(ray_session, tmp_path_factory):
             "seed": 5,
             "ppo": {"train_batch_size": 512, "minibatch_size": 128, "num_epochs": 2},
             "model": {"trunk_hiddens": [64]},
+            "resources": {"num_env_runners": 0},  # sampled here: the probe actor is the subject
             "regularizers": [{"name": "logit_l2", "weight": 0.01}],
             "probe": {"gradient_analysis_every": 2, "track_grad_norms": True, "max_restarts": 2},
             "mlflow": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}", "experiment": "probe"},
