@@ -73,6 +73,27 @@ def mlflow_run(tmp_path):
     return uri, run.info.run_id
 
 
+@pytest.fixture(scope="module")
+def slow_probe(ray_session):
+    """One probe actor with the slow regularizer, shared by the tests that talk to it only through a
+    client of their own (an actor is a process importing torch and RLlib: seconds each)."""
+    name = _name()
+    probe = start_probe_actor(
+        name, tracking_uri=None, run_id=None, num_buckets=2, regularizers=SLOW, track_grad_norms=True, num_cpus=1
+    )
+    yield name, probe
+    ray.kill(probe)
+
+
+@pytest.fixture
+def idle_slow_probe(slow_probe) -> str:
+    """The shared slow probe's name, once the actor is idle: its calls run one at a time, so this
+    call returns after any probe a previous test left running."""
+    name, probe = slow_probe
+    ray.get(probe.instance.remote(), timeout=60)
+    return name
+
+
 def _name() -> str:
     return f"gradmon-probe-test-{uuid.uuid4().hex[:8]}"
 
@@ -110,31 +131,24 @@ def test_actor_logs_bucket_metrics_into_the_run_at_the_training_iteration(ray_se
 
 
 @pytest.mark.e2e  # a probe actor on a local Ray
-def test_client_drops_a_request_while_the_probe_is_busy_and_never_queues(ray_session, request_template):
-    name = _name()
-    probe = start_probe_actor(
-        name, tracking_uri=None, run_id=None, num_buckets=2, regularizers=SLOW, track_grad_norms=True, num_cpus=1
-    )
-    try:
-        client = ProbeClient(name, every=1)
-        assert client.reserve()
-        t0 = time.perf_counter()
-        client.submit(request_template)
-        assert time.perf_counter() - t0 < 0.5  # fire and forget: the slow probe is not waited for
-        assert not client.reserve() and not client.reserve()
-        assert client.counters[mn.PROBE_REQUESTS_DROPPED] == 2
-        assert _wait_until(lambda: not client.busy)
-        assert client.reserve()
-        assert client.counters == {
-            mn.PROBE_REQUESTS_SENT: 1,
-            mn.PROBE_REQUESTS_DROPPED: 2,
-            mn.PROBE_COMPLETED: 1,
-            mn.PROBE_SKIPPED: 0,
-            mn.PROBE_FAILURES: 0,
-        }
-        assert client.last_outcome.status == "ok"
-    finally:
-        ray.kill(probe)
+def test_client_drops_a_request_while_the_probe_is_busy_and_never_queues(idle_slow_probe, request_template):
+    client = ProbeClient(idle_slow_probe, every=1)
+    assert client.reserve()
+    t0 = time.perf_counter()
+    client.submit(request_template)
+    assert time.perf_counter() - t0 < 0.5  # fire and forget: the slow probe is not waited for
+    assert not client.reserve() and not client.reserve()
+    assert client.counters[mn.PROBE_REQUESTS_DROPPED] == 2
+    assert _wait_until(lambda: not client.busy)
+    assert client.reserve()
+    assert client.counters == {
+        mn.PROBE_REQUESTS_SENT: 1,
+        mn.PROBE_REQUESTS_DROPPED: 2,
+        mn.PROBE_COMPLETED: 1,
+        mn.PROBE_SKIPPED: 0,
+        mn.PROBE_FAILURES: 0,
+    }
+    assert client.last_outcome.status == "ok"
 
 
 @pytest.mark.e2e  # a probe actor on a local Ray
@@ -228,35 +242,23 @@ def test_a_request_sent_while_the_actor_restarts_is_sent_again_and_delivered(ray
 
 
 @pytest.mark.e2e  # a probe actor on a local Ray
-def test_finish_waits_for_the_last_probe_and_counts_it(ray_session, request_template):
-    name = _name()
-    probe = start_probe_actor(
-        name, tracking_uri=None, run_id=None, num_buckets=2, regularizers=SLOW, track_grad_norms=True, num_cpus=1
-    )
-    try:
-        client = ProbeClient(name, every=1)
-        client.submit(request_template)
-        assert client.busy and client.counters[mn.PROBE_COMPLETED] == 0  # the slow probe is still running
-        assert client.finish(60.0)
-        assert not client.busy and client.counters[mn.PROBE_COMPLETED] == 1
-        client.submit(request_template)
-        assert client.finish(0.2) is False  # gave up: counted, and the client is free again
-        assert client.counters[mn.PROBE_FAILURES] == 1 and not client.busy
-    finally:
-        ray.kill(probe)
+def test_finish_waits_for_the_last_probe_and_counts_it(idle_slow_probe, request_template):
+    client = ProbeClient(idle_slow_probe, every=1)
+    client.submit(request_template)
+    assert client.busy and client.counters[mn.PROBE_COMPLETED] == 0  # the slow probe is still running
+    assert client.finish(60.0)
+    assert not client.busy and client.counters[mn.PROBE_COMPLETED] == 1
+    client.submit(request_template)
+    assert client.finish(0.2) is False  # gave up: counted, and the client is free again
+    assert client.counters[mn.PROBE_FAILURES] == 1 and not client.busy
 
 
 @pytest.mark.e2e  # a probe actor on a local Ray
-def test_end_of_run_flush_counts_the_probe_that_finishes_after_the_last_iteration(ray_session, request_template):
+def test_end_of_run_flush_counts_the_probe_that_finishes_after_the_last_iteration(idle_slow_probe, request_template):
     """`probe/completed` ended at 1 when 2 probes ran: the last probe finished after the last
     iteration's metrics were logged. The driver's final flush waits for it and returns the
     counters it logs at the last step."""
     from gradmon_ray.probe.lifecycle import flush_probe
-
-    name = _name()
-    probe = start_probe_actor(
-        name, tracking_uri=None, run_id=None, num_buckets=2, regularizers=SLOW, track_grad_norms=True, num_cpus=1
-    )
 
     class Result:  # one entry of foreach_learner's RemoteCallResults
         ok = True
@@ -275,22 +277,19 @@ def test_end_of_run_flush_counts_the_probe_that_finishes_after_the_last_iteratio
             return [Result(func(self.learner))]
 
     learner = type("Learner", (), {})()
-    learner._probe = ProbeClient(name, every=1)
+    learner._probe = ProbeClient(idle_slow_probe, every=1)
     algo = type("Algo", (), {"learner_group": Learners(learner)})()
-    try:
-        learner._probe.submit(request_template)  # the last iteration's probe: still running (1.5 s)
-        assert learner._probe.metrics()[mn.PROBE_COMPLETED] == 0.0
-        counters = flush_probe(algo)
-        assert counters == {
-            mn.PROBE_REQUESTS_SENT: 1.0,
-            mn.PROBE_REQUESTS_DROPPED: 0.0,
-            mn.PROBE_COMPLETED: 1.0,
-            mn.PROBE_SKIPPED: 0.0,
-            mn.PROBE_FAILURES: 0.0,
-        }
-        assert flush_probe(type("Algo", (), {"learner_group": Learners(object())})()) == {}  # no probe client
-    finally:
-        ray.kill(probe)
+    learner._probe.submit(request_template)  # the last iteration's probe: still running (1.5 s)
+    assert learner._probe.metrics()[mn.PROBE_COMPLETED] == 0.0
+    counters = flush_probe(algo)
+    assert counters == {
+        mn.PROBE_REQUESTS_SENT: 1.0,
+        mn.PROBE_REQUESTS_DROPPED: 0.0,
+        mn.PROBE_COMPLETED: 1.0,
+        mn.PROBE_SKIPPED: 0.0,
+        mn.PROBE_FAILURES: 0.0,
+    }
+    assert flush_probe(type("Algo", (), {"learner_group": Learners(object())})()) == {}  # no probe client
 
 
 def test_client_without_an_actor_counts_a_failure():
