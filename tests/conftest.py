@@ -3,33 +3,68 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
+
+from tests import shared_ray
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
 # Tests name their own MLflow stores; a developer's MLFLOW_TRACKING_URI must not leak into them.
 os.environ.pop("MLFLOW_TRACKING_URI", None)
-# Each xdist worker's Rays (its session Ray, the multi-node cluster, the CLI's) keep their session
-# files apart from the other worker's: Ray records "the current cluster" in its temp directory.
+# Each xdist worker's own Rays (the multi-node cluster, the CLI's) keep their session files apart
+# from the other worker's: Ray records "the current cluster" in its temp directory.  (The session
+# Ray both workers share has a directory of its own: tests/shared_ray.py.)
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("RAY_TMPDIR", f"/tmp/ray-{os.environ['PYTEST_XDIST_WORKER']}")
     # One intra-op thread per worker (torch reads it when imported, after this): two workers with
     # torch's default of a thread per core would put four busy threads on a 2-core box.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The workers connect to the shared Ray by its address, and Ray turns token auth on by itself
+    # only for a cluster it starts or finds on its own (ray.init() sets this in a process that
+    # starts Ray); set before Ray reads its config. The token is ~/.ray's, as the helper's.
+    if os.environ.get(shared_ray.DIRECTORY_ENV):
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+_SHARED_RAY_DIR = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+    """Under xdist, in the controller: a directory for the workers' shared Ray (``tests/shared_ray.py``)."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return  # a worker, or no xdist workers at all
+    directory = tempfile.mkdtemp(prefix="grs")  # short: Ray's socket paths live under it
+    os.environ[shared_ray.DIRECTORY_ENV] = directory
+    os.environ[shared_ray.CONTROLLER_ENV] = str(os.getpid())
+    config.stash[_SHARED_RAY_DIR] = directory
+
+
+def pytest_unconfigure(config):
+    directory = config.stash.get(_SHARED_RAY_DIR, None)
+    if directory is not None:
+        shared_ray.stop(directory)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _init_local_ray() -> None:
     import ray
 
-    if not ray.is_initialized():
+    if ray.is_initialized():
+        return
+    directory = os.environ.get(shared_ray.DIRECTORY_ENV)
+    if directory and os.environ.get("PYTEST_XDIST_WORKER"):
+        ray.init(address=shared_ray.address(directory), log_to_driver=False)
+    else:
         # Ray overcommits logical CPUs: 4 on a 2-core CI box runs 1 EnvRunner + learners.
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
 
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """A local Ray instance shared by every integration test (starting Ray costs ~5 s)."""
+    """A local Ray instance shared by every integration test (starting Ray costs ~5 s); under
+    xdist, one instance for both workers (``tests/shared_ray.py``), each worker its own Ray job."""
     import ray
 
     _init_local_ray()

@@ -266,22 +266,24 @@ KILL_ITERATIONS, KILL_EVERY = 8, 3
 
 
 def _learner_pids() -> list[int]:
-    """PIDs of this test's RLlib learner actors (Ray titles them ``ray::_WrappedExecutable``).
+    """PIDs of this test's live RLlib learner actors (Ray's ``_WrappedExecutable``).
 
-    Only processes under this one (the local Ray this session started is a child of it), so a
-    learner of another run on the same machine is never touched.
-    """
-    import psutil
+    Only actors of this process's Ray job (the test's sweep, its trials and their learners): the
+    session's Ray is shared with the other xdist worker, whose learners are never touched.  GCS's
+    actor table is read through ``ray._private.state`` (the public ``ray.util.state`` needs the
+    dashboard, which the test Ray does not run)."""
+    import ray
+    from ray._private import state
 
-    ours = psutil.Process().children(recursive=True)
-    found = []
-    for p in ours:
-        try:
-            if (p.cmdline() or [""])[0].startswith("ray::_WrappedExecutable"):
-                found.append(p.pid)
-        except psutil.Error:  # gone meanwhile
-            continue
-    return found
+    job = ray.get_runtime_context().get_job_id()
+    return [
+        int(actor["Pid"])
+        for actor in state.actors().values()
+        if actor["JobID"] == job
+        and actor["State"] == "ALIVE"
+        and actor["ActorClassName"].rsplit(".", 1)[-1] == "_WrappedExecutable"
+        and actor["Pid"]
+    ]
 
 
 @pytest.fixture(scope="module")
