@@ -1,6 +1,7 @@
 """Real Ray Tune sweeps: `gradmon-ray tune` as a user runs it (progress while it runs, nested MLflow
-runs named after their trials, the health stopper ending the broken trials), a failed trial resumed
-from its checkpoint, a killed learner actor."""
+runs named after their trials, the health stopper ending the broken trials), and a trial whose
+learner actor is killed: Tune restarts it from its checkpoint, in the same MLflow run.  (A trial
+that loses a learner's node, on a multi-node cluster: test_multinode_fault_e2e.py.)"""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from gradmon_ray.app.sweep import PARENT_RUN_TAG, SweepConfig, run_sweep
 from gradmon_ray.envs import HEAD_NAMES
 from gradmon_ray.telemetry.bands import worst_head
 from tests.e2e.in_process import run_cli
-from tests.fixtures.user_envs import crash_once_countdown
 
 pytestmark = pytest.mark.e2e
 
@@ -207,61 +207,6 @@ def test_the_sweep_prints_no_ray_noise_and_puts_the_ctrl_c_handler_back(sweep):
     assert sweep["sigint_handler_after"] is sweep["sigint_handler_before"]  # Tune's own is not left installed
 
 
-@pytest.fixture(scope="module")
-def crashed_sweep(ray_session, tmp_path_factory):
-    """One trial whose loss raises once in iteration 2 or 3 (a fault-injecting regularizer)."""
-    tmp = tmp_path_factory.mktemp("crash")
-    base = {
-        "iterations": ITERATIONS,
-        "seed": 0,
-        "ppo": {"train_batch_size": 256, "minibatch_size": 128, "num_epochs": 1},
-        "model": {"trunk_hiddens": [32]},
-        "resources": {"num_env_runners": 0},
-        "vgs": {"enabled": True, "warmup_steps": 1},
-        "regularizers": [{"name": "crash", "fn": "tests.fixtures.user_envs:crash_once", "weight": 1.0}],
-        "mlflow": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}", "experiment": "crash"},
-    }
-    # Two or three minibatches per iteration: call 5 falls in iteration 2 or 3, after a checkpoint.
-    countdown = crash_once_countdown()
-    countdown.write_text("4")
-    try:
-        config = SweepConfig(name="crash", search_space={"ppo.lr": 3e-4}, storage_path=str(tmp / "tune"))
-        outcome = run_sweep(config, base, progress=None)
-        crashed = not countdown.exists()
-    finally:
-        countdown.unlink(missing_ok=True)
-    return base, outcome, crashed
-
-
-def test_a_failed_trial_resumes_from_its_checkpoint_in_the_same_mlflow_run(crashed_sweep):
-    base, outcome, crashed = crashed_sweep
-    assert crashed  # the fault fired
-    (trial,) = outcome.trials
-    assert trial.status == "finished" and trial.iterations == ITERATIONS  # FailureConfig restarted it
-    client = MlflowClient(base["mlflow"]["tracking_uri"])
-    run = client.get_run(trial.run_id)
-    assert run.info.status == "FINISHED"
-    resumed_from = int(run.data.tags[mn.TAG_RESUMED_FROM])
-    assert 1 <= resumed_from < ITERATIONS
-
-    def history(name: str) -> dict[int, float]:
-        points = client.get_metric_history(trial.run_id, name)
-        steps = [p.step for p in points]
-        assert steps == sorted(set(steps)), f"{name}: duplicated steps {steps}"  # nothing logged twice
-        return {p.step: p.value for p in points}
-
-    norms = history(mn.head_metric(mn.HEAD_GRAD_NORM, "op"))
-    assert sorted(norms) == list(range(1, ITERATIONS + 1))  # no iteration missing either
-    # Telemetry state came back with the checkpoint, not from scratch:
-    assert history(mn.TELEMETRY_ITERATION) == {i: float(i) for i in range(1, ITERATIONS + 1)}
-    prev = history(mn.head_metric(mn.HEAD_GRAD_NORM_PREV, "op"))
-    assert prev[resumed_from + 1] == pytest.approx(norms[resumed_from])  # previous value restored
-    vgs_steps = history(mn.VGS_STEP_COUNT)
-    assert all(vgs_steps[i + 1] > vgs_steps[i] for i in range(1, ITERATIONS))  # VGS statistics kept counting
-    env_steps = history(mn.ENV_STEPS_SAMPLED_LIFETIME)
-    assert all(env_steps[i + 1] > env_steps[i] for i in range(1, ITERATIONS))
-
-
 KILL_ITERATIONS, KILL_EVERY = 8, 3
 
 
@@ -395,6 +340,13 @@ def test_a_killed_learner_actor_resumes_byte_equal_and_mlflow_has_each_iteration
     ):
         assert sorted(history(name)) == list(range(1, KILL_ITERATIONS + 1)), name  # each once, none missing
     assert history(mn.TELEMETRY_ITERATION) == {i: float(i) for i in range(1, KILL_ITERATIONS + 1)}
+    norms, prev = (
+        history(mn.head_metric(mn.HEAD_GRAD_NORM, "op")),
+        history(mn.head_metric(mn.HEAD_GRAD_NORM_PREV, "op")),
+    )
+    assert prev[resumed_from + 1] == pytest.approx(norms[resumed_from])  # the previous norm came back too
+    env_steps = history(mn.ENV_STEPS_SAMPLED_LIFETIME)  # RLlib's own counters came back with the checkpoint
+    assert all(env_steps[i + 1] > env_steps[i] for i in range(1, KILL_ITERATIONS))
     # The checkpointed VGS step count is where the resumed attempt continued from.
     vgs_steps = history(mn.VGS_STEP_COUNT)
     assert all(vgs_steps[i + 1] > vgs_steps[i] for i in range(1, KILL_ITERATIONS))
