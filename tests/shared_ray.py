@@ -43,9 +43,19 @@ def address(directory: str | Path) -> str:
     with (directory / "lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits here while this one starts it
         written = directory / "address"
-        if not written.exists():
+        if not (written.exists() and _alive(int((directory / "pid").read_text()))):
+            written.unlink(missing_ok=True)  # a helper that died: start another
             _start(directory)
         return written.read_text()
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (one that ended but was not waited for yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _start(directory: Path) -> None:
@@ -53,6 +63,7 @@ def _start(directory: Path) -> None:
     helper = subprocess.Popen(
         [sys.executable, "-m", "tests.shared_ray", str(directory), os.environ.get(CONTROLLER_ENV, str(os.getppid()))],
         cwd=Path(__file__).resolve().parents[1],
+        env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")},  # not one worker's test state
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,  # its own group: Ray's processes go with it, and no Ctrl-C of the worker's
@@ -60,6 +71,8 @@ def _start(directory: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while not (directory / "address").exists():
         if helper.poll() is not None or time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(helper.pid, signal.SIGKILL)  # not left running beside the next try
             raise RuntimeError(f"the shared Ray did not start: {(directory / 'helper.log').read_text()[-3000:]}")
         time.sleep(0.2)
 
@@ -72,10 +85,9 @@ def stop(directory: str | Path, grace_s: float = 20.0) -> None:
     pid = int(pid_file.read_text())
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)  # the helper shuts its Ray down
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            os.kill(pid, 0)  # ProcessLookupError once it is gone
-            time.sleep(0.2)
+    deadline = time.monotonic() + grace_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)  # whatever of its group is left
 
@@ -83,19 +95,19 @@ def stop(directory: str | Path, grace_s: float = 20.0) -> None:
 def _serve(directory: Path, controller_pid: int) -> None:
     import ray
 
-    stopping = False
-
-    def on_term(*_: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, on_term)
     ray.init(
         num_cpus=NUM_CPUS,
         include_dashboard=False,
         log_to_driver=False,
         _temp_dir=str(directory / "t"),  # short: Ray's socket paths stay under ~107 characters
     )
+    stopping = False
+
+    def on_term(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_term)  # after ray.init, which installs a handler of its own
     (directory / "pid").write_text(str(os.getpid()))
     written = directory / "address.tmp"
     written.write_text(ray.get_runtime_context().gcs_address)

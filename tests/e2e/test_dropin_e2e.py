@@ -19,7 +19,6 @@ from tests.test_docs import _readme_drop_in_example
 
 pytestmark = pytest.mark.e2e
 
-HEADS = {"pi": r"^pi\.", "vf": r"^vf\."}
 GRAD_CLIP = 0.5
 """Small enough that RLlib's clip really scales CartPole's gradients (gradmon reports before it)."""
 

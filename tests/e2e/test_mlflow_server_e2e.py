@@ -82,7 +82,10 @@ def test_cli_train_against_a_real_mlflow_server(mlflow_server, ray_session, tmp_
 def _warm_up(uri: str) -> None:
     """One real write, so that the server's lazy start-up work is not billed to the no-fault iterations."""
     client = MlflowClient(uri)
-    run_id = client.create_run(client.create_experiment("warm-up")).info.run_id
+    experiment = client.get_experiment_by_name("warm-up")  # the module's server: there from a rerun, maybe
+    run_id = client.create_run(
+        experiment.experiment_id if experiment else client.create_experiment("warm-up")
+    ).info.run_id
     client.log_batch(run_id, metrics=[Metric(f"m/{i}", 1.0, 0, 1) for i in range(200)])
     client.set_terminated(run_id)
 

@@ -5,10 +5,12 @@ The schedule (1-based iterations of one Algorithm, two learners over gloo):
 
 1. clean;
 2. rank 1 writes a NaN into one element of head ``slot``'s gradient (before DDP's all-reduce);
-3. rank 0 writes an Inf into head ``op``'s gradient;
-4. rank 1's ``tempo`` logits are NaN (its log-probs too; rank 0's are fine);
-5-6. clean: training resumes on both replicas, the ``tempo`` latch stays;
-7. rank 1's first parameter is nudged by 1e-3 before the iteration: the replica check fails it.
+3. clean: both replicas train again;
+4. rank 0 writes an Inf into head ``op``'s gradient;
+5. clean again;
+6. rank 1's ``tempo`` logits are NaN (its log-probs too; rank 0's are fine);
+7-8. clean: training resumes on both replicas, the ``tempo`` latch stays;
+9. rank 1's first parameter is nudged by 1e-3 before the iteration: the replica check fails it.
 
 The module's fixture runs it and records what each learner held after each step; the tests read
 the record (one two-learner build, not one per subject: each build starts two actor processes).
@@ -28,7 +30,8 @@ from gradmon_ray.rllib import build_ppo_config
 
 pytestmark = pytest.mark.e2e
 
-NAN_GRAD, INF_GRAD, NAN_LOGITS, CLEAN_AFTER = 2, 3, 4, (5, 6)
+NAN_GRAD, INF_GRAD, NAN_LOGITS, CLEAN_AFTER = 2, 4, 6, (7, 8)
+FAULTS = (NAN_GRAD, INF_GRAD, NAN_LOGITS)
 MINIBATCHES = 4
 """Per learner and iteration: its 200-row shard / 100 per minibatch x 2 epochs."""
 
@@ -142,8 +145,8 @@ def test_two_ranks_one_gloo_group_one_collective_call_per_iteration(schedule):
     assert [d["rank"] for d in learners] == [0, 1] and {d["world"] for d in learners} == {2}
     assert {d["backend"] for d in learners} == {"gloo"}
     assert learners[0]["group"] == learners[1]["group"] != "default"
-    assert [d["calls"] for d in learners] == [6, 6]  # exactly one collective call per iteration
-    assert all(d["iteration"] == 6 for d in learners)
+    assert [d["calls"] for d in learners] == [CLEAN_AFTER[-1]] * 2  # exactly one collective call per iteration
+    assert all(d["iteration"] == CLEAN_AFTER[-1] for d in learners)
 
 
 def test_a_non_finite_gradient_element_on_one_rank_skips_the_update_on_both(schedule):
@@ -153,12 +156,12 @@ def test_a_non_finite_gradient_element_on_one_rank_skips_the_update_on_both(sche
     minibatch update is skipped, the log-prob latches stay clear (the log-probs were fine),
     parameters and Adam moments stay finite and identical.
     """
-    before = schedule["states"][1]
-    assert before[0]["skipped"] == 0 and before[0]["digest"] == before[1]["digest"]
     for iteration, count_name, other_name in (
         (NAN_GRAD, mn.NAN_GRAD_COUNT, mn.INF_GRAD_COUNT),
         (INF_GRAD, mn.INF_GRAD_COUNT, mn.NAN_GRAD_COUNT),
     ):
+        before = schedule["states"][iteration - 1]  # a clean iteration
+        assert before[0]["skipped"] == 0 and before[0]["digest"] == before[1]["digest"], iteration
         after, logged = schedule["states"][iteration], schedule["logged"][iteration]
         for d in after:
             assert d["minibatches"] == MINIBATCHES, (iteration, d)
@@ -169,6 +172,12 @@ def test_a_non_finite_gradient_element_on_one_rank_skips_the_update_on_both(sche
         assert logged[count_name] == MINIBATCHES, iteration  # one element per minibatch, counted once, not per replica
         assert logged[other_name] == 0, iteration
         assert logged[mn.SKIPPED_UPDATES] == MINIBATCHES and logged[mn.REPLICA_CHECKSUM_OK] == 1.0, iteration
+        # ... and the next iteration trains both replicas again: only the poisoned one was skipped.
+        following, logged_next = schedule["states"][iteration + 1], schedule["logged"][iteration + 1]
+        assert all(d["skipped"] == 0 and d["finite"] for d in following), (iteration + 1, following)
+        assert following[0]["digest"] == following[1]["digest"] != after[0]["digest"], iteration + 1
+        assert following[0]["steps"] == [after[0]["steps"][0] + MINIBATCHES], iteration + 1
+        assert logged_next[count_name] == 0 and logged_next[mn.SKIPPED_UPDATES] == 0, iteration + 1
 
 
 def test_nan_log_probs_on_one_rank_latch_on_both_and_skip_the_update(schedule):
@@ -177,7 +186,7 @@ def test_nan_log_probs_on_one_rank_latch_on_both_and_skip_the_update(schedule):
         assert d["nan_latched"] == ["tempo"] and d["first"] == {"tempo": NAN_LOGITS}, d
         assert d["skipped"] == d["minibatches"] == MINIBATCHES, d
         assert d["finite"], d
-        assert d["digest"] == schedule["states"][1][0]["digest"]  # three skipped iterations: still iteration 1's
+        assert d["digest"] == schedule["states"][NAN_LOGITS - 1][0]["digest"]  # skipped: nothing moved
     assert learners[0]["params"] == learners[1]["params"]
     assert logged[mn.head_metric(mn.HEAD_NAN_LATCH, "tempo")] == 1.0
     assert logged[mn.head_metric(mn.HEAD_NAN_LATCH, "op")] == 0.0
@@ -185,14 +194,17 @@ def test_nan_log_probs_on_one_rank_latch_on_both_and_skip_the_update(schedule):
 
 
 def test_clean_iterations_train_both_replicas_again_and_the_latch_stays(schedule):
-    before, after = schedule["states"][1], schedule["states"][CLEAN_AFTER[-1]]
+    before, after = schedule["states"][NAN_LOGITS], schedule["states"][CLEAN_AFTER[-1]]
     logged = schedule["logged"][CLEAN_AFTER[-1]]
     assert after[0]["digest"] == after[1]["digest"] != before[0]["digest"]
     assert after[0]["steps"] == [before[0]["steps"][0] + len(CLEAN_AFTER) * MINIBATCHES]
+    # Adam stepped in every clean iteration and in none of the three faulty ones.
+    clean = CLEAN_AFTER[-1] - len(FAULTS)
+    assert after[0]["steps"] == [clean * MINIBATCHES]
     assert all(d["finite"] and d["skipped"] == 0 for d in after)
     assert all(d["nan_latched"] == ["tempo"] for d in after)  # the latch survives clean iterations
     assert logged[mn.NAN_GRAD_COUNT] == 0 and logged[mn.SKIPPED_UPDATES] == 0
-    assert logged[mn.SKIPPED_UPDATES_TOTAL] == 3 * MINIBATCHES
+    assert logged[mn.SKIPPED_UPDATES_TOTAL] == len(FAULTS) * MINIBATCHES
     assert logged[mn.REPLICA_CHECKSUM_OK] == 1.0
     for head in ("op", "slot", "tempo", "value"):
         assert math.isfinite(logged[mn.head_metric(mn.HEAD_GRAD_NORM, head)]), head

@@ -132,8 +132,8 @@ def test_the_last_progress_line_shows_what_mlflow_holds(trained):
     """The line ``gradmon-ray train`` prints for iteration 10 says what MLflow holds for it: the
     return, and the worst action head (the most severe band: dead/exploding, then weak/elevated, then
     healthy; ties to the norm furthest on a log scale from sqrt(0.1 * 2.0), the healthy band's
-    centre) with its norm and band.  (The README's command itself, in a fresh directory and a
-    process of its own: tests/e2e/test_console_script_e2e.py.)"""
+    centre) with its norm and band.  (The README's command itself, in a fresh directory:
+    tests/e2e/test_console_script_e2e.py, as a process of its own and through the CLI's ``main``.)"""
     cfg, outcome, lines = trained
     client = MlflowClient(cfg.mlflow.tracking_uri)
     match = re.search(r"^iter 10/10 \| env steps 10000 \| return (\S+) \| worst head (\S+) (\S+) \((\w+)\)", lines[-1])
