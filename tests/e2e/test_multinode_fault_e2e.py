@@ -125,7 +125,7 @@ class FaultDriver:
                 return value
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not seen within {PHASE_TIMEOUT_S:g} s: {what} (last error: {last_error!r})")
-            time.sleep(0.2)
+            time.sleep(0.5)  # a look is MLflow queries or a state-API call: not free on a 2-core box
         raise RuntimeError(f"the sweep ended before: {what}")
 
     def _last_logged(self) -> int:
