@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.e2e.processes import alive
+
 DIRECTORY_ENV = "GRADMON_TEST_SHARED_RAY_DIR"
 """Set by the xdist controller: the session's directory for the shared Ray."""
 CONTROLLER_ENV = "GRADMON_TEST_CONTROLLER_PID"
@@ -43,19 +45,10 @@ def address(directory: str | Path) -> str:
     with (directory / "lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits here while this one starts it
         written = directory / "address"
-        if not (written.exists() and _alive(int((directory / "pid").read_text()))):
+        if not (written.exists() and alive(int((directory / "pid").read_text()))):
             written.unlink(missing_ok=True)  # a helper that died: start another
             _start(directory)
         return written.read_text()
-
-
-def _alive(pid: int) -> bool:
-    """The process exists and is not a zombie (one that ended but was not waited for yet)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _start(directory: Path) -> None:
@@ -86,7 +79,7 @@ def stop(directory: str | Path, grace_s: float = 20.0) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)  # the helper shuts its Ray down
     deadline = time.monotonic() + grace_s
-    while _alive(pid) and time.monotonic() < deadline:
+    while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)  # whatever of its group is left

@@ -55,6 +55,42 @@ def wait_http(
         time.sleep(0.5)
 
 
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (one that ended but was not waited for yet), from /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+class MlflowServer:
+    """``mlflow server`` on one loopback port and one store (``server.db``, ``art/``), which a test may
+    kill and start again."""
+
+    def __init__(self, port: int, store: Path) -> None:
+        self.port, self.store = port, store
+        self.uri = f"http://127.0.0.1:{port}"
+        self.processes: list[subprocess.Popen] = []
+
+    def start(self) -> None:
+        """Start a server process (not waited for: see ``wait``)."""
+        log = (self.store / f"server-{time.monotonic_ns()}.log").open("w")  # read when a test fails
+        command = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
+        command += ["--backend-store-uri", f"sqlite:///{self.store / 'server.db'}"]
+        command += ["--default-artifact-root", str(self.store / "art")]
+        self.processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+
+    def wait(self, timeout_s: float = 120) -> None:
+        wait_http(f"{self.uri}/health", timeout_s)
+
+    def kill(self, grace_s: float = 20) -> None:
+        """End every server process this object started (a SIGKILL at once when ``grace_s`` is 0)."""
+        for process in self.processes:
+            kill_group(process, grace_s=grace_s)
+        self.processes.clear()
+
+
 def kill_group(proc: subprocess.Popen, grace_s: float = 20) -> None:
     """SIGTERM the process group ``proc`` leads, SIGKILL whatever is left after ``grace_s``."""
     try:

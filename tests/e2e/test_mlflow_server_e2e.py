@@ -6,9 +6,7 @@ The server runs in its own process group and is torn down even when a test fails
 from __future__ import annotations
 
 import statistics
-import subprocess
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,35 +20,9 @@ from gradmon_ray.config import config_from_dict
 from gradmon_ray.tracking import MlflowSink
 from gradmon_ray.tracking.spill import read_spill
 from tests.e2e.in_process import run_cli
-from tests.e2e.processes import BIN, SMALL_TRAIN_ARGS, free_port, kill_group, wait_http
+from tests.e2e.processes import SMALL_TRAIN_ARGS, MlflowServer, free_port
 
 pytestmark = pytest.mark.e2e
-
-
-class MlflowServer:
-    """``mlflow server`` on one loopback port and one store, which a test may kill and start again."""
-
-    def __init__(self, port: int, store: Path) -> None:
-        self.port, self.store = port, store
-        self.uri = f"http://127.0.0.1:{port}"
-        self.processes: list[subprocess.Popen] = []
-
-    def start(self) -> None:
-        """Start a server process (not waited for: see ``wait``)."""
-        log = (self.store / f"server-{time.monotonic_ns()}.log").open("w")  # read when a test fails
-        command = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
-        command += ["--backend-store-uri", f"sqlite:///{self.store / 'server.db'}"]
-        command += ["--default-artifact-root", str(self.store / "art")]
-        self.processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-
-    def wait(self, timeout_s: float = 120) -> None:
-        wait_http(f"{self.uri}/health", timeout_s)
-
-    def kill(self, grace_s: float = 20) -> None:
-        """End every server process this object started (a SIGKILL at once when ``grace_s`` is 0)."""
-        for process in self.processes:
-            kill_group(process, grace_s=grace_s)
-        self.processes.clear()
 
 
 @pytest.fixture(scope="module")

@@ -23,24 +23,13 @@ from mlflow.tracking import MlflowClient
 from gradmon_ray import metric_names as mn
 from gradmon_ray.tracking.spill import read_spill, replay_spill
 from tests.e2e.in_process import run_cli
-from tests.e2e.processes import BIN, SMALL_TRAIN_ARGS, clean_env, free_port, kill_group, wait_http
+from tests.e2e.processes import BIN, SMALL_TRAIN_ARGS, MlflowServer, alive, clean_env, free_port
 
 pytestmark = pytest.mark.e2e
 
 KILL_SERVER_AFTER = 2  # iterations MLflow takes before its server dies
 MORE = 5  # iterations the trainer then runs before it is SIGKILLed
 ITERATION = re.compile(r"^iter (\d+)/")
-
-
-def _server(port: int, store: Path) -> subprocess.Popen:
-    log = (store / "server.log").open("w")
-    stores = ["--backend-store-uri", f"sqlite:///{store / 'server.db'}", "--default-artifact-root", str(store / "art")]
-    return subprocess.Popen(
-        [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1", *stores],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
 
 
 def _descendants(pid: int) -> set[int]:
@@ -62,18 +51,11 @@ def _descendants(pid: int) -> set[int]:
 def _all_gone(pids: set[int], timeout_s: float = 60.0) -> set[int]:
     """The processes of ``pids`` still alive after ``timeout_s`` (empty: all gone)."""
     deadline = time.monotonic() + timeout_s
-    alive = set(pids)
-    while alive and time.monotonic() < deadline:
-        alive = {pid for pid in alive if Path(f"/proc/{pid}").exists() and "(Z)" not in _state(pid)}
+    left = set(pids)
+    while left and time.monotonic() < deadline:
+        left = {pid for pid in left if alive(pid)}
         time.sleep(0.5)
-    return alive
-
-
-def _state(pid: int) -> str:
-    try:
-        return "(" + Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] + ")"
-    except OSError:
-        return "(gone)"
+    return left
 
 
 def _steps(uri: str, run_id: str) -> list[int]:
@@ -81,13 +63,13 @@ def _steps(uri: str, run_id: str) -> list[int]:
 
 
 def test_a_trainer_killed_during_an_outage_loses_no_iteration(tmp_path):
-    port = free_port()
-    uri = f"http://127.0.0.1:{port}"
-    server = _server(port, tmp_path)
+    server = MlflowServer(free_port(), tmp_path)
+    server.start()
+    uri = server.uri
     trainer = None
     printed: list[int] = []
     try:
-        wait_http(f"{uri}/health", 90)
+        server.wait(90)
         args = [*SMALL_TRAIN_ARGS, "--iterations", "200", "--mlflow-uri", uri, "--experiment", "spill-ahead"]
         args += ["--set", f"mlflow.spill_dir={tmp_path / 'spill'}", "--set", "mlflow.plots_every=0"]
         args += ["--checkpoint-dir", str(tmp_path / "ckpt")]  # checkpoints are on by default: not into the repository
@@ -108,7 +90,7 @@ def test_a_trainer_killed_during_an_outage_loses_no_iteration(tmp_path):
                 continue
             printed.append(int(match.group(1)))
             if printed[-1] == KILL_SERVER_AFTER:
-                kill_group(server, grace_s=0)  # SIGTERM then SIGKILL: the server is gone
+                server.kill(grace_s=0)  # SIGTERM then SIGKILL: the server is gone
                 killed_server_at = printed[-1]
             elif killed_server_at is not None and printed[-1] >= killed_server_at + MORE:
                 started = _descendants(trainer.pid)
@@ -125,7 +107,7 @@ def test_a_trainer_killed_during_an_outage_loses_no_iteration(tmp_path):
         if trainer is not None and trainer.poll() is None:
             os.killpg(trainer.pid, signal.SIGKILL)
             trainer.wait(timeout=60)
-        kill_group(server, grace_s=0)
+        server.kill(grace_s=0)
     after_outage = [i for i in printed if i > KILL_SERVER_AFTER]
     assert len(after_outage) >= MORE, printed
 
