@@ -22,6 +22,7 @@ Private uses kept here (Ray 2.60 / torch 2.x):
   (``child_distributions``)
 - ``StatsBase._start_times`` and a ``Stats`` leaf's attribute dict (``reset_timers``, ``copy_stats``)
 - ``Trainable._storage`` (``tune_trial_dir_name``)
+- ``ray.tune.registry._global_registry._prefix`` (``tune_registry_follows_this_job``)
 - Ray's ``ActorUnavailableError`` wording "actor is restarting" (``refused_while_restarting``)
 - ``torch._foreach_norm``, ``torch._foreach_mul_``, ``_foreach_copy_``, ``_foreach_sub_``,
   ``_foreach_add_`` (the ``foreach_*`` functions): torch has no public per-tensor norm list or
@@ -192,6 +193,23 @@ def tune_trial_dir_name(algorithm: Any) -> str | None:
     """The Tune trial directory name of ``algorithm`` (``Trainable._storage``, set by Tune only); None outside Tune."""
     name = getattr(getattr(algorithm, "_storage", None), "trial_dir_name", None)
     return str(name) if name else None
+
+
+def tune_registry_follows_this_job() -> None:
+    """Make Ray Tune's registry (envs, trainables) write under this driver's current Ray job.
+
+    The registry keys every entry by a job id it reads once per process and keeps
+    (``_Registry.prefix``): after ``ray.shutdown()`` and a new ``ray.init()`` against the same
+    cluster (a second run from one notebook or test process), it still writes under the first
+    job's id, and the new job's EnvRunners find no registered env (RLlib then falls back to
+    ``gym.make`` and fails: "Namespace gradmon not found").  Call it before ``ray.init`` (the
+    entries queued so far are written with the new job's id) and before registering while Ray
+    runs.
+    """
+    import ray
+    from ray.tune.registry import _global_registry
+
+    _global_registry._prefix = ray.get_runtime_context().get_job_id() if ray.is_initialized() else None
 
 
 def refused_while_restarting(exc: BaseException) -> bool:

@@ -51,8 +51,11 @@ def pytest_unconfigure(config):
 def _init_local_ray() -> None:
     import ray
 
+    from gradmon_ray.compat import tune_registry_follows_this_job
+
     if ray.is_initialized():
         return
+    tune_registry_follows_this_job()  # a test's own register_env after a reconnect: in the new job
     directory = os.environ.get(shared_ray.DIRECTORY_ENV)
     if directory and os.environ.get("PYTEST_XDIST_WORKER"):
         ray.init(address=shared_ray.address(directory), log_to_driver=False)
@@ -70,6 +73,23 @@ def ray_session():
     _init_local_ray()
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def lasting_ray_address():
+    """The address of a Ray that outlives this process's connections to it, for a test that
+    disconnects and connects again as a new Ray job: the shared Ray under xdist, else one
+    started for the session by ``tests/shared_ray.py``'s helper (``-n 0``)."""
+    directory = os.environ.get(shared_ray.DIRECTORY_ENV)
+    if directory and os.environ.get("PYTEST_XDIST_WORKER"):
+        yield shared_ray.address(directory)
+        return
+    own = tempfile.mkdtemp(prefix="grs")  # short: Ray's socket paths live under it
+    try:
+        yield shared_ray.address(own)
+    finally:
+        shared_ray.stop(own)
+        shutil.rmtree(own, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +131,7 @@ _TOOLS = {
     "openssl",
 }
 _TORCH_WORKERS = ("torch._inductor", "torch/_inductor", "torchinductor")  # its workers, its .so load check
-_RAY_FIXTURES = ("ray_session", "without_shared_ray")
+_RAY_FIXTURES = ("ray_session", "without_shared_ray", "lasting_ray_address")
 _RUN_FIRST = "tests/e2e/test_multinode_fault_e2e.py"
 
 
@@ -123,10 +143,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.e2e)
     # The multi-node test connects this process to a cluster of its own after the shared local Ray
     # is shut down.  Run after an algorithm was built and stopped on the shared Ray in this process,
-    # its Tune trial actors were cancelled before they started (seen 3 times, 2026-11-26; the cause
-    # is not isolated yet: some Ray/Tune process-wide state that outlives ray.shutdown()).  It runs
-    # first, before anything else has used Ray in this process (under xdist's ``--dist loadfile``
-    # the first module collected is the first one a worker takes).
+    # its Tune trial actors were cancelled before they started (seen 3 times, 2026-11-26).  A cause
+    # found since: Ray Tune's registry kept the process's first job id across ray.shutdown()
+    # (gradmon_ray.compat.tune_registry_follows_this_job, now called wherever Ray starts); not
+    # re-tried in that order, so the module still runs first, before anything else has used Ray in
+    # this process (under xdist's ``--dist loadfile`` the first module collected is the first one a
+    # worker takes).  It is also the longest.
     # Then every other integration module, then the fast ones: the two xdist workers take modules in
     # this order (--no-loadscope-reorder), so the long ones start early and the short ones fill in.
     # A module ranks by its first integration test, so that its tests stay together.

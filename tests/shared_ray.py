@@ -54,7 +54,7 @@ def address(directory: str | Path) -> str:
 def _start(directory: Path) -> None:
     log = (directory / "helper.log").open("w")
     helper = subprocess.Popen(
-        [sys.executable, "-m", "tests.shared_ray", str(directory), os.environ.get(CONTROLLER_ENV, str(os.getppid()))],
+        [sys.executable, "-m", "tests.shared_ray", str(directory), os.environ.get(CONTROLLER_ENV, str(os.getpid()))],
         cwd=Path(__file__).resolve().parents[1],
         env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")},  # not one worker's test state
         stdout=log,

@@ -15,10 +15,12 @@ def register_builtin_env() -> None:
     import gymnasium as gym
     from ray.tune.registry import register_env
 
+    from gradmon_ray.compat import tune_registry_follows_this_job
     from gradmon_ray.envs.factored_ops_multi import FactoredOpsMultiAgentEnv  # imports RLlib: only here
 
     if BUILTIN_ENV_ID not in gym.registry:
         gym.register(BUILTIN_ENV_ID, entry_point=FactoredOpsEnv)
+    tune_registry_follows_this_job()  # else, after an earlier Ray job in this process, its workers see no env
     register_env(BUILTIN_ENV_ID, lambda cfg: FactoredOpsEnv(dict(cfg)))
     register_env(BUILTIN_MULTI_AGENT_ENV_ID, lambda cfg: FactoredOpsMultiAgentEnv(dict(cfg)))
 

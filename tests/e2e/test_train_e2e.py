@@ -14,7 +14,7 @@ from rich.console import Console
 from gradmon_ray import metric_names as mn
 from gradmon_ray.app.train import run_training
 from gradmon_ray.config import config_from_dict
-from gradmon_ray.envs import HEAD_NAMES, FactoredOpsEnv
+from gradmon_ray.envs import HEAD_NAMES, FactoredOpsEnv, register_builtin_env
 from gradmon_ray.viz.panel import watch
 from gradmon_ray.viz.plots import ENTROPY_FILE, HEATMAP_FILE, LINES_FILE, norm_matrix
 from gradmon_ray.viz.report import PLOTS_ARTIFACT_DIR
@@ -43,8 +43,22 @@ def _random_policy_return(episodes: int = 400) -> tuple[float, float]:
 
 
 @pytest.fixture(scope="module")
-def trained(ray_session, tmp_path_factory):
+def ray_jobs() -> dict[str, set[str]]:
+    """The Ray job ids this module's process had: ``earlier`` registered the built-in env, ``run`` trained."""
+    return {"earlier": set(), "run": set()}
+
+
+@pytest.fixture(scope="module")
+def trained(ray_session, lasting_ray_address, ray_jobs, tmp_path_factory):
+    """Ten iterations in this process's second Ray job on one cluster, as from a notebook that
+    connects again to train again: the first job registered the built-in env, then disconnected."""
     tmp = tmp_path_factory.mktemp("e2e")
+    ray_session.shutdown()
+    ray_session.init(address=lasting_ray_address, log_to_driver=False)
+    register_builtin_env()
+    ray_jobs["earlier"].add(ray_session.get_runtime_context().get_job_id())
+    ray_session.shutdown()
+    ray_session.init(address=lasting_ray_address, log_to_driver=False)  # stays: the session's connection
     cfg = config_from_dict(
         {
             "iterations": 10,
@@ -55,8 +69,25 @@ def trained(ray_session, tmp_path_factory):
         }
     )
     lines: list[str] = []
-    outcome = run_training(cfg, progress=lines.append)
+
+    def progress(line: str) -> None:
+        lines.append(line)
+        ray_jobs["run"].add(ray_session.get_runtime_context().get_job_id())
+
+    outcome = run_training(cfg, progress=progress)
     return cfg, outcome, lines
+
+
+def test_a_second_ray_job_of_one_process_trains_on_the_built_in_env(trained, ray_jobs):
+    """Ray Tune's registry, where the built-in env is registered, keeps the first job id its
+    process saw: without ``compat.tune_registry_follows_this_job`` the run's EnvRunner (in the
+    process's next job on the same cluster) finds no env and the algorithm fails to build
+    ("Namespace gradmon not found", seen in CI).  The run was another job than the earlier one,
+    and each of its ten iterations sampled the env: 1000 env steps each, RLlib's lifetime count."""
+    cfg, outcome, _ = trained
+    assert len(ray_jobs["run"]) == 1 and not ray_jobs["run"] & ray_jobs["earlier"]
+    sampled = MlflowClient(cfg.mlflow.tracking_uri).get_metric_history(outcome.run_id, mn.ENV_STEPS_SAMPLED_LIFETIME)
+    assert sorted((m.step, m.value) for m in sampled) == [(i, 1000.0 * i) for i in range(1, 11)]
 
 
 def test_mlflow_holds_every_iteration_and_its_derived_metrics_follow_from_the_norms(trained):
