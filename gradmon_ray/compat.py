@@ -22,7 +22,8 @@ Private uses kept here (Ray 2.60 / torch 2.x):
   (``child_distributions``)
 - ``StatsBase._start_times`` and a ``Stats`` leaf's attribute dict (``reset_timers``, ``copy_stats``)
 - ``Trainable._storage`` (``tune_trial_dir_name``)
-- ``ray.tune.registry._global_registry._prefix`` (``tune_registry_follows_this_job``)
+- ``ray.tune.registry._global_registry._prefix`` and ``ray._private.worker._post_init_hooks``
+  (``tune_registry_follows_this_job``)
 - Ray's ``ActorUnavailableError`` wording "actor is restarting" (``refused_while_restarting``)
 - ``torch._foreach_norm``, ``torch._foreach_mul_``, ``_foreach_copy_``, ``_foreach_sub_``,
   ``_foreach_add_`` (the ``foreach_*`` functions): torch has no public per-tensor norm list or
@@ -196,16 +197,26 @@ def tune_trial_dir_name(algorithm: Any) -> str | None:
 
 
 def tune_registry_follows_this_job() -> None:
-    """Make Ray Tune's registry (envs, trainables) write under this driver's current Ray job.
+    """Make Ray Tune's registry (envs, trainables) write under this driver's current Ray job, now
+    and after every later ``ray.init`` in this process.
 
     The registry keys every entry by a job id it reads once per process and keeps
     (``_Registry.prefix``): after ``ray.shutdown()`` and a new ``ray.init()`` against the same
     cluster (a second run from one notebook or test process), it still writes under the first
     job's id, and the new job's EnvRunners find no registered env (RLlib then falls back to
-    ``gym.make`` and fails: "Namespace gradmon not found").  Call it before ``ray.init`` (the
-    entries queued so far are written with the new job's id) and before registering while Ray
-    runs.
+    ``gym.make`` and fails: "Namespace gradmon not found").  This sets the id now and puts a hook
+    first among Ray's post-``ray.init`` hooks (``ray._private.worker._post_init_hooks``, where
+    Tune's own flush of the entries queued before ``ray.init`` runs), so entries anyone registers
+    after a reconnect land in the new job too.
     """
+    from ray._private import worker
+
+    if _follow_the_new_job not in worker._post_init_hooks:
+        worker._post_init_hooks.insert(0, _follow_the_new_job)
+    _follow_the_new_job()
+
+
+def _follow_the_new_job() -> None:
     import ray
     from ray.tune.registry import _global_registry
 

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import ray
 from mlflow.tracking import MlflowClient
+from ray.tune.registry import register_env
 from rich.console import Console
 
 from gradmon_ray import metric_names as mn
@@ -42,6 +44,16 @@ def _random_policy_return(episodes: int = 400) -> tuple[float, float]:
     return float(np.mean(returns)), float(np.std(returns) / math.sqrt(episodes))
 
 
+USERS_ENV = "gradmon-test/UsersOwn-v0"
+
+
+@ray.remote(num_cpus=0)
+def _registered_in_this_job(env_name: str) -> bool:
+    from ray.tune.registry import ENV_CREATOR, _global_registry
+
+    return _global_registry.contains(ENV_CREATOR, env_name)
+
+
 @pytest.fixture(scope="module")
 def ray_jobs() -> dict[str, set[str]]:
     """The Ray job ids this module's process had: ``earlier`` registered the built-in env, ``run`` trained."""
@@ -53,12 +65,13 @@ def trained(ray_session, lasting_ray_address, ray_jobs, tmp_path_factory):
     """Ten iterations in this process's second Ray job on one cluster, as from a notebook that
     connects again to train again: the first job registered the built-in env, then disconnected."""
     tmp = tmp_path_factory.mktemp("e2e")
-    ray_session.shutdown()
-    ray_session.init(address=lasting_ray_address, log_to_driver=False)
+    ray.shutdown()
+    ray.init(address=lasting_ray_address, log_to_driver=False)
     register_builtin_env()
-    ray_jobs["earlier"].add(ray_session.get_runtime_context().get_job_id())
-    ray_session.shutdown()
-    ray_session.init(address=lasting_ray_address, log_to_driver=False)  # stays: the session's connection
+    ray_jobs["earlier"].add(ray.get_runtime_context().get_job_id())
+    ray.shutdown()
+    ray.init(address=lasting_ray_address, log_to_driver=False)  # stays: the session's connection
+    register_env(USERS_ENV, FactoredOpsEnv)  # a user's own env, registered again after the reconnect
     cfg = config_from_dict(
         {
             "iterations": 10,
@@ -72,7 +85,7 @@ def trained(ray_session, lasting_ray_address, ray_jobs, tmp_path_factory):
 
     def progress(line: str) -> None:
         lines.append(line)
-        ray_jobs["run"].add(ray_session.get_runtime_context().get_job_id())
+        ray_jobs["run"].add(ray.get_runtime_context().get_job_id())
 
     outcome = run_training(cfg, progress=progress)
     return cfg, outcome, lines
@@ -83,9 +96,12 @@ def test_a_second_ray_job_of_one_process_trains_on_the_built_in_env(trained, ray
     process saw: without ``compat.tune_registry_follows_this_job`` the run's EnvRunner (in the
     process's next job on the same cluster) finds no env and the algorithm fails to build
     ("Namespace gradmon not found", seen in CI).  The run was another job than the earlier one,
-    and each of its ten iterations sampled the env: 1000 env steps each, RLlib's lifetime count."""
+    and each of its ten iterations sampled the env: 1000 env steps each, RLlib's lifetime count.
+    An env the user registered after reconnecting is in the new job too (RLlib's EnvRunner looks
+    it up in the registry as the remote task here does)."""
     cfg, outcome, _ = trained
     assert len(ray_jobs["run"]) == 1 and not ray_jobs["run"] & ray_jobs["earlier"]
+    assert ray.get(_registered_in_this_job.remote(USERS_ENV))  # what RLlib's EnvRunner looks up
     sampled = MlflowClient(cfg.mlflow.tracking_uri).get_metric_history(outcome.run_id, mn.ENV_STEPS_SAMPLED_LIFETIME)
     assert sorted((m.step, m.value) for m in sampled) == [(i, 1000.0 * i) for i in range(1, 11)]
 
