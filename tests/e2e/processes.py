@@ -28,6 +28,18 @@ EnvRunner actor is a process importing torch and RLlib (seconds of a loaded 2-co
 tests using these are about stores and servers (the embedded defaults have tests of their own)."""
 
 
+MLFLOW_SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+"""What every test's ``mlflow server`` runs with, as cluster.yaml's head does: without MLflow 3's
+job execution (GenAI scorers; gradmon uses none), whose job runner and huey consumers are 8 more
+processes that keep polling: an idle server used about 0.7 of a core with them on the 2-core box
+(bench/mlflow_server_idle.py)."""
+
+
+def mlflow_server_argv(port: int, *store: str) -> list[str]:
+    """``mlflow server`` on 127.0.0.1:``port``, one worker, then ``store`` (its store arguments)."""
+    return [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1", *store]
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (from the ephemeral range)."""
     with socket.socket() as s:
@@ -55,6 +67,18 @@ def wait_http(
         time.sleep(0.5)
 
 
+def session_commands(session: int) -> list[str]:
+    """The command lines of the live processes in ``session`` (a ``start_new_session`` child's pid), from /proc."""
+    commands = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[3]) == session:  # field 6: the session id
+                commands.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip())
+        except (OSError, ValueError):  # ended meanwhile
+            continue
+    return commands
+
+
 def alive(pid: int) -> bool:
     """The process exists and is not a zombie (one that ended but was not waited for yet), from /proc."""
     try:
@@ -76,10 +100,17 @@ class MlflowServer:
     def start(self) -> None:
         """Start a server process (not waited for: see ``wait``)."""
         log = (self.store / f"server-{time.monotonic_ns()}.log").open("w")  # read when a test fails
-        command = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
-        command += ["--backend-store-uri", f"sqlite:///{self.store / 'server.db'}"]
-        command += ["--default-artifact-root", str(self.store / "art")]
-        self.processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        store = ["--backend-store-uri", f"sqlite:///{self.store / 'server.db'}"]
+        store += ["--default-artifact-root", str(self.store / "art")]
+        self.processes.append(
+            subprocess.Popen(
+                mlflow_server_argv(self.port, *store),
+                env={**os.environ, **MLFLOW_SERVER_ENV},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
 
     def wait(self, timeout_s: float = 120) -> None:
         wait_http(f"{self.uri}/health", timeout_s)

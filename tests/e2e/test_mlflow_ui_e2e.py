@@ -36,7 +36,7 @@ from gradmon_ray.config import config_from_dict
 from gradmon_ray.viz.plots import ENTROPY_FILE, HEATMAP_FILE, LINES_FILE, lines_figure
 from gradmon_ray.viz.report import PLOTS_ARTIFACT_DIR
 from gradmon_ray.viz.runs import load_history
-from tests.e2e.processes import BIN, free_port, kill_group, wait_http
+from tests.e2e.processes import MLFLOW_SERVER_ENV, free_port, kill_group, mlflow_server_argv, wait_http
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = [
@@ -101,9 +101,9 @@ def mlflow_ui(real_run):
     tmp, client, _ = real_run
     port = free_port()
     log = (tmp / "mlflow-server.log").open("w")
-    command = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
     proc = subprocess.Popen(
-        [*command, "--backend-store-uri", client.tracking_uri],
+        mlflow_server_argv(port, "--backend-store-uri", client.tracking_uri),
+        env={**os.environ, **MLFLOW_SERVER_ENV},
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,

@@ -32,7 +32,16 @@ from mlflow.tracking import MlflowClient
 from gradmon_ray import metric_names as mn
 from gradmon_ray.tracking.store_check import tracking_server_problem
 from tests.e2e.in_process import CliResult, run_cli
-from tests.e2e.processes import BIN, SMALL_TRAIN_ARGS, clean_env, free_port, kill_group, wait_http
+from tests.e2e.processes import (
+    MLFLOW_SERVER_ENV,
+    SMALL_TRAIN_ARGS,
+    clean_env,
+    free_port,
+    kill_group,
+    mlflow_server_argv,
+    session_commands,
+    wait_http,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -49,6 +58,8 @@ class Server:
     """The server's sqlite backend store."""
     artifacts: Path
     auth: bool
+    session: int
+    """The session id of its processes (the one it was started in)."""
 
     def uri(self, password: str | None = None) -> str:
         login = f"admin:{password}@" if password else ""
@@ -96,13 +107,14 @@ def server(tmp_path_factory):
         store, artifacts = home / "mlflow" / "mlflow.db", home / "mlflow" / "artifacts"
     else:
         store, artifacts = root / "server.db", root / "artifacts"
-        argv = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-        argv += ["--backend-store-uri", f"sqlite:///{store}", "--artifacts-destination", str(artifacts)]
+        argv = mlflow_server_argv(port, "--backend-store-uri", f"sqlite:///{store}")
+        argv += ["--artifacts-destination", str(artifacts)]
+        env.update(MLFLOW_SERVER_ENV)  # cluster.yaml's command sets it itself
     # cluster.yaml's command backgrounds the server (nohup ... &): it stays in this process group.
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", 180)
-        yield Server(port, marker, store, artifacts, HAS_AUTH_APP)
+        yield Server(port, marker, store, artifacts, HAS_AUTH_APP, proc.pid)
     finally:
         kill_group(proc, grace_s=10)
 
@@ -122,6 +134,16 @@ def test_the_cluster_yaml_server_asks_for_its_login(server, no_credential_env, m
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "admin")
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", server.marker)
     assert tracking_server_problem(server.uri()) is None
+
+
+@pytest.mark.skipif(not HAS_AUTH_APP, reason="MLflow's basic-auth app needs Flask-WTF (pip install 'mlflow[auth]')")
+def test_the_cluster_yaml_server_runs_without_mlflows_job_workers(server):
+    """MLflow 3 starts a job runner and its huey consumers with every server unless told not to:
+    eight processes that keep an idle server busy (bench/mlflow_server_idle.py).  The server
+    cluster.yaml starts has its web server and none of them."""
+    commands = session_commands(server.session)
+    assert any("uvicorn" in c and "mlflow.server" in c for c in commands), commands  # found the server's
+    assert not [c for c in commands if "mlflow.server.jobs" in c or "huey" in c], commands
 
 
 def _files_holding(marker: str, root: Path) -> list[str]:
