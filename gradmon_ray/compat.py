@@ -203,13 +203,16 @@ def tune_registry_follows_this_job() -> None:
     The registry keys every entry by a job id it reads once per process and keeps
     (``_Registry.prefix``): after ``ray.shutdown()`` and a new ``ray.init()`` against the same
     cluster (a second run from one notebook or test process), it still writes under the first
-    job's id, and the new job's EnvRunners find no registered env (RLlib then falls back to
-    ``gym.make`` and fails: "Namespace gradmon not found").  This sets the id now and puts a hook
-    first among Ray's post-``ray.init`` hooks (``ray._private.worker._post_init_hooks``, where
-    Tune's own flush of the entries queued before ``ray.init`` runs), so entries anyone registers
-    after a reconnect land in the new job too.
+    job's id, and the new job's EnvRunners find no registered env (RLlib falls back to
+    ``gym.make``: "Namespace gradmon not found", and building the algorithm fails with an
+    ``IndexError`` in ``EnvRunnerGroup.get_spaces``).  This sets the id now and puts a hook first
+    among Ray's post-``ray.init`` hooks (``ray._private.worker._post_init_hooks``, where Tune's own
+    flush of the entries queued before ``ray.init`` runs), so entries anyone registers after a
+    reconnect land in the new job too.  (Ray client, ``ray://``, runs no post-init hooks; an
+    earlier job's entries stay in the cluster's key-value store, as Tune leaves them.)
     """
     from ray._private import worker
+    from ray.tune.registry import _global_registry  # noqa: F401  (imported before the hook goes in)
 
     if _follow_the_new_job not in worker._post_init_hooks:
         worker._post_init_hooks.insert(0, _follow_the_new_job)
@@ -217,6 +220,7 @@ def tune_registry_follows_this_job() -> None:
 
 
 def _follow_the_new_job() -> None:
+    """Tune's registry on this process's current Ray job; unset (read at first use) without Ray."""
     import ray
     from ray.tune.registry import _global_registry
 

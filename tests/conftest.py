@@ -32,12 +32,14 @@ _SHARED_RAY_DIR = pytest.StashKey[str]()
 
 
 def pytest_configure(config):
-    """Under xdist, in the controller: a directory for the workers' shared Ray (``tests/shared_ray.py``)."""
-    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
-        return  # a worker, or no xdist workers at all
+    """In the xdist controller (or the one process of ``-n 0``): a directory for the session's
+    shared Ray (``tests/shared_ray.py``), started by the first test that needs Ray."""
+    if hasattr(config, "workerinput"):
+        return  # a worker: it has the controller's directory in its environment
     directory = tempfile.mkdtemp(prefix="grs")  # short: Ray's socket paths live under it
     os.environ[shared_ray.DIRECTORY_ENV] = directory
     os.environ[shared_ray.CONTROLLER_ENV] = str(os.getpid())
+    os.environ.setdefault("RAY_AUTH_MODE", "token")  # -n 0: this process connects by address (see above)
     config.stash[_SHARED_RAY_DIR] = directory
 
 
@@ -57,17 +59,17 @@ def _init_local_ray() -> None:
         return
     tune_registry_follows_this_job()  # a test's own register_env after a reconnect: in the new job
     directory = os.environ.get(shared_ray.DIRECTORY_ENV)
-    if directory and os.environ.get("PYTEST_XDIST_WORKER"):
+    if directory:
         ray.init(address=shared_ray.address(directory), log_to_driver=False)
-    else:
+    else:  # a session this conftest did not configure
         # Ray overcommits logical CPUs: 4 on a 2-core CI box runs 1 EnvRunner + learners.
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
 
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """A local Ray instance shared by every integration test (starting Ray costs ~5 s); under
-    xdist, one instance for both workers (``tests/shared_ray.py``), each worker its own Ray job."""
+    """A local Ray instance shared by every integration test (starting Ray costs ~5 s): one
+    instance for both xdist workers (``tests/shared_ray.py``), each worker its own Ray job."""
     import ray
 
     _init_local_ray()
@@ -76,20 +78,10 @@ def ray_session():
 
 
 @pytest.fixture(scope="session")
-def lasting_ray_address():
-    """The address of a Ray that outlives this process's connections to it, for a test that
-    disconnects and connects again as a new Ray job: the shared Ray under xdist, else one
-    started for the session by ``tests/shared_ray.py``'s helper (``-n 0``)."""
-    directory = os.environ.get(shared_ray.DIRECTORY_ENV)
-    if directory and os.environ.get("PYTEST_XDIST_WORKER"):
-        yield shared_ray.address(directory)
-        return
-    own = tempfile.mkdtemp(prefix="grs")  # short: Ray's socket paths live under it
-    try:
-        yield shared_ray.address(own)
-    finally:
-        shared_ray.stop(own)
-        shutil.rmtree(own, ignore_errors=True)
+def lasting_ray_address() -> str:
+    """The session's shared Ray, for a test that disconnects and connects again as a new Ray job
+    (it outlives this process's connections to it: ``tests/shared_ray.py``)."""
+    return shared_ray.address(os.environ[shared_ray.DIRECTORY_ENV])
 
 
 @pytest.fixture(scope="module")

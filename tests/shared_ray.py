@@ -14,7 +14,8 @@ own actors and its own named-actor namespace.
 - The controller ends the helper, by the process id it wrote, when the session ends
   (``stop(directory)``); the helper also ends by itself once the controller is gone.
 
-Without xdist (``-n 0``) nothing here is used: the test process starts its own local Ray.
+With ``-n 0`` the one test process is both controller and worker: the same helper serves it, so
+that a test can disconnect and connect again as a new Ray job (``lasting_ray_address``).
 """
 
 from __future__ import annotations

@@ -54,6 +54,19 @@ def _registered_in_this_job(env_name: str) -> bool:
     return _global_registry.contains(ENV_CREATOR, env_name)
 
 
+def _registry_as_ray_leaves_it(job_id: str) -> None:
+    """Undo ``compat.tune_registry_follows_this_job`` in this process (its hook out of Ray's
+    post-init hooks, Tune's registry back on ``job_id``), so that only what the product calls
+    from here on can point the registry at the current job again."""
+    from ray._private import worker
+    from ray.tune.registry import _global_registry
+
+    from gradmon_ray import compat
+
+    worker._post_init_hooks[:] = [h for h in worker._post_init_hooks if h is not compat._follow_the_new_job]
+    _global_registry._prefix = job_id
+
+
 @pytest.fixture(scope="module")
 def ray_jobs() -> dict[str, set[str]]:
     """The Ray job ids this module's process had: ``earlier`` registered the built-in env, ``run`` trained."""
@@ -68,10 +81,12 @@ def trained(ray_session, lasting_ray_address, ray_jobs, tmp_path_factory):
     ray.shutdown()
     ray.init(address=lasting_ray_address, log_to_driver=False)
     register_builtin_env()
-    ray_jobs["earlier"].add(ray.get_runtime_context().get_job_id())
+    earlier = ray.get_runtime_context().get_job_id()
+    ray_jobs["earlier"].add(earlier)
     ray.shutdown()
     ray.init(address=lasting_ray_address, log_to_driver=False)  # stays: the session's connection
     register_env(USERS_ENV, FactoredOpsEnv)  # a user's own env, registered again after the reconnect
+    _registry_as_ray_leaves_it(earlier)  # run_training must put it right itself
     cfg = config_from_dict(
         {
             "iterations": 10,
@@ -93,12 +108,15 @@ def trained(ray_session, lasting_ray_address, ray_jobs, tmp_path_factory):
 
 def test_a_second_ray_job_of_one_process_trains_on_the_built_in_env(trained, ray_jobs):
     """Ray Tune's registry, where the built-in env is registered, keeps the first job id its
-    process saw: without ``compat.tune_registry_follows_this_job`` the run's EnvRunner (in the
-    process's next job on the same cluster) finds no env and the algorithm fails to build
-    ("Namespace gradmon not found", seen in CI).  The run was another job than the earlier one,
-    and each of its ten iterations sampled the env: 1000 env steps each, RLlib's lifetime count.
-    An env the user registered after reconnecting is in the new job too (RLlib's EnvRunner looks
-    it up in the registry as the remote task here does)."""
+    process saw: unless ``run_training`` points it at the current job
+    (``compat.tune_registry_follows_this_job``), the run's EnvRunner (in the process's next job on
+    the same cluster) finds no env and building the algorithm fails (``IndexError`` in RLlib's
+    ``EnvRunnerGroup.get_spaces``; the EnvRunner logs "Namespace gradmon not found"; seen in CI).
+    The fixture takes gradmon's fix out before the run, so only ``run_training``'s own calls can
+    put it back.  The run was another job than the earlier one, and each of its ten iterations
+    sampled the env: 1000 env steps each, RLlib's lifetime count.  An env the user registered
+    after reconnecting (while the fix was in) is in the new job too: RLlib's EnvRunner looks it up
+    in the registry as the remote task here does (``_global_registry``: RLlib's own lookup)."""
     cfg, outcome, _ = trained
     assert len(ray_jobs["run"]) == 1 and not ray_jobs["run"] & ray_jobs["earlier"]
     assert ray.get(_registered_in_this_job.remote(USERS_ENV))  # what RLlib's EnvRunner looks up
