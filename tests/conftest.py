@@ -22,11 +22,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # One intra-op thread per worker (torch reads it when imported, after this): two workers with
     # torch's default of a thread per core would put four busy threads on a 2-core box.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # The workers connect to the shared Ray by its address, and Ray turns token auth on by itself
-    # only for a cluster it starts or finds on its own (ray.init() sets this in a process that
-    # starts Ray); set before Ray reads its config. The token is ~/.ray's, as the helper's.
-    if os.environ.get(shared_ray.DIRECTORY_ENV):
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 _SHARED_RAY_DIR = pytest.StashKey[str]()
 
@@ -39,7 +34,10 @@ def pytest_configure(config):
     directory = tempfile.mkdtemp(prefix="grs")  # short: Ray's socket paths live under it
     os.environ[shared_ray.DIRECTORY_ENV] = directory
     os.environ[shared_ray.CONTROLLER_ENV] = str(os.getpid())
-    os.environ.setdefault("RAY_AUTH_MODE", "token")  # -n 0: this process connects by address (see above)
+    # Tests connect to the shared Ray by its address, and Ray turns token auth on by itself only
+    # for a cluster it starts or finds on its own (ray.init() sets this in a process that starts
+    # Ray). The token is ~/.ray's, as the helper's. The workers inherit all three.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     config.stash[_SHARED_RAY_DIR] = directory
 
 
@@ -53,17 +51,8 @@ def pytest_unconfigure(config):
 def _init_local_ray() -> None:
     import ray
 
-    from gradmon_ray.compat import tune_registry_follows_this_job
-
-    if ray.is_initialized():
-        return
-    tune_registry_follows_this_job()  # a test's own register_env after a reconnect: in the new job
-    directory = os.environ.get(shared_ray.DIRECTORY_ENV)
-    if directory:
-        ray.init(address=shared_ray.address(directory), log_to_driver=False)
-    else:  # a session this conftest did not configure
-        # Ray overcommits logical CPUs: 4 on a 2-core CI box runs 1 EnvRunner + learners.
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    if not ray.is_initialized():
+        ray.init(address=shared_ray.address(os.environ[shared_ray.DIRECTORY_ENV]), log_to_driver=False)
 
 
 @pytest.fixture(scope="session")

@@ -32,9 +32,9 @@ from pathlib import Path
 from tests.e2e.processes import alive
 
 DIRECTORY_ENV = "GRADMON_TEST_SHARED_RAY_DIR"
-"""Set by the xdist controller: the session's directory for the shared Ray."""
+"""Set by the xdist controller (or the ``-n 0`` process): the session's directory for the shared Ray."""
 CONTROLLER_ENV = "GRADMON_TEST_CONTROLLER_PID"
-"""Set by the xdist controller: its process id (the helper ends when that process is gone)."""
+"""Set with it: that process's id (the helper ends when that process is gone)."""
 NUM_CPUS = 8
 """Logical CPUs of the shared Ray: both workers' tests at once (4 each before, one Ray per worker)."""
 START_TIMEOUT_S = 120.0
@@ -55,7 +55,7 @@ def address(directory: str | Path) -> str:
 def _start(directory: Path) -> None:
     log = (directory / "helper.log").open("w")
     helper = subprocess.Popen(
-        [sys.executable, "-m", "tests.shared_ray", str(directory), os.environ.get(CONTROLLER_ENV, str(os.getpid()))],
+        [sys.executable, "-m", "tests.shared_ray", str(directory), os.environ[CONTROLLER_ENV]],
         cwd=Path(__file__).resolve().parents[1],
         env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")},  # not one worker's test state
         stdout=log,

@@ -115,7 +115,8 @@ def test_a_second_ray_job_of_one_process_trains_on_the_built_in_env(trained, ray
     The fixture takes gradmon's fix out before the run, so only ``run_training``'s own calls can
     put it back.  The run was another job than the earlier one, and each of its ten iterations
     sampled the env: 1000 env steps each, RLlib's lifetime count.  An env the user registered
-    after reconnecting (while the fix was in) is in the new job too: RLlib's EnvRunner looks it up
+    after reconnecting (the hook ``register_builtin_env`` put in during the earlier job was still
+    there) is in the new job too: RLlib's EnvRunner looks it up
     in the registry as the remote task here does (``_global_registry``: RLlib's own lookup)."""
     cfg, outcome, _ = trained
     assert len(ray_jobs["run"]) == 1 and not ray_jobs["run"] & ray_jobs["earlier"]
