@@ -25,6 +25,7 @@ Private uses kept here (Ray 2.60 / torch 2.x):
 - ``ray.tune.registry._global_registry._prefix`` and ``ray._private.worker._post_init_hooks``
   (``tune_registry_follows_this_job``)
 - Ray's ``ActorUnavailableError`` wording "actor is restarting" (``refused_while_restarting``)
+- ``torch._utils._flatten_dense_tensors`` (``flatten_dense``): torch has no public one-call flatten.
 - ``torch._foreach_norm``, ``torch._foreach_mul_``, ``_foreach_copy_``, ``_foreach_sub_``,
   ``_foreach_add_`` (the ``foreach_*`` functions): torch has no public per-tensor norm list or
   in-place list ops; ``clip_grad_norm_`` uses the same kernels.  ``clip_grads_with_norm_`` is
@@ -240,6 +241,14 @@ def refused_while_restarting(exc: BaseException) -> bool:
 def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each tensor's 2-norm, as one fused kernel per device and dtype (what ``clip_grad_norm_`` runs)."""
     return list(torch._foreach_norm(tensors))
+
+
+def flatten_dense(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors flattened and concatenated in one call (``torch._utils._flatten_dense_tensors``,
+    what DDP's buckets use): one C++ loop, where ``cat([t.reshape(-1) ...])`` is a Python call per tensor."""
+    from torch._utils import _flatten_dense_tensors
+
+    return _flatten_dense_tensors(tensors)
 
 
 def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor | float) -> None:

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from gradmon_ray.telemetry.accumulator import IterationAccumulator, reduce_and_copy
+from gradmon_ray.telemetry.accumulator import IterationAccumulator, StackedNorms, reduce_and_copy
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +136,8 @@ class ModuleLanes(NamedTuple):
     health: torch.Tensor
     local: torch.Tensor
     """Rank-local values that ride the same host copy unreduced."""
+    norms: StackedNorms | None = None
+    """The module's norm records of the step, when the learner keeps them for all modules (``NormRecords``)."""
 
 
 def reduce_modules(
@@ -151,7 +153,7 @@ def reduce_modules(
     reduced_parts: dict[str, torch.Tensor] = {"checksum": checksum}
     local_parts: dict[str, torch.Tensor] = {"checksum": checksum}
     for i, part in enumerate(modules):
-        reduced_parts[f"{i}.lanes"] = part.accumulator.fold()
+        reduced_parts[f"{i}.lanes"] = part.accumulator.fold(part.norms)
         reduced_parts[f"{i}.noise"] = part.noise
         reduced_parts[f"{i}.health"] = part.health
         local_parts[f"{i}.local"] = part.local

@@ -6,7 +6,9 @@ collapse, entropy/KL, noise scale, VGS and checkpointed state; the learner packs
 them into ONE reduction and ONE host copy per telemetry step (``rllib.reporting``).
 
 Per minibatch, nothing here syncs with the host on an accelerator: ``record_logp`` and
-``record_head_inputs`` keep references, ``measure`` runs the norm plan on the device.
+``record_head_inputs`` keep references.  The norms of every monitored module come from ONE
+``GradientNormPlan`` of the learner (``GradmonMonitor``); a module sees its own slice only
+where it needs one (``after_norms``: VGS, the noise-scale hook).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from gradmon_ray.rllib.head_health import HeadHealthRecorder, head_sizes
 from gradmon_ray.rllib.heads import action_heads, declared_value_heads, head_parameter_groups
 from gradmon_ray.rllib.settings import GradmonSettings, VGSSettings
 from gradmon_ray.telemetry import (
-    GradientNormPlan,
     GradientNorms,
     IterationAccumulator,
     IterationTelemetry,
@@ -66,7 +67,8 @@ class ModuleTelemetry:
         groups = spec.heads
         self.groups = groups
         self.grad_scaler = grad_scaler
-        self.norm_plan = GradientNormPlan(groups, [p for p in rl_module.parameters() if p.requires_grad])
+        self.params: list[torch.nn.Parameter] = [p for p in rl_module.parameters() if p.requires_grad]
+        """Every trainable parameter of the module (heads and trunk), in ``parameters()`` order."""
         sizes = head_sizes(rl_module, spec.latch_heads)
         self.tracker = TelemetryTracker(
             list(groups),
@@ -78,10 +80,7 @@ class ModuleTelemetry:
         self.head_health = HeadHealthRecorder(sizes, device)
         self.accumulator = IterationAccumulator(self.tracker.layout, device=device)
         self.last_telemetry: IterationTelemetry | None = None
-        self.pending_norms: GradientNorms | None = None
-        # This minibatch's [rows, latch heads] log-probs and loss mask (references).
-        self.pending_logp: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        self._no_logp = torch.zeros(1, len(self.tracker.latch_heads), device=device)
+        self._logp_rows = 0  # rows of the minibatch's log-probs (host-side shape), for the noise scale
         self.noise_hook = NoiseScaleHook(groups, device, scale=self._loss_scale)  # lanes always reduced
         self.noise: NoiseScaleTracker | None = None
         self.scaler_lanes = torch.zeros(2, dtype=torch.float64, device=device)
@@ -93,7 +92,7 @@ class ModuleTelemetry:
         if vgs.enabled:
             # One scale for the whole module, from gradients DDP has already averaged: every
             # replica sees identical inputs and so applies an identical scale.
-            self.vgs = VarianceGradientScaler(self.norm_plan.params, **vgs.kwargs)
+            self.vgs = VarianceGradientScaler(self.params, **vgs.kwargs)
             if vgs.apply_to == "update":
                 self.update_scaler = UpdateScaler(optimizers)
 
@@ -114,25 +113,29 @@ class ModuleTelemetry:
     # --- per minibatch -------------------------------------------------------------------
     def record_logp(self, per_head_logp: torch.Tensor, mask: torch.Tensor | None) -> None:
         """Keep the minibatch's ``[B, latch heads]`` log-probs and loss mask by reference (no kernel)."""
-        self.pending_logp = (per_head_logp.detach(), mask)
+        self._logp_rows = per_head_logp.shape[0]
+        self.accumulator.add_logp(per_head_logp.detach(), mask)
 
     def record_head_inputs(self, logits: torch.Tensor, sampling_logits: Any, mask: torch.Tensor | None) -> None:
         """Keep references for the step's head health (``rllib.head_health``); no kernel."""
         self.head_health.record(logits, sampling_logits, mask)
 
-    def measure(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        """After backward (and DDP's all-reduce), before clipping: the norms; then VGS.
+    @property
+    def needs_own_norms(self) -> bool:
+        """Whether ``after_norms`` has work: VGS or the noise-scale hook."""
+        return self.vgs is not None or self.noise is not None
 
-        With a ``GradScaler`` the gradients are unscaled first (in place; it records
-        ``found_inf`` for its own ``step``, no host sync), so the norms are the true ones.
-        """
+    def unscale(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """With a ``GradScaler``, unscale the gradients in place before the norms (it records
+        ``found_inf`` for its own ``step``, no host sync), so that the norms are the true ones."""
         if self.grad_scaler is not None:
             for optimizer in optimizers:
                 self.grad_scaler.unscale_(optimizer)
-        norms = self.pending_norms = self.norm_plan.compute()
+
+    def after_norms(self, norms: GradientNorms) -> None:
+        """After the norm pass (DDP's all-reduce done, before clipping): the noise-scale lanes, then VGS."""
         if self.noise is not None:
-            rows = self.pending_logp[0].shape[0] if self.pending_logp is not None else 0  # host-side shape
-            self.noise_hook.add_big(norms.head_norms, norms.global_norm, rows)
+            self.noise_hook.add_big(norms.head_norms, norms.global_norm, self._logp_rows)
         if self.vgs is not None:
             # After the telemetry norms (they stay pre-scaling); a skipped (non-finite) step
             # must not teach VGS either.  Gradient mode scales before RLlib's clipping;
@@ -143,37 +146,32 @@ class ModuleTelemetry:
                 self._vgs_factor = self.vgs.observe(skip=norms.found_nonfinite, scale_gradients=False)
             self.vgs.step()
 
-    def norms(self) -> GradientNorms:
-        """This minibatch's norms (``measure``'s, or measured now when RLlib skipped postprocessing)."""
-        return self.pending_norms if self.pending_norms is not None else self.norm_plan.compute()
-
     def prepare_step(
-        self, optimizers: list[torch.optim.Optimizer], skip_nonfinite: bool, flags: FoundInfFlags
-    ) -> tuple[torch.Tensor, list[torch.nn.Parameter]]:
-        """Before RLlib's optimizer step for this module: ``(skipped flag, parameters to leave alone)``.
+        self, optimizers: list[torch.optim.Optimizer], skip_nonfinite: bool, flags: Any, found: torch.Tensor
+    ) -> list[torch.nn.Parameter]:
+        """Before RLlib's optimizer step for this module (``found``: its 0-d non-finite flag):
+        the parameters to leave alone.
 
-        ``skip_nonfinite`` (``torch_skip_nan_gradients``): fused optimizers get the non-finite
-        flag as ``found_inf`` (``torch.amp.GradScaler``'s protocol: the kernel itself skips,
-        no host round trip); any other optimizer costs one host sync, and on a non-finite
-        minibatch its parameters are returned: the caller drops their gradients, so that its
-        ``step`` leaves them alone.  Without it, RLlib's own ``nan_to_num`` and step run
-        untouched.  With a ``GradScaler``, ``GradScaler.step`` skips on overflow itself: counted
-        apart (``scaler_lanes``).
+        ``skip_nonfinite`` (``torch_skip_nan_gradients``): fused optimizers get the flag as
+        ``found_inf`` (``torch.amp.GradScaler``'s protocol: the kernel itself skips, no host
+        round trip); any other optimizer costs one host sync, and on a non-finite minibatch its
+        parameters are returned: the caller drops their gradients, so that its ``step`` leaves
+        them alone.  Without it, RLlib's own ``nan_to_num`` and step run untouched.  With a
+        ``GradScaler``, ``GradScaler.step`` skips on overflow itself: counted apart (``scaler_lanes``).
         """
-        found = self.norms().found_nonfinite
         if self.grad_scaler is not None:
             self.scaler_lanes[0].add_(found)
             self.scaler_lanes[1].copy_(compat.scale_tensor(self.grad_scaler).reshape(()))
-            return torch.zeros_like(found), []
+            return []
         if not skip_nonfinite:
-            return torch.zeros_like(found), []
+            return []
         dropped: list[torch.nn.Parameter] = []
         for optimizer in optimizers:
             if compat.supports_found_inf(optimizer):
                 flags.set(optimizer, found)
             elif bool(found):  # the one tolerated host sync per minibatch (non-fused optimizers only)
                 dropped.extend(p for group in optimizer.param_groups for p in group["params"])
-        return found, dropped
+        return dropped
 
     def scaled_update(self) -> AbstractContextManager[None]:
         """VGS in update mode: the optimizers' steps move by factor x their update."""
@@ -182,37 +180,10 @@ class ModuleTelemetry:
         factor, self._vgs_factor = self._vgs_factor, None
         return self.update_scaler.scaled(factor)
 
-    def finish_minibatch(self, skipped: torch.Tensor, telemetry: bool) -> None:
-        """Add the minibatch to the step's accumulator (references, no kernel); forget it."""
-        if telemetry:
-            logp, mask = self.pending_logp if self.pending_logp is not None else (self._no_logp, None)
-            self.accumulator.add_minibatch_logp(self.norms(), logp, skipped, mask)
-        self.pending_norms = None
-        self.pending_logp = None
-
     # --- state ---------------------------------------------------------------------------
     def parts(self) -> dict[str, Any]:
         """The module's checkpointed pieces by state key suffix (None: not in use)."""
         return {"telemetry": self.tracker, "noise": self.noise, "vgs": self.vgs}
-
-
-class FoundInfFlags:
-    """Sets ``optimizer.found_inf`` on fused optimizers for one step and always removes it again."""
-
-    def __init__(self) -> None:
-        self._flagged: list[torch.optim.Optimizer] = []
-
-    def __enter__(self) -> FoundInfFlags:
-        return self
-
-    def set(self, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> None:
-        compat.set_found_inf(optimizer, found)
-        self._flagged.append(optimizer)
-
-    def __exit__(self, *exc: object) -> None:
-        for optimizer in self._flagged:
-            compat.clear_found_inf(optimizer)
-        self._flagged.clear()
 
 
 def resolve_module(

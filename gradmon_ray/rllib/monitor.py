@@ -6,14 +6,16 @@ everything stays on the learner's device (nothing syncs with the host):
 
 1. after the loss, the per-head log-probs of the taken actions -> NaN/Inf flags
    (``heads.per_head_logp``; a subclass with its own loss calls ``record_logp``);
-2. after backward (and DDP's all-reduce), before clipping: per-head norms, the global norm,
-   exact NaN/Inf element counts (``GradientNormPlan``); VGS scales the gradients; then
-   RLlib's own ``postprocess_gradients_for_module`` (its clipping, unchanged);
+2. after backward (and DDP's all-reduce), before clipping (``postprocess_gradients``): per-head
+   norms, global norms, exact NaN/Inf element counts of ALL monitored modules in one pass
+   (``GradientNormPlan.for_modules``); VGS scales the gradients; then RLlib's own
+   ``postprocess_gradients_for_module`` per module (its clipping, unchanged);
 3. the step is RLlib's own ``apply_gradients``: with ``torch_skip_nan_gradients=True`` a
    non-finite minibatch is really skipped (fused optimizers read ``found_inf`` on the device,
    as from ``torch.amp.GradScaler``; others cost one host sync); with RLlib's default
    ``False`` RLlib's ``nan_to_num`` and step run untouched;
-4. everything is added into the module's packed buffer (``IterationAccumulator``).
+4. the minibatch's norms of every module are ONE record (``NormRecords``); the log-probs of each
+   module are recorded by its loss (``IterationAccumulator``), by reference.
 
 Observe-only: with VGS off, a learner gets bit-for-bit the weights and optimizer state of
 ``learner_cls`` (``tests/peer/test_observe_only.py``), except that a non-finite minibatch
@@ -32,7 +34,6 @@ module's id (``window=1``): ``result["learners"][module_id]``.  Names: ``gradmon
 from __future__ import annotations
 
 import os
-from contextlib import ExitStack
 from typing import Any, ClassVar
 
 import torch
@@ -40,12 +41,13 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.core.learner.learner import Learner
 from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 from ray.rllib.utils.annotations import override
-from ray.rllib.utils.typing import ModuleID, ParamDict
+from ray.rllib.utils.typing import ModuleID
 
 from gradmon_ray import compat
 from gradmon_ray.distributed import LearnerCollective
+from gradmon_ray.rllib.gradient_pass import GradmonGradientPass
 from gradmon_ray.rllib.heads import latch_heads, per_head_logp
-from gradmon_ray.rllib.module_telemetry import FoundInfFlags, ModuleTelemetry, resolve_module
+from gradmon_ray.rllib.module_telemetry import ModuleTelemetry, resolve_module
 from gradmon_ray.rllib.monitor_step import (
     GRADMON_STATE_KEYS,
     NOISE_STATE_KEY,
@@ -65,7 +67,7 @@ def global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-class GradmonMonitor(compat.PerModuleDDPGroups, GradmonReporting):
+class GradmonMonitor(compat.PerModuleDDPGroups, GradmonGradientPass, GradmonReporting):
     """The telemetry half of a gradmon learner; ``with_gradmon`` puts it before a ``TorchLearner``."""
 
     gradmon_full_learner: ClassVar[bool] = False
@@ -98,6 +100,7 @@ class GradmonMonitor(compat.PerModuleDDPGroups, GradmonReporting):
     def configure_optimizers(self) -> None:
         super().configure_optimizers()
         self._monitors = self._build_monitors()
+        self._setup_norm_pass()
 
     def _build_monitors(self) -> dict[ModuleID, ModuleTelemetry]:
         """One ``ModuleTelemetry`` per monitored module; every head is resolved first (errors name the module)."""
@@ -168,36 +171,6 @@ class GradmonMonitor(compat.PerModuleDDPGroups, GradmonReporting):
         accumulator checks the whole step's log-probs for NaN/Inf once, at the drain
         (padding rows never latch).  No kernel here."""
         self._monitors[module_id].record_logp(per_head_logp, mask)
-
-    @override(Learner)
-    def postprocess_gradients_for_module(
-        self, *, module_id: ModuleID, config: Any = None, module_gradients_dict: ParamDict
-    ) -> ParamDict:
-        monitor = self._monitors.get(module_id)
-        if monitor is not None:
-            monitor.measure(self._optimizers_of(module_id))  # before clipping
-        return super().postprocess_gradients_for_module(
-            module_id=module_id, config=config, module_gradients_dict=module_gradients_dict
-        )
-
-    @override(TorchLearner)
-    def apply_gradients(self, gradients_dict: ParamDict) -> None:
-        skip_nonfinite = bool(self.config.torch_skip_nan_gradients)
-        skipped: dict[ModuleID, torch.Tensor] = {}
-        with ExitStack() as stack:
-            flags = stack.enter_context(FoundInfFlags())
-            dropped: set[int] = set()
-            for module_id, monitor in self._monitors.items():
-                skipped[module_id], params = monitor.prepare_step(self._optimizers_of(module_id), skip_nonfinite, flags)
-                stack.enter_context(monitor.scaled_update())
-                for param in params:
-                    param.grad = None
-                    dropped.add(id(param))
-            if dropped:  # RLlib's gradient dicts are keyed by the parameters themselves
-                gradients_dict = {ref: g for ref, g in gradients_dict.items() if id(ref) not in dropped}
-            super().apply_gradients(gradients_dict)
-        for module_id, monitor in self._monitors.items():
-            monitor.finish_minibatch(skipped[module_id], self.gradmon.telemetry)
 
     # --- state and lifecycle -----------------------------------------------------------
     @property

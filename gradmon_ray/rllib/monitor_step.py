@@ -134,18 +134,20 @@ class GradmonReporting:
         collective = self._collective
         every = self.gradmon.replica_check_every
         check = collective.active and every > 0 and (self.gradmon_iteration + 1) % every == 0
-        params = [p for monitor in self._monitors.values() for p in monitor.norm_plan.params]
+        params = [p for monitor in self._monitors.values() for p in monitor.params]
         digits = (
             parameter_checksum(list({id(p): p for p in params}.values())).to(self.device)
             if check
             else torch.zeros(2, dtype=torch.float64, device=self.device)
         )
         parts = []
-        for monitor in self._monitors.values():
+        for index, monitor in enumerate(self._monitors.values()):
             empty = monitor.scaler_lanes[:0]
             health = monitor.head_health.lanes() if self.gradmon.telemetry else empty
             local = _local_segments(monitor).pack()
-            parts.append(ModuleLanes(monitor.accumulator, monitor.noise_hook.lanes, health, local))
+            norms = self._norm_records.module(index)
+            parts.append(ModuleLanes(monitor.accumulator, monitor.noise_hook.lanes, health, local, norms))
+        self._norm_records.clear()
         reduced = reduce_modules(parts, collective, checksum=digits)
         for monitor in self._monitors.values():
             monitor.scaler_lanes[0].zero_()

@@ -1,0 +1,128 @@
+"""The per-minibatch gradient path of a gradmon learner: one norm pass for all modules, the step.
+
+After backward (and DDP's all-reduce), before any module's clipping (``postprocess_gradients``),
+ONE ``GradientNormPlan`` measures every monitored module (per-head norms, global norms, exact
+NaN/Inf counts); each module then runs what needs its own slice (VGS, the noise-scale hook).
+The step (``apply_gradients``) is RLlib's own, with the non-finite flag handed to fused
+optimizers as ``found_inf`` (no host read), and the minibatch's norms of every module are ONE
+record (``NormRecords``).  Nothing here reads the device from the host, whatever the number of
+modules (``tests/rllib/test_host_reads.py`` counts it).
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+from ray.rllib.core.learner.learner import Learner
+from ray.rllib.core.learner.torch.torch_learner import TorchLearner
+from ray.rllib.utils.annotations import override
+from ray.rllib.utils.typing import ModuleID, ParamDict
+
+from gradmon_ray import compat
+from gradmon_ray.telemetry import GradientNormPlan, GradientNorms
+from gradmon_ray.telemetry.accumulator import NormRecords
+
+
+class GradmonGradientPass:
+    """Mixin of ``GradmonMonitor``: measure every module at once, then step (needs its ``_monitors``)."""
+
+    def _setup_norm_pass(self) -> None:
+        """ONE norm plan and ONE record list for all monitored modules (per minibatch: one pass, one append)."""
+        monitors = list(self._monitors.values())
+        self._norm_plan = GradientNormPlan.for_modules([(m.groups, m.params) for m in monitors])
+        self._norm_records = NormRecords(self._norm_plan.slots)
+        self._pending_norms: GradientNorms | None = None
+        self._measured_for_modules = False
+        skip = bool(self.config.torch_skip_nan_gradients)
+        # Per module, whether a non-finite minibatch counts as skipped here (a GradScaler counts its own).
+        self._skip_mask = torch.tensor(
+            [float(skip and m.grad_scaler is None) for m in monitors], device=self.device or "cpu"
+        )
+
+    @override(Learner)
+    def postprocess_gradients(self, gradients_dict: ParamDict) -> ParamDict:
+        if not self._monitors:
+            return super().postprocess_gradients(gradients_dict)
+        self._pending_norms = self._measure()  # before any module's clipping
+        self._measured_for_modules = True
+        try:
+            return super().postprocess_gradients(gradients_dict)
+        finally:
+            self._measured_for_modules = False
+
+    @override(Learner)
+    def postprocess_gradients_for_module(
+        self, *, module_id: ModuleID, config: Any = None, module_gradients_dict: ParamDict
+    ) -> ParamDict:
+        if module_id in self._monitors and not self._measured_for_modules:
+            # Called by an override of postprocess_gradients that skips RLlib's (or directly):
+            # measure now, still before this module's clipping.
+            self._pending_norms = self._measure()
+        return super().postprocess_gradients_for_module(
+            module_id=module_id, config=config, module_gradients_dict=module_gradients_dict
+        )
+
+    def _measure(self) -> GradientNorms:
+        """Every monitored module's norms in one pass (batched), then each module's own follow-up."""
+        for module_id, monitor in self._monitors.items():
+            monitor.unscale(self._optimizers_of(module_id))
+        norms = self._norm_plan.compute_all()
+        for index, monitor in enumerate(self._monitors.values()):
+            if monitor.needs_own_norms:
+                monitor.after_norms(self._module_norms(norms, index))
+        return norms
+
+    def _module_norms(self, norms: GradientNorms, index: int) -> GradientNorms:
+        """Module ``index``'s slice of a batched ``GradientNorms`` (views, no kernel)."""
+        return GradientNorms(
+            self._norm_plan.slots.module_heads(norms.head_norms, index),
+            norms.global_norm[index],
+            norms.nan_count[index],
+            norms.inf_count[index],
+        )
+
+    @override(TorchLearner)
+    def apply_gradients(self, gradients_dict: ParamDict) -> None:
+        if not self._monitors:
+            super().apply_gradients(gradients_dict)
+            return
+        # Measured in postprocess_gradients, unless an override of it skipped RLlib's.
+        norms = self._pending_norms if self._pending_norms is not None else self._measure()
+        self._pending_norms = None
+        found = norms.found_nonfinite
+        skip_nonfinite = bool(self.config.torch_skip_nan_gradients)
+        with ExitStack() as stack:
+            flags = stack.enter_context(FoundInfFlags())
+            dropped: set[int] = set()
+            for index, (module_id, monitor) in enumerate(self._monitors.items()):
+                params = monitor.prepare_step(self._optimizers_of(module_id), skip_nonfinite, flags, found[index])
+                stack.enter_context(monitor.scaled_update())
+                for param in params:
+                    param.grad = None
+                    dropped.add(id(param))
+            if dropped:  # RLlib's gradient dicts are keyed by the parameters themselves
+                gradients_dict = {ref: g for ref, g in gradients_dict.items() if id(ref) not in dropped}
+            super().apply_gradients(gradients_dict)
+        if self.gradmon.telemetry:
+            self._norm_records.add(norms, found * self._skip_mask)  # one record for every module
+
+
+class FoundInfFlags:
+    """Sets ``optimizer.found_inf`` on fused optimizers for one step and always removes it again."""
+
+    def __init__(self) -> None:
+        self._flagged: list[torch.optim.Optimizer] = []
+
+    def __enter__(self) -> FoundInfFlags:
+        return self
+
+    def set(self, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> None:
+        compat.set_found_inf(optimizer, found)
+        self._flagged.append(optimizer)
+
+    def __exit__(self, *exc: object) -> None:
+        for optimizer in self._flagged:
+            compat.clear_found_inf(optimizer)
+        self._flagged.clear()

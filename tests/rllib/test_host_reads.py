@@ -1,0 +1,152 @@
+"""No host read per minibatch beyond stock RLlib's, and per-minibatch telemetry that does not grow
+with the number of modules: counted op by op with a ``TorchDispatchMode`` (``telemetry.op_counts``).
+
+On a CPU a host read costs nothing, but on a GPU the same op (``.item()``, ``bool(t)``,
+``t.nonzero()``, ``data[bool_mask]``, a device->host copy) waits for the device to drain its
+queue: one per minibatch and module is what made 8 modules cost 17% on an H200.  The counts are
+taken inside ``Learner._update`` (one call per minibatch: forward, loss, backward, the
+telemetry, the optimizer step) and over whole ``update`` calls, on the same batch, for:
+
+* the baseline a competent user runs: stock ``PPOTorchLearner`` with fused Adam;
+* ``with_gradmon`` of that same learner (the drop-in: stock's loss, so stock's host reads);
+* ``GradmonPPOTorchLearner`` (its own sync-free loss: no host read per minibatch at all).
+
+Bugs these catch: a ``bool(tensor)``/``.item()`` in the norm pass, the skip decision or the
+records (one per minibatch and module), per-module kernels in the norm pass (the 8-module count
+grows), a second norm pass or record per module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
+
+from gradmon_ray.config import GradmonConfig
+from gradmon_ray.rllib import with_gradmon
+from gradmon_ray.rllib.local_learner import (
+    build_local_learner,
+    local_ppo_config,
+    module_spaces,
+    sample_episodes,
+    train_batch,
+    update,
+)
+from gradmon_ray.rllib.settings_parsing import FULL_LEARNER_KEYS
+from gradmon_ray.telemetry.op_counts import OpCounter, counting_calls
+
+MODULES = [1, 2, 8]
+MINIBATCHES = 4
+
+
+def _ids(param: tuple[int, bool]) -> str:
+    return f"{param[0]}-modules-vgs-{'on' if param[1] else 'off'}"
+
+
+class FusedAdamPPOTorchLearner(PPOTorchLearner):
+    """Stock PPO with fused Adam (as ``bench/telemetry_overhead.py``'s ``stock-fused`` arm)."""
+
+    def configure_optimizers_for_module(self, module_id, config=None) -> None:
+        params = self.get_parameters(self.module[module_id])
+        optimizer = torch.optim.Adam(params, fused=True)
+        self.register_optimizer(module_id=module_id, optimizer=optimizer, params=params, lr_or_lr_schedule=config.lr)
+
+
+def _config(modules: int, vgs: bool = False) -> GradmonConfig:
+    cfg = GradmonConfig()
+    cfg.ppo.train_batch_size, cfg.ppo.minibatch_size, cfg.ppo.num_epochs = 32 * MINIBATCHES, 32, 1
+    cfg.model.trunk_hiddens = [32]
+    cfg.vgs.enabled = vgs
+    if modules > 1:
+        cfg.env.id = "gradmon/FactoredOpsMultiAgent-v0"
+        cfg.env.config = {"num_agents": modules}
+    return cfg
+
+
+def _drop_in(cfg: GradmonConfig) -> Any:
+    """``with_gradmon(stock + fused Adam)`` with the run config's gradmon settings a drop-in reads."""
+    config = local_ppo_config(cfg, with_gradmon(FusedAdamPPOTorchLearner))
+    settings = {k: v for k, v in config.learner_config_dict["gradmon"].items() if k not in FULL_LEARNER_KEYS}
+    return config.learners(learner_config_dict={"gradmon": settings}).build_learner(spaces=module_spaces(cfg))
+
+
+ARMS = {
+    "stock-fused": lambda cfg: build_local_learner(cfg, learner_class=FusedAdamPPOTorchLearner),
+    "drop-in": _drop_in,
+    "gradmon": build_local_learner,
+}
+
+
+def _counts(learner: Any, batch: Any, cfg: GradmonConfig) -> tuple[OpCounter, OpCounter, OpCounter]:
+    """Ops inside every ``_update`` call (the minibatches), inside gradmon's norm pass
+    (``_measure``; empty for stock) and of the whole ``update``, for a second update on ``batch``
+    (the first builds the plan's cached index tensors)."""
+    update(learner, batch, cfg)
+    per_minibatch, norm_pass = OpCounter(), OpCounter()
+    with counting_calls(learner, "_update", per_minibatch), OpCounter() as whole:
+        if hasattr(learner, "_measure"):
+            with counting_calls(learner, "_measure", norm_pass):
+                update(learner, batch, cfg)
+        else:
+            update(learner, batch, cfg)
+    return per_minibatch, norm_pass, whole
+
+
+@pytest.fixture(scope="module", params=[(m, vgs) for m in MODULES for vgs in (False, True)], ids=_ids)
+def counted(request):
+    """Per arm, the op counts of one update of ``MINIBATCHES`` minibatches on one shared batch."""
+    modules, vgs = request.param
+    cfg = _config(modules, vgs)
+    learners = {name: build(cfg) for name, build in ARMS.items()}
+    weights = learners["gradmon"].module.get_state()
+    for learner in learners.values():
+        learner.module.set_state(weights)
+    batch = train_batch(learners["gradmon"], sample_episodes(cfg, learners["gradmon"], cfg.ppo.train_batch_size))
+    counts = {name: _counts(learner, batch, cfg) for name, learner in learners.items()}
+    for learner in learners.values():
+        learner.shutdown()
+    return modules, vgs, counts
+
+
+def test_no_host_read_per_minibatch_beyond_stock_rllib(counted):
+    modules, _, counts = counted
+    stock, drop_in, gradmon = (counts[arm][0] for arm in ("stock-fused", "drop-in", "gradmon"))
+    minibatches = stock.calls
+    assert minibatches == gradmon.calls >= MINIBATCHES
+    # Stock's masked means index with the loss mask (``data[mask]``, 5 terms and one backward
+    # ``index_put``) besides RLlib's ``_compute_off_policyness`` (one ``data[mask]`` per module).
+    assert stock.host_reads == {"aten::index": 6 * modules * minibatches, "aten::index_put": modules * minibatches}
+    assert drop_in.host_reads == stock.host_reads, "the drop-in adds no host read to stock's loss and step"
+    # GradmonPPOTorchLearner's loss masks with ``where``: only RLlib's ``_compute_off_policyness`` is left.
+    assert gradmon.host_reads == {"aten::index": modules * minibatches}, dict(gradmon.host_reads)
+
+
+def test_whole_update_adds_no_host_read_outside_the_minibatches(counted):
+    """Outside the minibatches, every arm reads the host the same number of times (RLlib's metric
+    reduction): gradmon's once-per-step drain is one host copy of a device buffer, which on a CPU
+    is no copy at all, and nothing else."""
+    _, _, counts = counted
+    outside = {arm: c[2].num_host_reads - c[0].num_host_reads for arm, c in counts.items()}
+    assert outside["drop-in"] == outside["gradmon"] == outside["stock-fused"] > 0, outside
+
+
+def test_the_norm_pass_launches_the_same_kernels_for_1_2_and_8_modules():
+    """All monitored modules' gradients go through ONE norm pass per minibatch: its kernel count
+    (ops that launch one on a GPU; views excluded) is the same for 1, 2 and 8 modules of the same
+    model, and its view ops grow only with the gradient tensors (one flattening view each, plus
+    at most 12 per module, e.g. the count blocks and each module's slices).  VGS off: VGS keeps a
+    state of its own per module."""
+    kernels, views = {}, {}
+    for modules in MODULES:
+        cfg = _config(modules)
+        learner = build_local_learner(cfg)
+        batch = train_batch(learner, sample_episodes(cfg, learner, cfg.ppo.train_batch_size))
+        _, norm_pass, _ = _counts(learner, batch, cfg)
+        tensors = sum(len(m.params) for m in learner.gradmon_modules.values())
+        kernels[modules] = norm_pass.kernels / norm_pass.calls
+        views[modules] = (norm_pass.ops - norm_pass.kernels) / norm_pass.calls
+        assert views[modules] <= tensors + 12 * modules, (modules, views[modules], tensors)
+        learner.shutdown()
+    assert kernels[1] == kernels[2] == kernels[8], kernels
