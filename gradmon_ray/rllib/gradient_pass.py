@@ -35,6 +35,7 @@ class GradmonGradientPass:
         self._norm_records = NormRecords(self._norm_plan.slots)
         self._pending_norms: GradientNorms | None = None
         self._measured_for_modules = False
+        self._postprocessed: set[ModuleID] = set()
         skip = bool(self.config.torch_skip_nan_gradients)
         # Per module, whether a non-finite minibatch counts as skipped here (a GradScaler counts its own).
         self._skip_mask = torch.tensor(
@@ -58,14 +59,18 @@ class GradmonGradientPass:
     ) -> ParamDict:
         if module_id in self._monitors and not self._measured_for_modules:
             # Called by an override of postprocess_gradients that skips RLlib's (or directly):
-            # measure now, still before this module's clipping.
-            self._pending_norms = self._measure()
+            # measure now, still before this module's clipping, once for all modules (again
+            # only when this module comes round a second time without a step in between).
+            if self._pending_norms is None or module_id in self._postprocessed:
+                self._pending_norms = self._measure()
+            self._postprocessed.add(module_id)
         return super().postprocess_gradients_for_module(
             module_id=module_id, config=config, module_gradients_dict=module_gradients_dict
         )
 
     def _measure(self) -> GradientNorms:
         """Every monitored module's norms in one pass (batched), then each module's own follow-up."""
+        self._postprocessed: set[ModuleID] = set()
         for module_id, monitor in self._monitors.items():
             monitor.unscale(self._optimizers_of(module_id))
         norms = self._norm_plan.compute_all()
@@ -91,6 +96,7 @@ class GradmonGradientPass:
         # Measured in postprocess_gradients, unless an override of it skipped RLlib's.
         norms = self._pending_norms if self._pending_norms is not None else self._measure()
         self._pending_norms = None
+        self._postprocessed = set()
         found = norms.found_nonfinite
         skip_nonfinite = bool(self.config.torch_skip_nan_gradients)
         with ExitStack() as stack:

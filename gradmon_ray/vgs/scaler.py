@@ -40,7 +40,6 @@ from collections.abc import Iterable
 
 import torch
 
-from gradmon_ray import compat
 from gradmon_ray.vgs import kernels
 from gradmon_ray.vgs.aggregation import AGGREGATION_METHODS, VGSAggregation
 from gradmon_ray.vgs.checkpoint import (
@@ -122,7 +121,6 @@ class VarianceGradientScaler(VGSAggregation, VGSReporting, VGSCheckpoint):
         self._element_step = kernels.Kernel(kernels.element_step, compile=compiled)
         self._fold_elements = kernels.Kernel(kernels.fold_elements, compile=compiled)
         self._fold_tensors = kernels.Kernel(kernels.fold_tensors, compile=compiled)
-        self._spatial_sums = kernels.Kernel(kernels.spatial_sums, compile=compiled)
         self._reset_statistics()
 
     # --- state ----------------------------------------------------------------------------
@@ -134,10 +132,10 @@ class VarianceGradientScaler(VGSAggregation, VGSReporting, VGSCheckpoint):
         self._active = torch.zeros((), device=dev)  # 1.0 once the warmup is over (a device flag)
         self._active_value = False
         if self.granularity == "element":
-            # One EMA tensor per parameter, shaped like it: a compiled fold then reads and
-            # writes each in place (views into one flat buffer would alias the inputs).
-            self._means = [torch.zeros(p.shape, device=dev) for p in self._parameters]
-            self._squares = [torch.zeros(p.shape, device=dev) for p in self._parameters]
+            # Flat EMAs of all elements, in parameter order: a step is a fixed handful of
+            # kernels on them whatever the number of tensors (a compiled step fuses them).
+            self._element_means = torch.zeros(sum(self._numel), device=dev)
+            self._element_squares = torch.zeros(sum(self._numel), device=dev)
             size = sum(self._numel)
         else:
             self._tensor_mean_ema = torch.zeros(len(self._parameters), device=dev)  # EMA of s = mean|g|
@@ -151,43 +149,29 @@ class VarianceGradientScaler(VGSAggregation, VGSReporting, VGSCheckpoint):
         self._spatial_ema = torch.zeros(4, device=dev)
         self._spatial_steps = torch.zeros((), device=dev)
         self._sample: torch.Tensor | None = None
-        self._sample_parts: list[tuple[int, torch.Tensor]] = []
         if size > self.quantile_sample_size:
-            self._sample, parts = kernels.fixed_sample(
-                self._numel if self.granularity == "element" else [size], self.quantile_sample_size, dev
-            )
-            self._sample_parts = parts if self.granularity == "element" else []
+            self._sample = kernels.fixed_sample(size, self.quantile_sample_size, dev)
 
     @property
     def _mean_ema(self) -> torch.Tensor:
         """EMA of ``|g|`` (element) or of ``s`` (tensor), flat, in parameter order."""
-        if self.granularity == "element":
-            return torch.cat([m.reshape(-1) for m in self._means]) if self._means else torch.zeros(0)
-        return self._tensor_mean_ema
+        return self._element_means if self.granularity == "element" else self._tensor_mean_ema
 
     @property
     def _sq_ema(self) -> torch.Tensor:
         """EMA of ``g^2`` (element) or of ``s^2`` (tensor), flat, in parameter order."""
-        if self.granularity == "element":
-            return torch.cat([s.reshape(-1) for s in self._squares]) if self._squares else torch.zeros(0)
-        return self._tensor_sq_ema
+        return self._element_squares if self.granularity == "element" else self._tensor_sq_ema
 
     def _load_statistics(self, mean_ema: torch.Tensor, sq_ema: torch.Tensor) -> None:
         """Copy flat EMAs (``_mean_ema``'s layout) into this scaler's state."""
         mean_ema, sq_ema = mean_ema.reshape(-1).to(self._device), sq_ema.reshape(-1).to(self._device)
-        if self.granularity == "element":
-            for dst, src in zip(self._means, mean_ema.split(self._numel), strict=True):
-                dst.copy_(src.reshape(dst.shape))
-            for dst, src in zip(self._squares, sq_ema.split(self._numel), strict=True):
-                dst.copy_(src.reshape(dst.shape))
-        else:
-            self._tensor_mean_ema.copy_(mean_ema)
-            self._tensor_sq_ema.copy_(sq_ema)
+        self._mean_ema.copy_(mean_ema)
+        self._sq_ema.copy_(sq_ema)
 
     @property
     def compiled(self) -> bool:
         """Whether the per-step pass runs compiled (known after the first step)."""
-        kernels_ = (self._element_step, self._fold_elements, self._fold_tensors, self._spatial_sums)
+        kernels_ = (self._element_step, self._fold_elements, self._fold_tensors)
         return any(k.compiled for k in kernels_)
 
     @property
@@ -211,9 +195,7 @@ class VarianceGradientScaler(VGSAggregation, VGSReporting, VGSCheckpoint):
     def _fold(self, grads: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
         """Fold without scaling; returns the spatial sums over all elements."""
         if self.granularity == "element":
-            sums = self._spatial_sums(grads)
-            self._fold_elements(grads, self._means, self._squares, weight, None)
-            return sums
+            return self._fold_elements(grads, self._element_means, self._element_squares, weight, None)
         return self._fold_tensors(grads, self._tensor_mean_ema, self._tensor_sq_ema, self._param_numel, weight)
 
     def _record(self, keep: torch.Tensor, weight: torch.Tensor, sums: torch.Tensor) -> None:
@@ -242,15 +224,15 @@ class VarianceGradientScaler(VGSAggregation, VGSReporting, VGSCheckpoint):
         if not self.enabled or not self._parameters:
             return torch.ones((), device=self._device)
         grads = self._grads()
-        if self._sample_parts and self.aggregation_method == "p90":
+        if self._sample is not None and self.granularity == "element" and self.aggregation_method == "p90":
             if self._active_value != (not self.warmup_active):  # flips once, when the warmup ends
                 self._active_value = not self.warmup_active
                 self._active.fill_(float(self._active_value))
             return self._element_step(
                 grads,
-                self._means,
-                self._squares,
-                self._sample_parts,
+                self._element_means,
+                self._element_squares,
+                self._sample,
                 (self._spatial_ema, self._spatial_steps, self._stat_steps),
                 self._zero if skip is None else skip.to(self._device).float(),
                 self._active,
@@ -263,7 +245,7 @@ class VarianceGradientScaler(VGSAggregation, VGSReporting, VGSCheckpoint):
         self._record(keep, weight, self._fold(grads, weight))
         factor = self.scaling_factor_tensor()
         if scale_gradients and not self.warmup_active:
-            compat.foreach_mul_([p.grad for p in self._parameters if p.grad is not None], factor)
+            kernels.scale_all([p.grad for p in self._parameters if p.grad is not None], factor)
         return factor
 
     def scale_gradients(self, skip: torch.Tensor | None = None) -> torch.Tensor:

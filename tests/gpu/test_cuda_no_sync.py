@@ -103,7 +103,9 @@ def test_vgs_update_and_scale_do_not_sync(granularity, aggregation):
 # gradmon_ray or ray frame on the Python stack, and gradmon's own share is checked: none inside
 # a per-minibatch hook, and what remains is a fixed number per iteration.
 
-_PER_MINIBATCH_HOOKS = frozenset({"compute_loss_for_module", "postprocess_gradients_for_module", "apply_gradients"})
+_PER_MINIBATCH_HOOKS = frozenset(
+    {"compute_loss_for_module", "postprocess_gradients", "postprocess_gradients_for_module", "apply_gradients"}
+)
 
 
 def _record_syncs(fn) -> list[tuple[str, str, bool]]:
@@ -149,21 +151,22 @@ def test_the_sync_recorder_sees_a_planted_item_call():
     assert [(owner, "_deliberate_sync" in site) for owner, site, _ in syncs] == [("gradmon", True)]
 
 
-def _warm_cuda_learner(minibatch_size: int, *, vgs: bool, scaler: bool):
+def _warm_cuda_learner(minibatch_size: int, *, vgs: bool, scaler: bool, modules: int = 1):
     """A CUDA learner, a real batch and its config, after one warm-up update (which builds the
-    cached index tensors).  ``scaler``: RLlib's mixed-precision hook with a real CUDA GradScaler."""
+    cached index tensors).  ``scaler``: RLlib's mixed-precision hook with a real CUDA GradScaler;
+    ``modules`` > 1: the multi-agent FactoredOps, one module per agent."""
     import functools
 
-    from ray.rllib.core import DEFAULT_MODULE_ID
-
     from gradmon_ray.config import config_from_dict
-    from gradmon_ray.rllib.local_learner import env_spaces, local_ppo_config, sample_episodes, train_batch, update
+    from gradmon_ray.rllib.local_learner import local_ppo_config, module_spaces, sample_episodes, train_batch, update
 
+    env = {"id": "gradmon/FactoredOpsMultiAgent-v0", "config": {"num_agents": modules}} if modules > 1 else {}
     cfg = config_from_dict(
         {
             "ppo": {"train_batch_size": 512, "minibatch_size": minibatch_size, "num_epochs": 2},
             "resources": {"num_gpus_per_learner": 1},
             "vgs": {"enabled": vgs, "warmup_steps": 0},
+            **({"env": env} if env else {}),
         }
     )
     config = local_ppo_config(cfg)
@@ -171,7 +174,7 @@ def _warm_cuda_learner(minibatch_size: int, *, vgs: bool, scaler: bool):
         config = config.experimental(
             _torch_grad_scaler_class=functools.partial(torch.amp.GradScaler, "cuda", init_scale=1024.0)
         )
-    learner = config.build_learner(spaces={DEFAULT_MODULE_ID: env_spaces(cfg)})
+    learner = config.build_learner(spaces=module_spaces(cfg))
     batch = train_batch(learner, sample_episodes(cfg, learner, 512))
     update(learner, batch, cfg)
     return learner, batch, cfg
@@ -233,12 +236,18 @@ def test_cuda_and_cpu_learners_report_the_same_norms_for_the_same_step():
     assert on_gpu[mn.NAN_GRAD_COUNT] == on_cpu[mn.NAN_GRAD_COUNT] == 0.0
 
 
-@pytest.mark.parametrize("scaler", [False, True], ids=["fp32", "grad-scaler"])
-def test_gradient_hooks_of_a_real_update_run_under_sync_debug_error(scaler, monkeypatch):
-    """gradmon's per-minibatch gradient hooks, wrapped in ``"error"`` mode inside a real update.
+@pytest.mark.parametrize(
+    ("scaler", "modules", "vgs"),
+    [(False, 1, True), (True, 1, True), (False, 2, False), (False, 2, True), (False, 8, False), (False, 8, True)],
+    ids=["fp32", "grad-scaler", "2-modules", "2-modules-vgs", "8-modules", "8-modules-vgs"],
+)
+def test_gradient_hooks_of_a_real_update_run_under_sync_debug_error(scaler, modules, vgs, monkeypatch):
+    """gradmon's per-minibatch gradient hooks, wrapped in ``"error"`` mode inside a real update,
+    with 1, 2 and 8 modules (one norm pass for all of them), VGS on and off.
 
-    ``postprocess_gradients_for_module`` (unscale, norms, noise lanes, VGS, clipping) and
-    ``apply_gradients`` (fused skip-on-NaN step, accumulator) run in ``"error"`` mode, so any
+    ``postprocess_gradients`` (unscale, the norm pass of every module, noise lanes, VGS, RLlib's
+    clipping) and ``apply_gradients`` (fused skip-on-NaN step, the record) run in ``"error"``
+    mode (the loss, where RLlib's metrics logger runs too, is covered by the "warn" test above), so any
     synchronising call of gradmon's raises and fails the update.  The one exception is RLlib's own
     ``TorchLearner.apply_gradients``, which gradmon calls through ``super()`` (observe-only): with a
     GradScaler it syncs by itself in stock RLlib too (``scaler.step`` reads ``found_inf`` on the
@@ -260,8 +269,8 @@ def test_gradient_hooks_of_a_real_update_run_under_sync_debug_error(scaler, monk
 
     if scaler:  # in fp32 RLlib's step path (torch_skip_nan_gradients) stays under "error" too
         monkeypatch.setattr(TorchLearner, "apply_gradients", rllib_own_code)
-    learner, batch, cfg = _warm_cuda_learner(64, vgs=True, scaler=scaler)
-    calls = {"postprocess_gradients_for_module": 0, "apply_gradients": 0}
+    learner, batch, cfg = _warm_cuda_learner(64, vgs=vgs, scaler=scaler, modules=modules)
+    calls = {"postprocess_gradients": 0, "apply_gradients": 0}
 
     def strict(name: str):
         hook = getattr(learner, name)
@@ -279,10 +288,11 @@ def test_gradient_hooks_of_a_real_update_run_under_sync_debug_error(scaler, monk
     for name in calls:
         strict(name)
     update(learner, batch, cfg)
-    minibatches = learner.last_telemetry.minibatches
-    assert minibatches >= 12
-    assert calls == {"postprocess_gradients_for_module": minibatches, "apply_gradients": minibatches}
-    assert learner.last_telemetry.skipped == 0
+    telemetry = [m.last_telemetry for m in learner.gradmon_modules.values()]
+    minibatches = telemetry[0].minibatches
+    assert minibatches >= 12 // modules
+    assert calls == {"postprocess_gradients": minibatches, "apply_gradients": minibatches}
+    assert all(t.skipped == 0 and t.minibatches == minibatches for t in telemetry)
 
 
 def test_fused_norms_and_counts_on_cuda_are_exact_and_do_not_sync():

@@ -153,3 +153,40 @@ def test_appo_bad_head_fails_before_the_learner_thread_starts(ray_session):
         config.build_learner(spaces=spaces_of(config))
     started = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
     assert started == [], f"threads left running after a failed build: {started}"
+
+
+class _OwnPostprocessing(with_gradmon(PPOTorchLearner)):
+    """A subclass of a gradmon learner whose ``postprocess_gradients`` calls the per-module hook
+    itself, without ``super()`` (so gradmon's batched pass does not run there)."""
+
+    def postprocess_gradients(self, gradients_dict):
+        out = {}
+        for module_id in self.module.keys():  # noqa: SIM118 (a MultiRLModule iterates otherwise)
+            own = {p: g for p, g in gradients_dict.items() if any(p is q for q in self.module[module_id].parameters())}
+            config = self.config.get_config_for_module(module_id)
+            out.update(
+                self.postprocess_gradients_for_module(module_id=module_id, config=config, module_gradients_dict=own)
+            )
+        return out
+
+
+def test_an_override_of_postprocess_gradients_still_measures_every_module_once_per_minibatch():
+    """The batched norm pass normally runs in ``postprocess_gradients``; an override that skips
+    gradmon's gets it from the first per-module hook, ONCE per minibatch for all modules: VGS folds
+    each minibatch exactly once (its applied-update count equals the minibatches), and the norms
+    are still the stock loss's autograd norms per module (not another module's, not stale)."""
+    gradmon = {"heads": HEADS, "vgs": {"enabled": True, "warmup_steps": 0}}
+    stock_config = cartpole_config("ppo", PPOTorchLearner, agents=2, training={"grad_clip": None})
+    wrapped_config = cartpole_config("ppo", _OwnPostprocessing, agents=2, gradmon=gradmon)
+    wrapped_config.training(grad_clip=None)
+    stock, wrapped = build_pair(stock_config, wrapped_config)
+    batch = sample_batch(stock_config, stock, num_timesteps=128)
+    expected = {mid: stock_head_norms(stock, batch, mid, {"pi": "pi.", "vf": "vf."}) for mid in batch.policy_batches}
+    logged = _update(wrapped, batch)
+    for mid, heads in expected.items():
+        monitor = wrapped.gradmon_modules[mid]
+        assert float(monitor.vgs._stat_steps) == monitor.last_telemetry.minibatches == 1, mid
+        for head, norm in heads.items():
+            assert logged[mid][mn.head_metric(mn.HEAD_GRAD_NORM, head)] == pytest.approx(norm, rel=1e-4), (mid, head)
+    stock.shutdown()
+    wrapped.shutdown()
