@@ -1,6 +1,6 @@
 """Update-time overhead of gradmon's telemetry, measured side by side in one process.
 
-Four learners (five with the A/A twin) train the same FactoredActorCritic (same initial
+Five learners (six with the A/A twin) train the same FactoredActorCritic (same initial
 weights) on the same postprocessed batch of real FactoredOps episodes, one full
 training-iteration update each (``num_epochs`` x minibatches), in a new random order every
 round, so that drift on the machine and the previous arm's memory traffic hit all of them alike:
@@ -12,6 +12,11 @@ round, so that drift on the machine and the previous arm's memory traffic hit al
 * ``gradmon``: ``GradmonPPOTorchLearner`` with full telemetry (fused Adam, its default);
 * ``off``: the same learner with telemetry disabled (``telemetry.enabled: false``): isolates
   telemetry's own cost;
+* ``dropin``: ``with_gradmon(FusedAdamPPOTorchLearner)``, the drop-in a user of their own RLlib
+  learner writes: ``stock-fused`` with gradmon's telemetry attached, built from the same run
+  config, its ``learner_config_dict["gradmon"]`` stripped of the keys only the full learner reads
+  (``settings_parsing.FULL_LEARNER_KEYS``: optimizer, regularizers, probe, ...; the drop-in keeps
+  its learner's loss and optimizer);
 * ``gradmon-twin``: a second ``gradmon``, identical: ``gradmon/gradmon-twin`` is an A/A
   comparison whose distance from 1 is the run's noise floor (``--no-twin`` leaves it out).
 
@@ -30,13 +35,40 @@ printed too (medians over rounds, then over repetitions).
 ``gradmon/off`` is the telemetry's own cost; ``gradmon/stock-fused`` is the fair comparison
 with stock RLlib (the two differ in the telemetry, gradmon's loss code path and where the
 skip-on-NaN decision is made, not in the optimizer); ``gradmon/stock`` mixes in the
-optimizer.  Usage:
+optimizer.  ``dropin/stock-fused`` isolates what ``with_gradmon`` costs a stock learner: the
+two arms differ only in gradmon's telemetry attached through ``with_gradmon`` (same learner
+class underneath, same loss, same fused Adam, same weights, same batch).  Usage:
 
-    python bench/telemetry_overhead.py [--rounds 25] [--repeats 5] [--trunk 128 128] [--device cpu|cuda] [--agents N]
+    python bench/telemetry_overhead.py [--rounds 25] [--repeats 5] [--trunk 128 128] [--device cpu|cuda] \\
+        [--agents N] [--counts-only]
 
 ``--agents N`` trains the multi-agent variant (``gradmon/FactoredOpsMultiAgent-v0``, one module per
-agent: N modules in every arm, all of them monitored in ``gradmon``); its lines read
-``ratio gradmon/off agents=N median ...``.
+agent: N modules in every arm, all of them monitored in ``gradmon`` and ``dropin``); its lines
+read ``ratio gradmon/off agents=N median ...`` (``ratio dropin/stock-fused agents=N median ...``).
+
+Besides its time, every arm's ops, kernels and host reads per minibatch are printed, one line
+per arm::
+
+    arm gradmon update_ms 111.91 ops/minibatch 562 kernels/minibatch 319 host_reads/minibatch 1
+
+``update_ms`` is the arm's median update time (as in the per-arm time lines above it);
+``ops/minibatch`` counts every aten op dispatched inside ``Learner._update`` (one call per
+minibatch: forward, loss, backward, telemetry, optimizer step), ``kernels/minibatch`` the ones
+that launch a kernel on a GPU (not views, detaches or allocations: ``OpCounter.kernels``) and
+``host_reads/minibatch`` the ones that read device data on the host (``.item()``, ``bool(t)``,
+``data[bool_mask]``, a device->host copy: a sync on a GPU, free on a CPU).  They are counted
+with ``telemetry.op_counts.OpCounter`` once per arm, outside the timed rounds (counting slows
+every op down, so it never runs inside them): on the last repetition's learners after their
+timed rounds, one extra ``update`` under ``counting_calls(learner, "_update", counter)``, divided
+by ``counter.calls`` (the minibatches of that update).  ``--counts-only`` builds the arms, warms
+each up with one update (which builds cached index tensors), prints the count lines (without
+``update_ms``) and exits without timing: fast, for docs and CI smoke (single-agent: seconds;
+``--agents 8`` spends minutes sampling the episodes, as the timed runs do).
+
+On a CPU every ``.item()`` counts as a host read, also of a tensor that lives on the host on a
+GPU too: ``stock``'s foreach Adam reads each parameter's step counter (one per parameter tensor
+and minibatch, on top of ``stock-fused``'s), which on a GPU is no sync.  Fused Adam keeps its
+steps on the device: ``stock-fused``, ``dropin`` and ``gradmon`` compare like with like.
 
 ``--trunk 400 400 400 400`` is 0.99M parameters (policy and value trunks), ``--trunk 1290 1290 1290 1290``
 10.08M.
@@ -55,9 +87,19 @@ import torch
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 
 from gradmon_ray.config import GradmonConfig
-from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch, update
+from gradmon_ray.rllib import with_gradmon
+from gradmon_ray.rllib.local_learner import (
+    build_local_learner,
+    local_ppo_config,
+    module_spaces,
+    sample_episodes,
+    train_batch,
+    update,
+)
+from gradmon_ray.rllib.settings_parsing import FULL_LEARNER_KEYS
+from gradmon_ray.telemetry.op_counts import OpCounter, counting_calls
 
-RATIOS = [("gradmon", "off"), ("gradmon", "stock"), ("gradmon", "stock-fused")]
+RATIOS = [("gradmon", "off"), ("gradmon", "stock"), ("gradmon", "stock-fused"), ("dropin", "stock-fused")]
 
 
 class FusedAdamPPOTorchLearner(PPOTorchLearner):
@@ -71,6 +113,14 @@ class FusedAdamPPOTorchLearner(PPOTorchLearner):
             params=params,
             lr_or_lr_schedule=config.lr,
         )
+
+
+def build_drop_in(cfg: GradmonConfig) -> Any:
+    """``with_gradmon(FusedAdamPPOTorchLearner)`` from the run config, its gradmon settings stripped
+    of the keys only ``GradmonPPOTorchLearner`` reads (as ``tests/rllib/test_host_reads.py``)."""
+    config = local_ppo_config(cfg, with_gradmon(FusedAdamPPOTorchLearner))
+    settings = {k: v for k, v in config.learner_config_dict["gradmon"].items() if k not in FULL_LEARNER_KEYS}
+    return config.learners(learner_config_dict={"gradmon": settings}).build_learner(spaces=module_spaces(cfg))
 
 
 def build_arms(cfg: GradmonConfig, twin: bool, order: random.Random) -> dict[str, Any]:
@@ -88,6 +138,7 @@ def build_arms(cfg: GradmonConfig, twin: bool, order: random.Random) -> dict[str
         "stock-fused": lambda: build_local_learner(cfg, learner_class=FusedAdamPPOTorchLearner),
         "gradmon": lambda: build_local_learner(cfg),
         "off": lambda: build_local_learner(off),
+        "dropin": lambda: build_drop_in(cfg),
     }
     if twin:
         builders["gradmon-twin"] = lambda: build_local_learner(cfg)
@@ -97,6 +148,35 @@ def build_arms(cfg: GradmonConfig, twin: bool, order: random.Random) -> dict[str
     for learner in learners.values():
         learner.module.set_state(weights)
     return learners
+
+
+def count_per_minibatch(learner: Any, batch: Any, cfg: GradmonConfig) -> dict[str, float]:
+    """Ops, kernels and host reads per minibatch of one ``update`` of ``learner`` on ``batch``,
+    counted inside ``Learner._update`` (one call per minibatch).  Not for the timed rounds: the
+    counting mode slows every op down."""
+    counter = OpCounter()
+    with counting_calls(learner, "_update", counter):
+        update(learner, batch, cfg)
+    return {
+        "ops": counter.ops / counter.calls,
+        "kernels": counter.kernels / counter.calls,
+        "host_reads": counter.num_host_reads / counter.calls,
+    }
+
+
+def _num(x: float) -> str:
+    return f"{x:.0f}" if x == int(x) else f"{x:.2f}"
+
+
+def print_counts(counts: dict[str, dict[str, float]], update_ms: dict[str, float] | None = None) -> None:
+    """One ``arm NAME [update_ms T] ops/minibatch X kernels/minibatch Y host_reads/minibatch Z`` line per arm."""
+    for name, c in counts.items():
+        time_field = f" update_ms {update_ms[name]:.2f}" if update_ms is not None else ""
+        print(
+            f"arm {name}{time_field} ops/minibatch {_num(c['ops'])} kernels/minibatch {_num(c['kernels'])} "
+            f"host_reads/minibatch {_num(c['host_reads'])}",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -116,6 +196,11 @@ def main() -> None:
         action="store_false",
         help="build the learners once, not afresh for every repetition",
     )
+    parser.add_argument(
+        "--counts-only",
+        action="store_true",
+        help="build the arms, print their ops/kernels/host reads per minibatch and exit without timing",
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
 
@@ -130,6 +215,22 @@ def main() -> None:
     order = random.Random(0)
     learners = build_arms(cfg, args.twin, order)
     batch = train_batch(learners["gradmon"], sample_episodes(cfg, learners["gradmon"], cfg.ppo.train_batch_size))
+    label = f" agents={args.agents}" if args.agents else ""
+
+    if args.counts_only:
+        for learner in learners.values():
+            update(learner, batch, cfg)  # the first update builds cached index tensors: count the second
+        counts = {name: count_per_minibatch(learner, batch, cfg) for name, learner in learners.items()}
+        modules = learners["gradmon"].gradmon_modules
+        print(
+            f"device={args.device} torch={torch.__version__} modules={len(modules)}{label} "
+            f"trunk={cfg.model.trunk_hiddens} minibatches/update="
+            f"{next(iter(modules.values())).last_telemetry.minibatches} counts only (no timing)"
+        )
+        print_counts(counts)
+        for learner in learners.values():
+            learner.shutdown()
+        return
 
     def timed(name: str) -> float:
         if args.device == "cuda":
@@ -172,7 +273,6 @@ def main() -> None:
     modules = learners["gradmon"].gradmon_modules
     minibatches = next(iter(modules.values())).last_telemetry.minibatches
     params = sum(p.numel() for mid in modules for p in learners["gradmon"].module[mid].parameters())
-    label = f" agents={args.agents}" if args.agents else ""
     print(
         f"device={args.device} torch={torch.__version__} threads={torch.get_num_threads()} modules={len(modules)} "
         f"params={params / 1e6:.3f}M trunk={cfg.model.trunk_hiddens} minibatches/update={minibatches} "
@@ -190,6 +290,10 @@ def main() -> None:
             for r, p in zip(pair_ratios, per_repeat, strict=True)
         ]
     )
+    # Counted after every timed round, on the last repetition's (warmed-up) learners: the
+    # extra update each runs under the counting mode cannot perturb a timing.
+    counts = {name: count_per_minibatch(learner, batch, cfg) for name, learner in learners.items()}
+    print_counts(counts, {n: statistics.median(r[n] for r in per_repeat) * 1e3 for n in names})
     print(f"  telemetry's own time per minibatch: {extra:.3f} ms (paired ratio x off's update; median of repetitions)")
     for a, b in ratios:
         values = [r[(a, b)] for r in pair_ratios]

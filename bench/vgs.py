@@ -18,10 +18,13 @@ Arms (warmup 0, so every step also computes and applies a factor):
 * ``vgs-tensor``: ``tensor`` granularity, gradient mode;
 * ``seed``: a faithful copy of the seed's loop (``seed_vgs.py``).
 
-Prints one line per ratio, ``ratio <arm>/<yardstick> size=<params>M median <x> min <y> max <z>``.
-Models are MLP-shaped parameter lists of about 1M and 10M parameters.  Usage:
+Prints one line per ratio, ``ratio <arm>/<yardstick> size=<params>M median <x> min <y> max <z>``,
+and per arm the ops, kernels (ops that launch one on a GPU) and host reads of one step (counted
+once, untimed, with ``telemetry.op_counts.OpCounter``; a compiled arm is not counted: a dispatch
+mode makes torch.compile fall back to eager).  Models are MLP-shaped parameter lists of about 0.08M, 1M
+and 10M parameters.  Usage:
 
-    python bench/vgs.py [--sizes 1 10] [--steps 20] [--repeats 3] [--device cpu|cuda]
+    python bench/vgs.py [--sizes 0 1 10] [--steps 20] [--repeats 3] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from gradmon_ray.telemetry import VarianceGradientScaler
+from gradmon_ray.telemetry.op_counts import OpCounter
+from gradmon_ray.vgs import VarianceGradientScaler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from seed_vgs import SeedVarianceGradientScaler
@@ -49,7 +53,9 @@ def _mlp_shapes(width: int, depth: int = 4, inputs: int = 64, outputs: int = 9) 
     return [*shapes, (outputs, width), (outputs,)]
 
 
-SHAPES = {1: _mlp_shapes(512), 10: _mlp_shapes(1600)}
+SHAPES = {0: _mlp_shapes(128), 1: _mlp_shapes(512), 10: _mlp_shapes(1600)}
+"""``--sizes`` key -> parameter shapes: 0 is 0.08M parameters (the default model's order: eager, launch-bound
+on a GPU), 1 is 1.09M, 10 is 10.36M (both compiled by ``compile="auto"``)."""
 RATIOS = [
     ("vgs-element", "fused-adam"),
     ("vgs-element-update", "fused-adam"),
@@ -60,7 +66,15 @@ RATIOS = [
 ]
 
 
-def _arms(params: list[torch.nn.Parameter]) -> dict[str, Callable[[], object]]:
+def _arms(params: list[torch.nn.Parameter]) -> tuple[dict[str, Callable[[], object]], dict[str, object]]:
+    """(arm -> one step, arm -> its scaler, for the VGS arms)."""
+    scalers = {
+        "vgs-element": VarianceGradientScaler(params, warmup_steps=0),
+        "vgs-element-update": VarianceGradientScaler(params, warmup_steps=0),
+        "vgs-element-eager": VarianceGradientScaler(params, warmup_steps=0, compile="off"),
+        "vgs-tensor": VarianceGradientScaler(params, warmup_steps=0, granularity="tensor"),
+    }
+
     def vgs_step(vgs: VarianceGradientScaler, scale: bool) -> Callable[[], object]:
         def run() -> None:
             vgs.observe(scale_gradients=scale)
@@ -75,14 +89,12 @@ def _arms(params: list[torch.nn.Parameter]) -> dict[str, Callable[[], object]]:
         seed.step()
 
     adam = torch.optim.Adam(params, fused=True)
-    return {
+    arms = {
         "fused-adam": adam.step,
-        "vgs-element": vgs_step(VarianceGradientScaler(params, warmup_steps=0), True),
-        "vgs-element-update": vgs_step(VarianceGradientScaler(params, warmup_steps=0), False),
-        "vgs-element-eager": vgs_step(VarianceGradientScaler(params, warmup_steps=0, compile="off"), True),
-        "vgs-tensor": vgs_step(VarianceGradientScaler(params, warmup_steps=0, granularity="tensor"), True),
+        **{name: vgs_step(vgs, name != "vgs-element-update") for name, vgs in scalers.items()},
         "seed": seed_step,
     }
+    return arms, scalers
 
 
 def bench(size: int, steps: int, repeats: int, device: str) -> None:
@@ -90,7 +102,7 @@ def bench(size: int, steps: int, repeats: int, device: str) -> None:
     params = [torch.nn.Parameter(torch.zeros(s, device=device)) for s in SHAPES[size]]
     n = sum(p.numel() for p in params)
     grad_sets = [[torch.randn(p.shape, device=device) * (0.1 + i) for p in params] for i in range(4)]
-    arms = _arms(params)
+    arms, scalers = _arms(params)
 
     def set_grads(k: int) -> None:
         for p, g in zip(params, grad_sets[k % 4], strict=True):
@@ -108,6 +120,17 @@ def bench(size: int, steps: int, repeats: int, device: str) -> None:
     for name, fn in arms.items():  # untimed: allocations and (where it applies) the compile
         set_grads(0)
         print(f"  first step of {name}: {timed(fn):.2f} s", flush=True)
+    for name, fn in arms.items():  # untimed: what one step dispatches (kernels: what a GPU launches)
+        if getattr(scalers.get(name), "compiled", False):  # a dispatch mode would make it run eagerly
+            print(f"  {name:20s} compiled: one graph (its kernels are not dispatched ops)")
+            continue
+        set_grads(1)
+        with OpCounter() as counter:
+            fn()
+        print(
+            f"  {name:20s} ops/step {counter.ops:5d} kernels/step {counter.kernels:5d} "
+            f"host_reads/step {counter.num_host_reads}"
+        )
     per_repeat: list[dict[str, float]] = []
     names = list(arms)
     for _ in range(repeats):

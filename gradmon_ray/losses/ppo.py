@@ -52,13 +52,17 @@ class PPOLossTerms:
         return masked_mean(self.per_head_entropy_rows, self.mask)
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Mean over the first dimension's valid rows; plain mean when ``mask`` is None."""
+def masked_mean(x: torch.Tensor, mask: torch.Tensor | None, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over the first dimension's valid rows; plain mean when ``mask`` is None.
+
+    ``valid``: ``mask.sum()`` when the caller has it already (a loss takes several masked means
+    of one mask: one count, not one per term)."""
     if mask is None:
         return x.mean(dim=0)
+    count = mask.sum() if valid is None else valid
     if x.dim() > 1:
         mask = mask.reshape(mask.shape[0], *([1] * (x.dim() - 1)))
-    return torch.where(mask, x, 0.0).sum(dim=0) / mask.sum()
+    return torch.where(mask, x, 0.0).sum(dim=0) / count
 
 
 def explained_variance(targets: torch.Tensor, predictions: torch.Tensor) -> torch.Tensor:
@@ -91,6 +95,7 @@ def ppo_loss_terms(
     use_kl_loss: bool,
 ) -> PPOLossTerms:
     """Evaluate PPO's loss; ``values=None`` means no critic (value terms are zero)."""
+    valid = mask.sum() if mask is not None else None  # one count for every masked mean
     per_head_logp = dist.per_head_logp(actions)
     logp_ratio = torch.exp(per_head_logp.sum(-1) - old_logp)
     surrogate = torch.min(
@@ -103,28 +108,28 @@ def ppo_loss_terms(
     if use_kl_loss:
         if prev_dist is None:
             raise ValueError("use_kl_loss needs the sampling policy's distribution")
-        mean_kl = masked_mean(prev_dist.kl(dist), mask)
+        mean_kl = masked_mean(prev_dist.kl(dist), mask, valid)
     else:
         mean_kl = torch.zeros((), device=surrogate.device)
 
     if values is not None:
         vf_loss = torch.pow(values - value_targets, 2.0)
         vf_loss_clipped = torch.clamp(vf_loss, 0, vf_clip_param)
-        mean_vf_loss = masked_mean(vf_loss_clipped, mask)
-        mean_vf_unclipped = masked_mean(vf_loss, mask)
+        mean_vf_loss = masked_mean(vf_loss_clipped, mask, valid)
+        mean_vf_unclipped = masked_mean(vf_loss, mask, valid)
     else:
         values = torch.zeros_like(surrogate)
         vf_loss_clipped = mean_vf_loss = mean_vf_unclipped = torch.zeros((), device=surrogate.device)
 
-    total = masked_mean(-surrogate + vf_loss_coeff * vf_loss_clipped - entropy_coeff * entropy, mask)
+    total = masked_mean(-surrogate + vf_loss_coeff * vf_loss_clipped - entropy_coeff * entropy, mask, valid)
     if use_kl_loss:
         total = total + kl_coeff * mean_kl
     return PPOLossTerms(
         total=total,
-        policy=-masked_mean(surrogate, mask),
+        policy=-masked_mean(surrogate, mask, valid),
         value=mean_vf_loss,
         value_unclipped=mean_vf_unclipped,
-        entropy=masked_mean(entropy, mask),
+        entropy=masked_mean(entropy, mask, valid),
         kl=mean_kl,
         per_head_logp=per_head_logp,
         per_head_entropy_rows=per_head_entropy,

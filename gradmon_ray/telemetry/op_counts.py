@@ -25,9 +25,19 @@ BOOL_INDEX_OPS = frozenset({"aten::index", "aten::index_put", "aten::index_put_"
 shape): RLlib's ``data[mask]``.  On a CPU their inner ``nonzero`` is not dispatched, so it is
 counted here."""
 NO_KERNEL_OPS = frozenset(
-    {"aten::detach", "aten::lift_fresh", "aten::empty", "aten::new_empty", "aten::empty_like", "aten::empty_strided"}
+    {
+        "aten::detach",
+        "aten::lift_fresh",
+        "aten::empty",
+        "aten::new_empty",
+        "aten::empty_like",
+        "aten::empty_strided",
+        "aten::scalar_tensor",
+    }
 )
-"""Ops that launch no kernel besides views: detaching, wrapping and allocating."""
+"""Ops that launch no kernel besides views: detaching, wrapping and allocating (``scalar_tensor``
+wraps a Python number, e.g. ``where(m, x, 0.0)``'s ``0.0``, as a host scalar the kernel takes as
+an argument)."""
 
 
 class OpCounter(TorchDispatchMode):
