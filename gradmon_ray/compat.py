@@ -26,6 +26,7 @@ Private uses kept here (Ray 2.60 / torch 2.x):
   (``tune_registry_follows_this_job``)
 - Ray's ``ActorUnavailableError`` wording "actor is restarting" (``refused_while_restarting``)
 - ``torch._utils._flatten_dense_tensors`` (``flatten_dense``): torch has no public one-call flatten.
+- ``torch.utils._python_dispatch.TorchDispatchMode`` (``torch_dispatch_mode``): exported nowhere public.
 - ``torch._foreach_norm``, ``torch._foreach_mul_``, ``_foreach_copy_``, ``_foreach_sub_``,
   ``_foreach_add_`` (the ``foreach_*`` functions): torch has no public per-tensor norm list or
   in-place list ops; ``clip_grad_norm_`` uses the same kernels.  ``clip_grads_with_norm_`` is
@@ -241,6 +242,14 @@ def refused_while_restarting(exc: BaseException) -> bool:
 def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each tensor's 2-norm, as one fused kernel per device and dtype (what ``clip_grad_norm_`` runs)."""
     return list(torch._foreach_norm(tensors))
+
+
+def torch_dispatch_mode() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode``: the documented way to see every aten op
+    (``telemetry.op_counts``), which torch exports only from this private module."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
 
 
 def flatten_dense(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -14,7 +14,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from gradmon_ray import compat
 
 HOST_READ_OPS = frozenset(
     {"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal", "aten::masked_select"}
@@ -40,7 +41,7 @@ wraps a Python number, e.g. ``where(m, x, 0.0)``'s ``0.0``, as a host scalar the
 an argument)."""
 
 
-class OpCounter(TorchDispatchMode):
+class OpCounter(compat.torch_dispatch_mode()):
     """``with counter:`` counts every dispatched op; reusable (the counts add up)."""
 
     def __init__(self) -> None:
@@ -62,7 +63,7 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        name = func._schema.name
+        name = f"{func.namespace}::{func.__name__.split('.')[0]}"  # the overload packet, e.g. aten::index
         self.by_name[name] += 1
         if not (func.is_view or name in NO_KERNEL_OPS):
             self.kernels += 1

@@ -25,8 +25,12 @@ class VGSAggregation:
         return kernels.normalized_entries(mean_ema, sq_ema, self._stat_steps, self._beta_tensor, self.eps)
 
     def _sampled_entries(self) -> torch.Tensor:
-        """The sampled (or all) entries' normalized variance."""
-        return self._normalized_entries(self._sample)
+        """The sampled (or all) entries' normalized variance, gathered without a flat copy."""
+        if not self._sample_parts:
+            return self._normalized_entries(self._sample)
+        means = torch.cat([self._means[i].reshape(-1)[index] for i, index in self._sample_parts])
+        squares = torch.cat([self._squares[i].reshape(-1)[index] for i, index in self._sample_parts])
+        return kernels.normalized_entries(means, squares, self._stat_steps, self._beta_tensor, self.eps)
 
     def _aggregate(self) -> torch.Tensor:
         if self.aggregation_method == "p90":

@@ -18,8 +18,6 @@ from collections.abc import Sequence
 
 import torch
 
-from gradmon_ray import compat
-
 # The lazy compile with an eager fallback serves the norm plan too: it lives in ``compiled``.
 from gradmon_ray.compile_on_demand import AUTO_COMPILE_MIN_PARAMETERS, COMPILE_MODES, Kernel, wants_compile
 
@@ -40,39 +38,23 @@ def clean(grad: torch.Tensor) -> torch.Tensor:
     return torch.where(x == x, x, 0.0).clamp(-GRAD_LIMIT, GRAD_LIMIT)
 
 
-def flat_cleaned(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Every gradient flattened into one vector (parameter order), ``clean``ed: one pass for all
-    tensors, however many (compiled, fused with what reads it)."""
-    return clean(torch.cat([g.reshape(-1) for g in grads]))
-
-
 def fold_elements(
     grads: Sequence[torch.Tensor],
-    means: torch.Tensor,
-    squares: torch.Tensor,
+    means: Sequence[torch.Tensor],
+    squares: Sequence[torch.Tensor],
     weight: torch.Tensor,
     factor: torch.Tensor | None,
-) -> torch.Tensor:
+) -> None:
     """Per element: ``mean <- lerp(mean, |g|, weight)``, ``square <- lerp(square, g^2, weight)``
-    (``g`` cleaned), then ``g <- g * factor`` when a factor is given.  ``means`` and ``squares``
-    are flat (all parameters' elements, in order): a fixed handful of kernels whatever the
-    number of tensors.  Returns the spatial sums ``[sum g, sum g^2, max |g|]`` of the cleaned
-    gradients (``spatial_sums``)."""
-    x = flat_cleaned(grads)
-    means.lerp_(x.abs(), weight)
-    squares.lerp_(x * x, weight)
-    if factor is not None:
-        scale_all(grads, factor)
-    return spatial_sums([x])
-
-
-def scale_all(grads: Sequence[torch.Tensor], factor: torch.Tensor) -> None:
-    """``g <- g * factor`` for every gradient: one multi-tensor kernel eagerly."""
-    if torch.compiler.is_compiling():  # traced: per tensor, fused by the compiler
-        for grad in grads:
+    (``g`` cleaned), then ``g <- g * factor`` when a factor is given.  ``means[i]`` and
+    ``squares[i]`` are tensors shaped like ``grads[i]``.  No reductions: a sum over millions
+    of elements in the same loop would cost as much as the rest of the pass (bench/vgs.py)."""
+    for grad, mean, square in zip(grads, means, squares, strict=True):
+        x = clean(grad)
+        mean.lerp_(x.abs(), weight)
+        square.lerp_(x * x, weight)
+        if factor is not None:
             grad.mul_(factor.to(grad.dtype))
-    else:
-        compat.foreach_mul_(list(grads), factor)
 
 
 def spatial_sums(values: Sequence[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
@@ -179,9 +161,9 @@ def record_spatial(
 
 def element_step(
     grads: Sequence[torch.Tensor],
-    means: torch.Tensor,
-    squares: torch.Tensor,
-    sample: torch.Tensor,
+    means: Sequence[torch.Tensor],
+    squares: Sequence[torch.Tensor],
+    sample: Sequence[tuple[int, torch.Tensor]],
     counters: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     skip: torch.Tensor,
     active: torch.Tensor,
@@ -195,29 +177,23 @@ def element_step(
     The sampled entries' normalized variance is computed first as it WILL be after this
     step's fold (from the sampled gradient elements only), so the factor is known before the
     single pass that folds every gradient and, with ``scale_gradients``, scales it.
-    ``means``/``squares``: the flat EMAs; ``sample``: flat entry indices; ``counters``: (spatial
-    EMA, spatial steps, statistics steps), updated in place; ``skip``: 1.0 leaves every
+    ``sample``: (tensor index, flat indices inside that tensor); ``counters``: (spatial EMA,
+    spatial steps, statistics steps), updated in place; ``skip``: 1.0 leaves every
     statistic unchanged; ``active``: 1.0 once the warmup is over (else the factor is 1).
-    Eagerly about 60 kernels whatever the number of tensors (one concatenation, one gather per
-    buffer, the selection, two in-place EMA updates, one multi-tensor scale).
     """
     spatial_ema, spatial_steps, stat_steps = counters
     keep = 1.0 - skip
     weight = (1.0 - beta) * keep
-    x = flat_cleaned(grads)
-    picked = x[sample]
-    sampled_means = means[sample].lerp(picked.abs(), weight)
-    sampled_squares = squares[sample].lerp(picked * picked, weight)
+    picked = clean(torch.cat([grads[i].reshape(-1)[index] for i, index in sample]))
+    sampled_means = torch.cat([means[i].reshape(-1)[index] for i, index in sample]).lerp(picked.abs(), weight)
+    sampled_squares = torch.cat([squares[i].reshape(-1)[index] for i, index in sample]).lerp(picked * picked, weight)
     nv = normalized_entries(sampled_means, sampled_squares, stat_steps + keep, beta, eps)
     value = no_entry_fallback(quantiles(nv, (0.9,))[0])
     factor = scaling_factor(value, alpha, active)
-    means.lerp_(x.abs(), weight)
-    squares.lerp_(x * x, weight)
-    if scale_gradients:
-        scale_all(grads, factor)
+    fold_elements(grads, means, squares, weight, factor if scale_gradients else None)
     # The spatial statistics from the same sampled elements: their sums extrapolated to all
     # elements (mean, variance and norm are then unbiased estimates), the max over the sample.
-    numel = x.numel()
+    numel = sum(g.numel() for g in grads)
     sums = spatial_sums([picked], scale=numel / picked.numel())
     record_spatial(spatial_ema, spatial_steps, stat_steps, sums, keep, weight, numel)
     return factor
@@ -237,10 +213,17 @@ def scaling_factor(value: torch.Tensor, alpha: float, active: torch.Tensor) -> t
     return torch.where(active > 0, factor, torch.ones_like(factor))
 
 
-def fixed_sample(total: int, size: int, device: torch.device) -> torch.Tensor:
-    """``size`` distinct flat entry indices among ``total``, uniform, sorted, from a fixed seed
-    (the same on every replica)."""
-    return torch.randperm(total, generator=torch.Generator().manual_seed(0))[:size].sort().values.to(device)
+def fixed_sample(
+    numels: Sequence[int], size: int, device: torch.device
+) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
+    """``size`` distinct flat entry indices, uniform, sorted, from a fixed seed (the same on every
+    replica), and the same entries as (tensor index, indices inside that tensor) for tensors of
+    ``numels`` entries: the per-step sample is gathered in place, never from a flat copy."""
+    sample = torch.randperm(sum(numels), generator=torch.Generator().manual_seed(0))[:size].sort().values
+    offsets = torch.tensor([0, *numels]).cumsum(0)
+    owner = torch.bucketize(sample, offsets[1:], right=True)
+    parts = [(i, (sample[owner == i] - offsets[i]).to(device)) for i in range(len(numels)) if (owner == i).any()]
+    return sample.to(device), parts
 
 
 __all__ = [
@@ -253,14 +236,12 @@ __all__ = [
     "clean",
     "element_step",
     "fixed_sample",
-    "flat_cleaned",
     "fold_elements",
     "fold_tensors",
     "no_entry_fallback",
     "normalized_entries",
     "quantiles",
     "record_spatial",
-    "scale_all",
     "scaling_factor",
     "spatial_sums",
     "wants_compile",

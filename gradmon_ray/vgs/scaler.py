@@ -26,7 +26,9 @@ averages element noise within a tensor, so it reads lower than ``"element"``.
 
 Everything per step runs on the gradients' device with no host synchronisation; with
 ``p90`` (the default) over a fixed sample, one step is one pass over the gradients and the
-two EMA buffers (``vgs.kernels``), compiled into one fused loop for large models.  Reporting
+two EMA buffers (``vgs.kernels``), compiled into one fused loop per tensor for large models;
+uncompiled (small models), ``element`` keeps its EMAs flat and a step is a fixed handful of
+kernels whatever the number of tensors (``vgs.flat_kernels``).  Reporting
 getters (``get_normalized_variance``, ``get_scaling_factor``, ``get_metrics``,
 ``compute_gradient_statistics``) do synchronise.
 
@@ -40,7 +42,8 @@ from collections.abc import Iterable
 
 import torch
 
-from gradmon_ray.vgs import kernels
+from gradmon_ray import compat
+from gradmon_ray.vgs import flat_kernels, kernels
 from gradmon_ray.vgs.aggregation import AGGREGATION_METHODS, VGSAggregation
 from gradmon_ray.vgs.checkpoint import (
     OLD_CHECKPOINT_WARNING,
@@ -49,11 +52,12 @@ from gradmon_ray.vgs.checkpoint import (
 )
 from gradmon_ray.vgs.kernels import GRAD_LIMIT
 from gradmon_ray.vgs.reporting import DEVICE_METRICS, HOST_METRICS, VGSReporting
+from gradmon_ray.vgs.statistics import VGSStatistics
 
 GRANULARITIES = ("element", "tensor")
 
 
-class VarianceGradientScaler(VGSAggregation, VGSReporting, VGSCheckpoint):
+class VarianceGradientScaler(VGSStatistics, VGSAggregation, VGSReporting, VGSCheckpoint):
     """Global gradient scaling by the temporal variance of the gradients.
 
     Per training step call ``scale_gradients()`` (updates the statistics, then scales
@@ -118,60 +122,19 @@ class VarianceGradientScaler(VGSAggregation, VGSReporting, VGSCheckpoint):
         self._device = self._parameters[0].device if self._parameters else torch.device("cpu")
         self._numel = [p.numel() for p in self._parameters]
         compiled = kernels.wants_compile(compile, sum(self._numel))
+        # Uncompiled (small models), the element EMAs are flat and a step is a fixed handful of
+        # kernels (``vgs.flat_kernels``); compiled, one tensor per parameter, folded in place.
+        self._flat = self.granularity == "element" and not compiled
         self._element_step = kernels.Kernel(kernels.element_step, compile=compiled)
         self._fold_elements = kernels.Kernel(kernels.fold_elements, compile=compiled)
         self._fold_tensors = kernels.Kernel(kernels.fold_tensors, compile=compiled)
+        self._spatial_sums = kernels.Kernel(kernels.spatial_sums, compile=compiled)
         self._reset_statistics()
-
-    # --- state ----------------------------------------------------------------------------
-    def _reset_statistics(self) -> None:
-        dev = self._device
-        self._beta_tensor = torch.tensor(self.beta, device=dev)
-        self._one = torch.ones((), device=dev)
-        self._zero = torch.zeros((), device=dev)
-        self._active = torch.zeros((), device=dev)  # 1.0 once the warmup is over (a device flag)
-        self._active_value = False
-        if self.granularity == "element":
-            # Flat EMAs of all elements, in parameter order: a step is a fixed handful of
-            # kernels on them whatever the number of tensors (a compiled step fuses them).
-            self._element_means = torch.zeros(sum(self._numel), device=dev)
-            self._element_squares = torch.zeros(sum(self._numel), device=dev)
-            size = sum(self._numel)
-        else:
-            self._tensor_mean_ema = torch.zeros(len(self._parameters), device=dev)  # EMA of s = mean|g|
-            self._tensor_sq_ema = torch.zeros(len(self._parameters), device=dev)  # EMA of s^2
-            size = len(self._parameters)
-        self._param_numel = torch.tensor(self._numel, dtype=torch.float32, device=dev)
-        # Statistics updates that were applied (skipped non-finite steps do not count): on
-        # the device, so that a skip decision never has to reach the host.
-        self._stat_steps = torch.zeros((), device=dev)
-        # Legacy spatial EMAs (mean, var, norm, max of all gradient elements), for logging.
-        self._spatial_ema = torch.zeros(4, device=dev)
-        self._spatial_steps = torch.zeros((), device=dev)
-        self._sample: torch.Tensor | None = None
-        if size > self.quantile_sample_size:
-            self._sample = kernels.fixed_sample(size, self.quantile_sample_size, dev)
-
-    @property
-    def _mean_ema(self) -> torch.Tensor:
-        """EMA of ``|g|`` (element) or of ``s`` (tensor), flat, in parameter order."""
-        return self._element_means if self.granularity == "element" else self._tensor_mean_ema
-
-    @property
-    def _sq_ema(self) -> torch.Tensor:
-        """EMA of ``g^2`` (element) or of ``s^2`` (tensor), flat, in parameter order."""
-        return self._element_squares if self.granularity == "element" else self._tensor_sq_ema
-
-    def _load_statistics(self, mean_ema: torch.Tensor, sq_ema: torch.Tensor) -> None:
-        """Copy flat EMAs (``_mean_ema``'s layout) into this scaler's state."""
-        mean_ema, sq_ema = mean_ema.reshape(-1).to(self._device), sq_ema.reshape(-1).to(self._device)
-        self._mean_ema.copy_(mean_ema)
-        self._sq_ema.copy_(sq_ema)
 
     @property
     def compiled(self) -> bool:
         """Whether the per-step pass runs compiled (known after the first step)."""
-        kernels_ = (self._element_step, self._fold_elements, self._fold_tensors)
+        kernels_ = (self._element_step, self._fold_elements, self._fold_tensors, self._spatial_sums)
         return any(k.compiled for k in kernels_)
 
     @property
@@ -194,8 +157,12 @@ class VarianceGradientScaler(VGSAggregation, VGSReporting, VGSCheckpoint):
 
     def _fold(self, grads: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
         """Fold without scaling; returns the spatial sums over all elements."""
+        if self._flat:
+            return flat_kernels.fold_elements_flat(grads, self._element_means, self._element_squares, weight, None)
         if self.granularity == "element":
-            return self._fold_elements(grads, self._element_means, self._element_squares, weight, None)
+            sums = self._spatial_sums(grads)
+            self._fold_elements(grads, self._means, self._squares, weight, None)
+            return sums
         return self._fold_tensors(grads, self._tensor_mean_ema, self._tensor_sq_ema, self._param_numel, weight)
 
     def _record(self, keep: torch.Tensor, weight: torch.Tensor, sums: torch.Tensor) -> None:
@@ -224,15 +191,30 @@ class VarianceGradientScaler(VGSAggregation, VGSReporting, VGSCheckpoint):
         if not self.enabled or not self._parameters:
             return torch.ones((), device=self._device)
         grads = self._grads()
-        if self._sample is not None and self.granularity == "element" and self.aggregation_method == "p90":
+        sampled = self._sample_parts or (self._flat and self._sample is not None)
+        if sampled and self.aggregation_method == "p90":
             if self._active_value != (not self.warmup_active):  # flips once, when the warmup ends
                 self._active_value = not self.warmup_active
                 self._active.fill_(float(self._active_value))
+            if self._flat:
+                return flat_kernels.element_step_flat(
+                    grads,
+                    self._element_means,
+                    self._element_squares,
+                    self._sample,
+                    (self._spatial_ema, self._spatial_steps, self._stat_steps),
+                    self._zero if skip is None else skip.to(self._device).float(),
+                    self._active,
+                    self._beta_tensor,
+                    self.eps,
+                    self.alpha,
+                    scale_gradients,
+                )
             return self._element_step(
                 grads,
-                self._element_means,
-                self._element_squares,
-                self._sample,
+                self._means,
+                self._squares,
+                self._sample_parts,
                 (self._spatial_ema, self._spatial_steps, self._stat_steps),
                 self._zero if skip is None else skip.to(self._device).float(),
                 self._active,
@@ -245,7 +227,7 @@ class VarianceGradientScaler(VGSAggregation, VGSReporting, VGSCheckpoint):
         self._record(keep, weight, self._fold(grads, weight))
         factor = self.scaling_factor_tensor()
         if scale_gradients and not self.warmup_active:
-            kernels.scale_all([p.grad for p in self._parameters if p.grad is not None], factor)
+            compat.foreach_mul_([p.grad for p in self._parameters if p.grad is not None], factor)
         return factor
 
     def scale_gradients(self, skip: torch.Tensor | None = None) -> torch.Tensor:
