@@ -20,7 +20,7 @@ from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 from ray.rllib.utils.annotations import override
 from ray.rllib.utils.typing import ModuleID, ParamDict
 
-from gradmon_ray import compat
+from gradmon_ray.rllib.module_telemetry import FoundInfFlags
 from gradmon_ray.telemetry import GradientNormPlan, GradientNorms
 from gradmon_ray.telemetry.accumulator import NormRecords
 
@@ -113,22 +113,3 @@ class GradmonGradientPass:
             super().apply_gradients(gradients_dict)
         if self.gradmon.telemetry:
             self._norm_records.add(norms, found * self._skip_mask)  # one record for every module
-
-
-class FoundInfFlags:
-    """Sets ``optimizer.found_inf`` on fused optimizers for one step and always removes it again."""
-
-    def __init__(self) -> None:
-        self._flagged: list[torch.optim.Optimizer] = []
-
-    def __enter__(self) -> FoundInfFlags:
-        return self
-
-    def set(self, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> None:
-        compat.set_found_inf(optimizer, found)
-        self._flagged.append(optimizer)
-
-    def __exit__(self, *exc: object) -> None:
-        for optimizer in self._flagged:
-            compat.clear_found_inf(optimizer)
-        self._flagged.clear()

@@ -136,6 +136,7 @@ class ModuleTelemetry:
         """After the norm pass (DDP's all-reduce done, before clipping): the noise-scale lanes, then VGS."""
         if self.noise is not None:
             self.noise_hook.add_big(norms.head_norms, norms.global_norm, self._logp_rows)
+            self._logp_rows = 0  # a minibatch without this module's log-probs has no rows
         if self.vgs is not None:
             # After the telemetry norms (they stay pre-scaling); a skipped (non-finite) step
             # must not teach VGS either.  Gradient mode scales before RLlib's clipping;
@@ -147,7 +148,7 @@ class ModuleTelemetry:
             self.vgs.step()
 
     def prepare_step(
-        self, optimizers: list[torch.optim.Optimizer], skip_nonfinite: bool, flags: Any, found: torch.Tensor
+        self, optimizers: list[torch.optim.Optimizer], skip_nonfinite: bool, flags: FoundInfFlags, found: torch.Tensor
     ) -> list[torch.nn.Parameter]:
         """Before RLlib's optimizer step for this module (``found``: its 0-d non-finite flag):
         the parameters to leave alone.
@@ -184,6 +185,25 @@ class ModuleTelemetry:
     def parts(self) -> dict[str, Any]:
         """The module's checkpointed pieces by state key suffix (None: not in use)."""
         return {"telemetry": self.tracker, "noise": self.noise, "vgs": self.vgs}
+
+
+class FoundInfFlags:
+    """Sets ``optimizer.found_inf`` on fused optimizers for one step and always removes it again."""
+
+    def __init__(self) -> None:
+        self._flagged: list[torch.optim.Optimizer] = []
+
+    def __enter__(self) -> FoundInfFlags:
+        return self
+
+    def set(self, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> None:
+        compat.set_found_inf(optimizer, found)
+        self._flagged.append(optimizer)
+
+    def __exit__(self, *exc: object) -> None:
+        for optimizer in self._flagged:
+            compat.clear_found_inf(optimizer)
+        self._flagged.clear()
 
 
 def resolve_module(

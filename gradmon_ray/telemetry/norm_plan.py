@@ -55,26 +55,45 @@ def squares_and_counts(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(rows, dim=1)
 
 
-def squares_and_nonfinite_counts(grads: list[torch.Tensor], sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(per tensor sum(g^2) [tensors], [2, len(sizes)])``: the second holds the non-finite (NaN or
-    +-Inf) and the NaN element counts of each of ``sizes``' consecutive blocks of ``grads``
-    (flattened and concatenated), exact below 2^22 elements of a kind per block.
+class CountBuffers(NamedTuple):
+    """Persistent buffers of ``squares_and_nonfinite_counts`` for one pattern of present gradients:
+    3 floats per gradient element, allocated once (a fresh allocation every minibatch costs a CPU
+    as much as a pass over it)."""
+
+    flat: torch.Tensor  # [elements] float32: the gradients, concatenated
+    targets: list[torch.Tensor]  # views of ``flat`` shaped like each gradient (the copy's targets)
+    marks: torch.Tensor  # [2 * elements]: the non-finite marks, then the NaN marks
+    blocks: list[torch.Tensor]  # views of ``marks``: each block's non-finite marks, then its NaN marks
+
+    @classmethod
+    def like(cls, grads: list[torch.Tensor], sizes: list[int]) -> CountBuffers:
+        """Buffers for ``grads`` (float32 whatever their dtype) counted in consecutive blocks of ``sizes`` elements."""
+        n = sum(g.numel() for g in grads)
+        flat = torch.empty(n, dtype=torch.float32, device=grads[0].device)
+        targets = [view.view(g.shape) for view, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)]
+        marks = flat.new_empty(2 * n)
+        return cls(flat, targets, marks, list(marks.split(sizes + sizes)))
+
+
+def squares_and_nonfinite_counts(grads: list[torch.Tensor], buffers: CountBuffers) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(per tensor sum(g^2) [tensors], [2, blocks])``: the second holds the non-finite (NaN or
+    +-Inf) and the NaN element counts of each block of ``buffers`` (consecutive gradients), exact
+    below 2^22 elements of a kind per block.
 
     Float arithmetic instead of ``isnan``/``isinf``: on a CPU, comparisons and bool sums are not
     vectorised (5-10x slower), and ``x * 0`` is NaN exactly at a NaN or an Inf, ``clamp(x, -1, 1)
-    * 0`` exactly at a NaN.  A block's count is the squared 2-norm of its 0/1 indicator, so ONE
+    * 0`` exactly at a NaN.  A block's count is the squared 2-norm of its 0/1 marks, so ONE
     multi-tensor norm (``_foreach_norm``, as ``clip_grad_norm_`` runs) gives every tensor's norm
     and every block's counts, however many there are.
     """
-    flat = compat.flatten_dense(grads).float()
-    n = flat.numel()
-    marks = flat.new_empty(2 * n)
+    flat, marks, n = buffers.flat, buffers.marks, buffers.flat.numel()
+    compat.foreach_copy_(buffers.targets, grads)
     torch.mul(flat, 0.0, out=marks[:n])
     torch.clamp(flat, -1.0, 1.0, out=marks[n:]).mul_(0.0)
     marks.nan_to_num_(nan=1.0)
-    norms = torch.stack(compat.foreach_norm([*grads, *marks.split(sizes + sizes)])).float()
+    norms = torch.stack(compat.foreach_norm([*grads, *buffers.blocks])).float()
     squares = norms * norms
-    return squares[: len(grads)], squares[len(grads) :].round().reshape(2, len(sizes))
+    return squares[: len(grads)], squares[len(grads) :].round().reshape(2, len(buffers.blocks) // 2)
 
 
 class _Index(NamedTuple):
@@ -86,6 +105,7 @@ class _Index(NamedTuple):
     row_params: tuple[tuple[int, int], ...]  # (position in params, row count) of row-split params with a gradient
     rows: torch.Tensor  # slot of each of their rows, concatenated (rows no head takes: the trunk slot)
     has_grad: torch.Tensor  # per head of every module: does any part of it have a gradient
+    buffers: list[CountBuffers]  # the eager counts' buffers, made at the first eager compute (empty until then)
 
 
 class GradientNormPlan:
@@ -171,6 +191,7 @@ class GradientNormPlan:
                 tuple((pos, len(row_slots)) for pos, row_slots in row_params),
                 longs(row_index),
                 torch.tensor(has_grad, dtype=torch.bool, device=device),
+                [],
             )
             self._index_cache[present] = cached
         return cached
@@ -206,7 +227,9 @@ class GradientNormPlan:
             )
             nan_count, inf_count = counts[0], counts[1]
         else:
-            squares, (nonfinite, nan_count) = squares_and_nonfinite_counts(grads, index.module_sizes)
+            if not index.buffers:
+                index.buffers.append(CountBuffers.like(grads, index.module_sizes))
+            squares, (nonfinite, nan_count) = squares_and_nonfinite_counts(grads, index.buffers[0])
             inf_count = nonfinite - nan_count
         head_norms, global_norm = self._head_and_global(squares, index)
         return GradientNorms(head_norms, global_norm, nan_count, inf_count)
