@@ -196,25 +196,14 @@ class VarianceGradientScaler(VGSStatistics, VGSAggregation, VGSReporting, VGSChe
             if self._active_value != (not self.warmup_active):  # flips once, when the warmup ends
                 self._active_value = not self.warmup_active
                 self._active.fill_(float(self._active_value))
-            if self._flat:
-                return flat_kernels.element_step_flat(
-                    grads,
-                    self._element_means,
-                    self._element_squares,
-                    self._sample,
-                    (self._spatial_ema, self._spatial_steps, self._stat_steps),
-                    self._zero if skip is None else skip.to(self._device).float(),
-                    self._active,
-                    self._beta_tensor,
-                    self.eps,
-                    self.alpha,
-                    scale_gradients,
-                )
-            return self._element_step(
+            step, buffers = (
+                (flat_kernels.element_step_flat, (self._element_means, self._element_squares, self._sample))
+                if self._flat
+                else (self._element_step, (self._means, self._squares, self._sample_parts))
+            )
+            return step(
                 grads,
-                self._means,
-                self._squares,
-                self._sample_parts,
+                *buffers,
                 (self._spatial_ema, self._spatial_steps, self._stat_steps),
                 self._zero if skip is None else skip.to(self._device).float(),
                 self._active,

@@ -248,3 +248,25 @@ def rllib_loss(learner: Any, batch: Any, module_id: str = DEFAULT_MODULE_ID) -> 
             fwd_out=module.forward_train(tensors),
         )
     return float(loss)
+
+
+_FUSED: dict[type, type] = {}
+
+
+def fused_adam(learner_cls: type) -> type:
+    """``learner_cls`` with fused Adam, as a user who cares about speed configures it."""
+    if learner_cls not in _FUSED:
+
+        def configure_optimizers_for_module(self, module_id, config=None) -> None:
+            params = self.get_parameters(self.module[module_id])
+            optimizer = torch.optim.Adam(params, fused=True)
+            self.register_optimizer(
+                module_id=module_id, optimizer=optimizer, params=params, lr_or_lr_schedule=config.lr
+            )
+
+        _FUSED[learner_cls] = type(
+            f"FusedAdam{learner_cls.__name__}",
+            (learner_cls,),
+            {"configure_optimizers_for_module": configure_optimizers_for_module},
+        )
+    return _FUSED[learner_cls]

@@ -10,32 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 from gradmon_ray.rllib import with_gradmon
 from gradmon_ray.telemetry.op_counts import OpCounter, counting_calls
-from tests.peer.pairs import ALGOS, HEADS, build_pair, cartpole_config, sample_batch, seeded_update
-
-_FUSED: dict[type, type] = {}
-
-
-def fused_adam(learner_cls: type) -> type:
-    """``learner_cls`` with fused Adam, as a user who cares about speed configures it."""
-    if learner_cls not in _FUSED:
-
-        def configure_optimizers_for_module(self, module_id, config=None) -> None:
-            params = self.get_parameters(self.module[module_id])
-            optimizer = torch.optim.Adam(params, fused=True)
-            self.register_optimizer(
-                module_id=module_id, optimizer=optimizer, params=params, lr_or_lr_schedule=config.lr
-            )
-
-        _FUSED[learner_cls] = type(
-            f"FusedAdam{learner_cls.__name__}",
-            (learner_cls,),
-            {"configure_optimizers_for_module": configure_optimizers_for_module},
-        )
-    return _FUSED[learner_cls]
+from tests.peer.pairs import ALGOS, HEADS, build_pair, cartpole_config, fused_adam, sample_batch, seeded_update
 
 
 def _minibatch_reads(learner: Any, algo: str, batch: Any) -> OpCounter:

@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 
 from gradmon_ray.config import GradmonConfig
@@ -36,6 +35,7 @@ from gradmon_ray.rllib.local_learner import (
 )
 from gradmon_ray.rllib.settings_parsing import FULL_LEARNER_KEYS
 from gradmon_ray.telemetry.op_counts import OpCounter, counting_calls
+from tests.peer.pairs import fused_adam
 
 MODULES = [1, 2, 8]
 MINIBATCHES = 4
@@ -45,13 +45,8 @@ def _ids(param: tuple[int, bool]) -> str:
     return f"{param[0]}-modules-vgs-{'on' if param[1] else 'off'}"
 
 
-class FusedAdamPPOTorchLearner(PPOTorchLearner):
-    """Stock PPO with fused Adam (as ``bench/telemetry_overhead.py``'s ``stock-fused`` arm)."""
-
-    def configure_optimizers_for_module(self, module_id, config=None) -> None:
-        params = self.get_parameters(self.module[module_id])
-        optimizer = torch.optim.Adam(params, fused=True)
-        self.register_optimizer(module_id=module_id, optimizer=optimizer, params=params, lr_or_lr_schedule=config.lr)
+FusedAdamPPOTorchLearner = fused_adam(PPOTorchLearner)
+"""Stock PPO with fused Adam (as ``bench/telemetry_overhead.py``'s ``stock-fused`` arm)."""
 
 
 def _config(modules: int, vgs: bool = False) -> GradmonConfig:
