@@ -25,6 +25,8 @@ from ray.rllib.utils.annotations import override
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.rllib.learner import PROBE_STATE_KEY, TELEMETRY_STATE_KEY, GradmonPPOTorchLearner
 from gradmon_ray.rllib.local_learner import build_local_learner, env_spaces, sample_episodes, train_batch, update
+from gradmon_ray.telemetry import GradientNorms, NoiseScaleTracker
+from gradmon_ray.telemetry.noise_scale import GLOBAL_ENTRY
 
 MID = DEFAULT_MODULE_ID
 
@@ -165,6 +167,29 @@ def test_inf_log_prob_latches_inf_not_nan(shared):
     tele = learner.last_telemetry
     assert [h for h, v in tele.inf_latched.items() if v] == ["slot"]
     assert not any(tele.nan_latched.values())
+
+
+def test_noise_scale_rows_count_each_minibatch_of_the_modules_own_log_probs():
+    """The noise-scale hook's row count (``B`` of B_simple) is the module's log-prob rows of each
+    minibatch its norms are added for: a minibatch without this module's log-probs (another
+    module's data only) adds its norms with 0 rows, not the previous minibatch's rows again.
+    The tracker is set by hand (it needs 2+ learners); oracle: the rows this test records."""
+    cfg = _cfg()
+    cfg.vgs.enabled = False
+    learner = build_local_learner(cfg)
+    try:
+        monitor = learner.gradmon_modules[MID]
+        monitor.noise = NoiseScaleTracker([*monitor.groups, GLOBAL_ENTRY])
+        heads = len(monitor.groups)
+        norms = GradientNorms(torch.ones(heads), torch.tensor(2.0), torch.zeros(()), torch.zeros(()))
+        monitor.record_logp(torch.zeros(16, len(monitor.tracker.latch_heads)), None)
+        monitor.after_norms(norms)  # a minibatch with 16 of its rows
+        monitor.after_norms(norms)  # a minibatch without its rows
+        monitor.record_logp(torch.zeros(8, len(monitor.tracker.latch_heads)), None)
+        monitor.after_norms(norms)
+        assert monitor.noise_hook.take_rows() == 16 + 0 + 8
+    finally:
+        learner.shutdown()
 
 
 def test_state_contains_telemetry_only_when_asked(shared):

@@ -99,3 +99,20 @@ def test_an_overflow_at_the_scale_is_a_scaler_skip_not_a_nan_latch(episodes):
     assert math.isfinite(logged[mn.GLOBAL_GRAD_NORM])
     assert any(not torch.equal(v, before[k]) for k, v in _module(learner).state_dict().items())
     assert learner.last_telemetry.skipped_total == 0
+
+
+def test_every_minibatch_the_scaler_skips_in_a_step_is_counted(episodes):
+    """Four or more minibatches in one update, the scale starting at 2**127 and halving on every overflow
+    (never growing): ``update/scaler_skipped`` is the number of minibatches the scaler skipped in
+    the step, not whether the last one was.  Oracle: the scaler's own scale, which halved once
+    per skipped step."""
+    learner = _learner(2.0**127, LOUD_CFG, backoff_factor=0.5, growth_interval=10**6)
+    results = learner.update(
+        batch=train_batch(learner, copy.deepcopy(episodes)), timesteps={}, num_epochs=1, minibatch_size=32
+    )
+    logged = {k: float(v.peek()) for k, v in results[DEFAULT_MODULE_ID].items() if "/" in k}
+    backoffs = math.log2(2.0**127 / learner.gradmon_modules[DEFAULT_MODULE_ID].grad_scaler.get_scale())
+    assert backoffs == int(backoffs) >= 2  # several skips in the one step
+    assert learner.last_telemetry.minibatches >= 4
+    assert logged[mn.SCALER_SKIPPED_UPDATES] == backoffs
+    assert logged[mn.SKIPPED_UPDATES] == 0.0

@@ -12,6 +12,7 @@ import pytest
 import torch
 from ray.rllib.algorithms.appo.torch.appo_torch_learner import APPOTorchLearner
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
+from ray.rllib.core.columns import Columns
 from ray.rllib.core.rl_module.multi_rl_module import MultiRLModule, MultiRLModuleSpec
 from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
@@ -190,3 +191,30 @@ def test_an_override_of_postprocess_gradients_still_measures_every_module_once_p
             assert logged[mid][mn.head_metric(mn.HEAD_GRAD_NORM, head)] == pytest.approx(norm, rel=1e-4), (mid, head)
     stock.shutdown()
     wrapped.shutdown()
+
+
+@pytest.mark.parametrize("poisoned", ["p0", "p1"])
+def test_each_modules_vgs_skips_by_its_own_non_finite_flag(poisoned):
+    """A NaN observation in one module's rows only: that module's gradients are non-finite, the
+    other's are clean.  Each module's VGS skips (or folds) the minibatch by its own flag from the
+    batched norm pass, never another module's: the clean module's VGS learned from it, the
+    poisoned one's did not.  Oracle: which module the test poisoned."""
+    gradmon = {"heads": HEADS, "vgs": {"enabled": True, "warmup_steps": 0}}
+    config = cartpole_config(
+        "ppo",
+        with_gradmon(PPOTorchLearner),
+        agents=2,
+        gradmon=gradmon,
+        framework={"torch_skip_nan_gradients": True},
+    )
+    learner = config.build_learner(spaces=spaces_of(config))
+    try:
+        batch = sample_batch(config, learner, num_timesteps=128)
+        batch.policy_batches[poisoned][Columns.OBS][0] = float("nan")
+        logged = _update(learner, batch)
+        clean = "p1" if poisoned == "p0" else "p0"
+        assert logged[poisoned][mn.NAN_GRAD_COUNT] > 0 and logged[clean][mn.NAN_GRAD_COUNT] == 0
+        steps = {mid: float(monitor.vgs._stat_steps) for mid, monitor in learner.gradmon_modules.items()}
+        assert steps == {clean: 1.0, poisoned: 0.0}
+    finally:
+        learner.shutdown()

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.telemetry import GradientNorms, IterationAccumulator, TelemetryTracker
+from gradmon_ray.telemetry import GradientNormPlan, GradientNorms, IterationAccumulator, TelemetryTracker
+from gradmon_ray.telemetry.accumulator import NormRecords
 
 REPORTED = ("op", "slot", "value")
 ACTION = ("op", "slot")
@@ -411,3 +412,38 @@ def test_an_overflowing_log_prob_sum_is_an_answer_not_a_warning():
     summary = tracker.finish_iteration(lanes)
     assert summary.nan_latched == {"op": False, "slot": False}
     assert summary.inf_latched == {"op": False, "slot": False}
+
+
+def test_norm_records_give_each_module_its_own_heads_and_scalars():
+    """``NormRecords`` of one plan over modules with 1, 3 and 2 heads, two minibatches: module
+    ``m``'s stacked records are its own heads (as many as it has, not module 0's count) and its
+    own ``[global norm, NaN count, Inf count, skipped]`` per minibatch.  Oracle: numpy norms and
+    counts of the gradients set here, and the skip flags recorded here."""
+    gen = torch.Generator().manual_seed(3)
+    modules = []
+    for heads in (1, 3, 2):
+        params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(heads + 1)]  # the last one: the trunk
+        modules.append(({f"h{i}": [p] for i, p in enumerate(params[:-1])}, params))
+    plan = GradientNormPlan.for_modules(modules)
+    records = NormRecords(plan.slots)
+    seen = []  # per minibatch, per module: its gradients (numpy, float64)
+    skips = [torch.tensor([0.0, 0.0, 0.0]), torch.tensor([0.0, 1.0, 1.0])]
+    for minibatch, skipped in enumerate(skips):
+        for _, params in modules:
+            for p in params:
+                p.grad = torch.randn(2, generator=gen)
+        if minibatch == 1:
+            modules[1][1][0].grad[1] = float("nan")  # module 1's head h0
+            modules[2][1][-1].grad[0] = float("-inf")  # module 2's trunk
+        seen.append([[p.grad.double().numpy().copy() for p in params] for _, params in modules])
+        records.add(plan.compute_all(), skipped)
+    for m, (groups, _) in enumerate(modules):
+        stacked = records.module(m)
+        assert stacked.head_norms.shape == (2, len(groups)) and stacked.scalars.shape == (4, 2), m
+        for k in range(2):
+            grads = seen[k][m]
+            want_heads = [math.sqrt(np.sum(g**2)) for g in grads[:-1]]
+            np.testing.assert_allclose(stacked.head_norms[k].numpy(), want_heads, rtol=1e-6, err_msg=f"{m} {k}")
+            every = np.concatenate(grads)
+            want = [math.sqrt(np.sum(every**2)), np.isnan(every).sum(), np.isinf(every).sum(), float(skips[k][m])]
+            np.testing.assert_allclose(stacked.scalars[:, k].numpy(), want, rtol=1e-6, err_msg=f"{m} {k}")

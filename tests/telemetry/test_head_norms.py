@@ -121,6 +121,27 @@ def test_plan_no_grads_at_all():
     assert result.found_nonfinite.item() == 0.0
 
 
+def test_the_plan_follows_which_gradients_are_present_not_only_how_many():
+    """Two heads with same-shaped parameters: first only head a has a gradient, then only head b
+    (as many gradients, a different pattern).  Each call's numbers are those of its own gradients:
+    a cache keyed by the number of present gradients would add b's squares into a's slot."""
+    a, b, trunk = _param(0, 0, grad=[3, 4]), _param(0, 0, grad=None), _param(0, grad=[12])
+    plan = GradientNormPlan({"a": [a], "b": [b]}, [a, b, trunk])
+    first = plan.compute()
+    assert first.head_norms[0].item() == pytest.approx(5.0) and math.isnan(first.head_norms[1].item())
+    assert first.global_norm.item() == pytest.approx(13.0)  # sqrt(9 + 16 + 144)
+    a.grad, b.grad = None, torch.tensor([float("nan"), 8.0])
+    second = plan.compute()
+    assert math.isnan(second.head_norms[0].item()) and math.isnan(second.head_norms[1].item())
+    assert second.nan_count.item() == 1 and second.inf_count.item() == 0
+    b.grad = torch.tensor([6.0, 8.0])
+    third = plan.compute()
+    assert math.isnan(third.head_norms[0].item()), "head a has no gradient in this call"
+    assert third.head_norms[1].item() == pytest.approx(10.0)
+    assert third.global_norm.item() == pytest.approx(math.sqrt(36 + 64 + 144))
+    assert third.nan_count.item() == 0 and third.inf_count.item() == 0
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     shapes=st.lists(st.lists(st.integers(1, 4), min_size=1, max_size=3), min_size=2, max_size=6),

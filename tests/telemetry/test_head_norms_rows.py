@@ -112,6 +112,35 @@ def test_a_head_without_gradients_is_nan_and_the_cache_follows_new_gradients(spl
     np.testing.assert_allclose(per_head.numpy(), second.head_norms.numpy(), rtol=1e-6)
 
 
+def _module_with_a_split_layer(gen: torch.Generator, rows: int):
+    """A module as a learner sees it: an output layer W [rows, 2] split by rows between "a" (the
+    first two rows) and "b" (the rest), a whole head "c" and a trunk tensor; gradients seeded."""
+    w, c, trunk = (torch.nn.Parameter(torch.zeros(shape)) for shape in ((rows, 2), (3,), (4,)))
+    for p in (trunk, w, c):
+        p.grad = torch.randn(p.shape, generator=gen)
+    groups = {"a": [ParamRows(w, slice(0, 2))], "b": [ParamRows(w, slice(2, rows))], "c": [c]}
+    return groups, [trunk, w, c]
+
+
+def test_row_heads_of_every_module_of_a_batched_plan_take_their_own_modules_rows():
+    """``GradientNormPlan.for_modules``: each module's row heads are sliced from that module's own
+    layer (module 1's layer sits at a different position of the plan's parameters than at its
+    module's), and its global norm and counts cover its own tensors.  Oracle: numpy per module."""
+    gen = torch.Generator().manual_seed(5)
+    modules = [_module_with_a_split_layer(gen, rows) for rows in (5, 5, 5)]
+    modules[2][1][0].grad[1] = float("nan")  # module 2's trunk: one NaN, no head sees it
+    result = GradientNormPlan.for_modules(modules).compute_all()
+    assert result.head_norms.shape == (9,) and result.global_norm.shape == (3,)
+    for m, (_, (_, w, c)) in enumerate(modules):
+        want = [_np_norm(_grad_np(w)[:2]), _np_norm(_grad_np(w)[2:]), _np_norm(_grad_np(c))]
+        np.testing.assert_allclose(result.head_norms[3 * m : 3 * m + 3].numpy(), want, rtol=1e-6, err_msg=str(m))
+    for m in (0, 1):
+        want_global = _np_norm(*(_grad_np(p) for p in modules[m][1]))
+        assert result.global_norm[m].item() == pytest.approx(want_global, rel=1e-6), m
+    assert math.isnan(result.global_norm[2].item())
+    assert result.nan_count.tolist() == [0.0, 0.0, 1.0] and result.inf_count.tolist() == [0.0, 0.0, 0.0]
+
+
 def test_param_rows_validate_and_normalise():
     w = torch.nn.Parameter(torch.zeros(4, 2))
     assert ParamRows(w, slice(None, 2)).rows == slice(0, 2)
