@@ -20,15 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from gradmon_ray import compat
-from gradmon_ray.vgs.kernels import (
-    clean,
-    no_entry_fallback,
-    normalized_entries,
-    quantiles,
-    record_spatial,
-    scaling_factor,
-    spatial_sums,
-)
+from gradmon_ray.vgs.kernels import clean, record_sampled_spatial, sampled_factor, spatial_sums
 
 
 def flat_cleaned(grads: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -67,21 +59,16 @@ def element_step_flat(
     scale_gradients: bool,
 ) -> torch.Tensor:
     """``vgs.kernels.element_step`` on flat EMAs, ``sample`` as flat entry indices; returns the factor."""
-    spatial_ema, spatial_steps, stat_steps = counters
     keep = 1.0 - skip
     weight = (1.0 - beta) * keep
     x = flat_cleaned(grads)
     picked = x[sample]
-    sampled_means = means[sample].lerp(picked.abs(), weight)
-    sampled_squares = squares[sample].lerp(picked * picked, weight)
-    nv = normalized_entries(sampled_means, sampled_squares, stat_steps + keep, beta, eps)
-    factor = scaling_factor(no_entry_fallback(quantiles(nv, (0.9,))[0]), alpha, active)
+    factor = sampled_factor(
+        picked, means[sample], squares[sample], weight, counters[2] + keep, beta, eps, alpha, active
+    )
     means.lerp_(x.abs(), weight)
     squares.lerp_(x * x, weight)
     if scale_gradients:
         compat.foreach_mul_(list(grads), factor)
-    # The spatial statistics from the same sampled elements, as vgs.kernels.element_step takes them.
-    numel = x.numel()
-    sums = spatial_sums([picked], scale=numel / picked.numel())
-    record_spatial(spatial_ema, spatial_steps, stat_steps, sums, keep, weight, numel)
+    record_sampled_spatial(picked, x.numel(), counters, keep, weight)
     return factor

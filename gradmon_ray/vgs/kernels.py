@@ -181,22 +181,50 @@ def element_step(
     spatial steps, statistics steps), updated in place; ``skip``: 1.0 leaves every
     statistic unchanged; ``active``: 1.0 once the warmup is over (else the factor is 1).
     """
-    spatial_ema, spatial_steps, stat_steps = counters
+    stat_steps = counters[2]
     keep = 1.0 - skip
     weight = (1.0 - beta) * keep
     picked = clean(torch.cat([grads[i].reshape(-1)[index] for i, index in sample]))
-    sampled_means = torch.cat([means[i].reshape(-1)[index] for i, index in sample]).lerp(picked.abs(), weight)
-    sampled_squares = torch.cat([squares[i].reshape(-1)[index] for i, index in sample]).lerp(picked * picked, weight)
-    nv = normalized_entries(sampled_means, sampled_squares, stat_steps + keep, beta, eps)
-    value = no_entry_fallback(quantiles(nv, (0.9,))[0])
-    factor = scaling_factor(value, alpha, active)
+    sampled_means = torch.cat([means[i].reshape(-1)[index] for i, index in sample])
+    sampled_squares = torch.cat([squares[i].reshape(-1)[index] for i, index in sample])
+    factor = sampled_factor(picked, sampled_means, sampled_squares, weight, stat_steps + keep, beta, eps, alpha, active)
     fold_elements(grads, means, squares, weight, factor if scale_gradients else None)
-    # The spatial statistics from the same sampled elements: their sums extrapolated to all
-    # elements (mean, variance and norm are then unbiased estimates), the max over the sample.
-    numel = sum(g.numel() for g in grads)
+    record_sampled_spatial(picked, sum(g.numel() for g in grads), counters, keep, weight)
+    return factor
+
+
+def sampled_factor(
+    picked: torch.Tensor,
+    sampled_means: torch.Tensor,
+    sampled_squares: torch.Tensor,
+    weight: torch.Tensor,
+    steps: torch.Tensor,
+    beta: torch.Tensor,
+    eps: float,
+    alpha: float,
+    active: torch.Tensor,
+) -> torch.Tensor:
+    """The factor from the sampled entries as they WILL be after this step's fold: their EMAs
+    (``sampled_means``/``sampled_squares``) lerped towards the cleaned sampled gradient elements
+    ``picked``, their p90 normalized variance, ``scaling_factor``."""
+    sampled_means = sampled_means.lerp(picked.abs(), weight)
+    sampled_squares = sampled_squares.lerp(picked * picked, weight)
+    nv = normalized_entries(sampled_means, sampled_squares, steps, beta, eps)
+    return scaling_factor(no_entry_fallback(quantiles(nv, (0.9,))[0]), alpha, active)
+
+
+def record_sampled_spatial(
+    picked: torch.Tensor,
+    numel: int,
+    counters: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    keep: torch.Tensor,
+    weight: torch.Tensor,
+) -> None:
+    """The spatial statistics from the sampled elements: their sums extrapolated to all ``numel``
+    elements (mean, variance and norm are then unbiased estimates), the max over the sample."""
+    spatial_ema, spatial_steps, stat_steps = counters
     sums = spatial_sums([picked], scale=numel / picked.numel())
     record_spatial(spatial_ema, spatial_steps, stat_steps, sums, keep, weight, numel)
-    return factor
 
 
 def no_entry_fallback(value: torch.Tensor) -> torch.Tensor:
@@ -241,7 +269,9 @@ __all__ = [
     "no_entry_fallback",
     "normalized_entries",
     "quantiles",
+    "record_sampled_spatial",
     "record_spatial",
+    "sampled_factor",
     "scaling_factor",
     "spatial_sums",
     "wants_compile",
