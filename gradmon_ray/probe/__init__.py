@@ -3,7 +3,7 @@
 from gradmon_ray.losses.regularizers import BUILTIN_REGULARIZERS, RegularizerSpec, resolve_regularizer
 from gradmon_ray.probe.actor import GradientProbe, start_probe_actor
 from gradmon_ray.probe.analysis import analyse_batch, episodes_from_batch
-from gradmon_ray.probe.client import LossSettings, ProbeClient, ProbeOutcome, ProbeRequest
+from gradmon_ray.probe.client import LossSettings, ModuleProbe, ProbeClient, ProbeOutcome, ProbeRequest
 from gradmon_ray.probe.components import COMPONENTS, ComponentReport, component_gradients
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "ComponentReport",
     "GradientProbe",
     "LossSettings",
+    "ModuleProbe",
     "ProbeClient",
     "ProbeOutcome",
     "ProbeRequest",

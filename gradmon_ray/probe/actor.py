@@ -1,11 +1,12 @@
 """The ``GradientProbe`` Ray actor: runs bucketed gradient probes beside training.
 
 The driver starts it (``start_probe_actor``) once the MLflow run exists; rank 0's learner
-finds it by name and hands it, without waiting, a ``ProbeRequest``: the module's weights
-as they were *before* the iteration's update (so the probe sees the gradient the update
-started from) and the iteration's postprocessed batch.  The actor builds its own copy of
-the module, runs ``analyse_batch`` and writes the metrics into the training run through
-its own ``MlflowSink`` (asynchronous, retried), with the training iteration as step.
+finds it by name and hands it, without waiting, a ``ProbeRequest``: for each probed module,
+its weights as they were *before* the iteration's update (so the probe sees the gradient the
+update started from) and its share of the iteration's postprocessed batch.  The actor builds
+its own copy of each module, runs ``analyse_batch`` per module and writes the metrics into the
+training run through its own ``MlflowSink`` (asynchronous, retried), with the training
+iteration as step: plain names in a one-module run, ``module/<id>/<name>`` with several.
 
 Nothing here can hurt training: the actor only ever owns copies, a failed analysis is
 reported in the call's return value, and the learner never waits for a call to finish.
@@ -25,7 +26,7 @@ import torch
 from gradmon_ray import metric_names as mn
 from gradmon_ray.losses.regularizers import RegularizerSpec, resolve_regularizer
 from gradmon_ray.probe.analysis import TooFewGroupsError, analyse_batch
-from gradmon_ray.probe.client import PROBE_ACTOR_PREFIX, ProbeOutcome, ProbeRequest, probe_actor_name
+from gradmon_ray.probe.client import PROBE_ACTOR_PREFIX, ModuleProbe, ProbeOutcome, ProbeRequest, probe_actor_name
 from gradmon_ray.tracking.mlflow_sink import MlflowSink
 
 logger = logging.getLogger(__name__)
@@ -70,45 +71,71 @@ class GradientProbe:
         self._sink = (
             MlflowSink(tracking_uri, "", run_id=run_id) if tracking_uri is not None and run_id is not None else None
         )
-        self._module: torch.nn.Module | None = None
-        self._module_spec: Any = None
+        self._modules: dict[str, tuple[Any, torch.nn.Module]] = {}
+        """Per module id: the spec it was built from and the actor's copy (rebuilt when the spec changes)."""
         self.last_metrics: dict[str, float] = {}
         self._warned: set[str] = set()
         self._instance = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
     def analyse(self, request: ProbeRequest) -> ProbeOutcome:
-        """Probe one batch and log the metrics; never raises (the outcome says what happened)."""
+        """Probe each module's batch and log the metrics; never raises (the outcome says what happened).
+
+        Each module is analysed on its own: one that cannot be built, loaded or analysed is an
+        ``error`` in the outcome, and the other modules' metrics are still logged.
+        """
         start = time.perf_counter()
+        metrics: dict[str, float] = {}
+        statuses: dict[str, str] = {}
+        problems: list[str] = []
+        for part in request.modules:
+            status, found, message = self._analyse_module(request.iteration, part)
+            statuses[part.module_id] = status
+            prefix = part.module_id if request.per_module_names else None
+            metrics.update({mn.module_metric(prefix, name): value for name, value in found.items()})
+            if message:
+                problems.append(f"module {part.module_id!r}: {message}" if len(request.modules) > 1 else message)
+        # Modules no longer probed (removed mid-run) give their copies back.
+        self._modules = {mid: built for mid, built in self._modules.items() if mid in statuses}
+        duration = time.perf_counter() - start
+        values = set(statuses.values())
+        status = "error" if "error" in values else "ok" if "ok" in values else "skipped"
+        if "ok" in values:
+            metrics[mn.PROBE_DURATION_S] = duration
+            self.last_metrics = metrics
+            if self._sink is not None:
+                self._sink.log_iteration(request.iteration, metrics)
+        return ProbeOutcome(
+            request.iteration, status, duration, num_metrics=len(metrics), message="; ".join(problems), modules=statuses
+        )
+
+    def _analyse_module(self, iteration: int, part: ModuleProbe) -> tuple[str, dict[str, float], str]:
+        """``(status, metrics, message)``: ``("ok", metrics, "")`` or ``("skipped" | "error", {}, why)``;
+        never raises."""
         try:
-            module = self._module_for(request)
-            metrics = analyse_batch(
-                module,
-                request.batch,
-                num_buckets=self.num_buckets,
-                loss=request.loss,
-                regularizers=self._regularizers,
+            module = self._module_for(part)
+            found = analyse_batch(
+                module, part.batch, num_buckets=self.num_buckets, loss=part.loss, regularizers=self._regularizers
             )
         except TooFewGroupsError as exc:
-            self._warn_once("few", f"gradmon probe: iteration {request.iteration} not bucketed: {exc}")
-            return ProbeOutcome(request.iteration, "skipped", time.perf_counter() - start, message=str(exc))
+            self._warn_once(
+                f"few/{part.module_id}",
+                f"gradmon probe: iteration {iteration}, module {part.module_id!r} not bucketed: {exc}",
+            )
+            return "skipped", {}, str(exc)
         except Exception as exc:  # a probe failure is reported, never raised into the caller
-            message = f"{type(exc).__name__}: {exc}"
-            logger.exception("gradmon probe: iteration %d failed", request.iteration)
-            return ProbeOutcome(request.iteration, "error", time.perf_counter() - start, message=message)
-        duration = time.perf_counter() - start
-        metrics[mn.PROBE_DURATION_S] = duration
-        self.last_metrics = metrics
-        if self._sink is not None:
-            self._sink.log_iteration(request.iteration, metrics)
-        return ProbeOutcome(request.iteration, "ok", duration, num_metrics=len(metrics))
+            logger.exception("gradmon probe: iteration %d, module %r failed", iteration, part.module_id)
+            return "error", {}, f"{type(exc).__name__}: {exc}"
+        return "ok", found, ""
 
-    def _module_for(self, request: ProbeRequest) -> torch.nn.Module:
-        if self._module is None or request.module_spec != self._module_spec:
-            self._module = request.module_spec.build().to(self._device)
-            self._module_spec = request.module_spec
+    def _module_for(self, part: ModuleProbe) -> torch.nn.Module:
+        """The actor's own copy of ``part``'s module (built once per module and spec), with its weights."""
+        spec, module = self._modules.get(part.module_id, (None, None))
+        if module is None or part.module_spec != spec:
+            module = part.module_spec.build().to(self._device)
+            self._modules[part.module_id] = (part.module_spec, module)
         # torch.tensor copies: Ray hands numpy arrays over read-only (zero-copy from the object store).
-        self._module.load_state_dict({k: torch.tensor(v) for k, v in request.weights.items()})
-        return self._module
+        module.load_state_dict({k: torch.tensor(v) for k, v in part.weights.items()})
+        return module
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Write everything logged so far; True when all of it reached MLflow."""

@@ -11,6 +11,9 @@ request (in the object store) and sends it again, without ever blocking, until t
 restarted actor takes it, so the probe of that iteration still arrives.  A request that
 was running (or queued) when the actor died, an actor gone for good, or a restart that
 takes longer than ``restart_wait_s`` count as failures.
+
+One request carries every probed module of the iteration (``ProbeRequest.modules``), so the
+counters count iterations, whatever the number of modules.
 """
 
 from __future__ import annotations
@@ -50,15 +53,31 @@ PROBE_ACTOR_PREFIX = "gradmon-probe-"
 
 
 @dataclass
-class ProbeRequest:
-    """What the learner sends: everything the probe needs, as plain numpy (no device tensors)."""
+class ModuleProbe:
+    """One module's share of a probe request: everything its analysis needs, as plain numpy."""
 
-    iteration: int
+    module_id: str
     module_spec: Any
     """An ``RLModuleSpec`` that builds the learner's module (class, spaces, model config)."""
     weights: dict[str, np.ndarray]
     batch: dict[str, Any]
     loss: LossSettings
+
+
+@dataclass
+class ProbeRequest:
+    """What the learner sends once per probed iteration: one ``ModuleProbe`` per probed module.
+
+    One request for all modules (not one per module): one Ray call and one MLflow write per
+    iteration, and the client's one-in-flight rule keeps holding for the whole iteration.
+    """
+
+    iteration: int
+    modules: list[ModuleProbe]
+    per_module_names: bool = False
+    """True when the learner monitors several modules: each module's metrics are named
+    ``module/<id>/<name>`` (``metric_names.module_metric``), as every other per-module metric;
+    False (one module): the plain names."""
     sent_at: float = field(default_factory=time.time)
 
 
@@ -68,10 +87,13 @@ class ProbeOutcome:
 
     iteration: int
     status: str
-    """``ok``, ``skipped`` (too few groups to bucket) or ``error``."""
+    """``ok`` (every module analysed, or some and the rest skipped), ``skipped`` (no module had
+    enough groups to bucket) or ``error`` (some module failed; the others' metrics were still logged)."""
     duration_s: float
     num_metrics: int = 0
     message: str = ""
+    modules: dict[str, str] = field(default_factory=dict)
+    """Each module's own status (``ok``, ``skipped`` or ``error``)."""
 
 
 def probe_actor_name(suffix: str) -> str:
@@ -222,6 +244,10 @@ class ProbeClient:
             except ValueError:
                 return None
         return self._handle
+
+    def record_failure(self, reason: str) -> None:
+        """Count a probe that failed before it reached the actor (its request could not be built)."""
+        self._failed(reason)
 
     def _failed(self, reason: str) -> None:
         self.counters[mn.PROBE_FAILURES] += 1

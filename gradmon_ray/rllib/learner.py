@@ -34,7 +34,7 @@ from gradmon_ray import compat
 from gradmon_ray.losses.ppo import explained_variance, ppo_loss_from_batch
 from gradmon_ray.losses.regularizers import resolve_regularizer
 from gradmon_ray.optim import UPGD
-from gradmon_ray.probe.client import LossSettings, ProbeClient, ProbeRequest
+from gradmon_ray.probe.client import LossSettings, ModuleProbe, ProbeClient, ProbeRequest
 from gradmon_ray.rllib.fault_injection import with_nan_head
 from gradmon_ray.rllib.monitor import (
     GRADMON_STATE_KEYS,
@@ -70,7 +70,8 @@ class GradmonPPOTorchLearner(compat.TrainBatchHook, with_gradmon(PPOTorchLearner
     loss) and ``probe`` (rank 0 hands the GradientProbe actor the pre-update weights and the
     batch every ``probe.every`` iterations).  ``build_ppo_config`` sets
     ``torch_skip_nan_gradients=True``: a non-finite minibatch is skipped, not zeroed.
-    With several modules, each gets this loss; the probe follows the first monitored module.
+    With several modules, each gets this loss, and each monitored module with rows in a probed
+    iteration's batch is probed (its metrics named ``module/<id>/...``).
     """
 
     gradmon_full_learner = True
@@ -83,7 +84,6 @@ class GradmonPPOTorchLearner(compat.TrainBatchHook, with_gradmon(PPOTorchLearner
         probe = self.gradmon.probe
         self._probe: ProbeClient | None = None
         self._probe_snapshot: dict[str, Any] | None = None
-        self._probe_module_id = next(iter(self.gradmon_modules), None)
         if probe.every > 0 and global_rank() == 0:
             # Rank 0's shard stands for the batch: the other shards come from the same policy.
             self._probe = ProbeClient(probe.actor_name, probe.every)
@@ -161,15 +161,29 @@ class GradmonPPOTorchLearner(compat.TrainBatchHook, with_gradmon(PPOTorchLearner
         # The one place that sees the whole postprocessed batch (GAE done) before the first
         # minibatch: snapshot it and the pre-update weights for the probe, on device, no sync.
         probe = self._probe
-        if probe is None or batch is None or not probe.due(self.gradmon_iteration + 1) or not probe.reserve():
+        if probe is None or batch is None or not probe.due(self.gradmon_iteration + 1):
             return
-        mid = self._probe_module_id
-        module = self.module[mid].unwrapped()
-        self._probe_snapshot = {
+        # The modules monitored NOW (one added mid-run is probed from its first probed iteration,
+        # a removed one no more), those with rows in this batch (a sparse agent may have none).
+        present = [mid for mid in self.gradmon_modules if mid in batch.policy_batches]
+        if not present or not probe.reserve():
+            return
+        try:
+            self._probe_snapshot = {
+                "per_module_names": len(self.gradmon_modules) > 1,
+                "modules": {mid: self._probe_module_snapshot(mid, batch.policy_batches[mid]) for mid in present},
+            }
+        except Exception as exc:  # the probe is an observer: a snapshot it cannot take is a counted failure
+            probe.record_failure(f"snapshot: {type(exc).__name__}: {exc}")
+
+    def _probe_module_snapshot(self, module_id: ModuleID, batch: Any) -> dict[str, Any]:
+        """One module's pre-update weights, batch and PPO coefficients (device tensors, copied)."""
+        module = self.module[module_id].unwrapped()
+        return {
             "weights": {k: v.detach().clone() for k, v in module.state_dict().items()},
-            "batch": {k: v for k, v in batch.policy_batches[mid].items() if k != "weights_seq_no"},
-            "entropy_coeff": self.entropy_coeff_schedulers_per_module[mid].get_current_value(),
-            "kl_coeff": torch.as_tensor(self.curr_kl_coeffs_per_module[mid]).detach().clone(),
+            "batch": {k: v for k, v in batch.items() if k != "weights_seq_no"},
+            "entropy_coeff": self.entropy_coeff_schedulers_per_module[module_id].get_current_value(),
+            "kl_coeff": torch.as_tensor(self.curr_kl_coeffs_per_module[module_id]).detach().clone(),
         }
 
     @override(GradmonReporting)
@@ -181,31 +195,44 @@ class GradmonPPOTorchLearner(compat.TrainBatchHook, with_gradmon(PPOTorchLearner
         if snapshot is None:
             self._probe.poll()
         else:
-            self._probe.submit(self._probe_request(snapshot))
+            try:
+                request = self._probe_request(snapshot)
+            except Exception as exc:  # e.g. a module removed since the snapshot: counted, training goes on
+                self._probe.record_failure(f"request: {type(exc).__name__}: {exc}")
+            else:
+                self._probe.submit(request)
         return self._probe.metrics()
 
     def _probe_request(self, snapshot: dict[str, Any]) -> ProbeRequest:
-        import tree
-
-        module = self.module[self._probe_module_id].unwrapped()
-        config = self.config.get_config_for_module(self._probe_module_id)
-        to_host = lambda t: t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)  # noqa: E731
+        """The probe request of one snapshot (``on_train_batch``), as plain numpy on the host."""
         return ProbeRequest(
             iteration=self.gradmon_iteration + 1,
+            modules=[self._module_probe(mid, part) for mid, part in snapshot["modules"].items()],
+            per_module_names=snapshot["per_module_names"],
+        )
+
+    def _module_probe(self, module_id: ModuleID, part: dict[str, Any]) -> ModuleProbe:
+        import tree
+
+        module = self.module[module_id].unwrapped()
+        config = self.config.get_config_for_module(module_id)
+        to_host = lambda t: t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)  # noqa: E731
+        return ModuleProbe(
+            module_id=str(module_id),
             module_spec=RLModuleSpec(
                 module_class=type(module),
                 observation_space=module.observation_space,
                 action_space=module.action_space,
                 model_config=module.model_config,
             ),
-            weights={k: to_host(v) for k, v in snapshot["weights"].items()},
-            batch={k: tree.map_structure(to_host, v) for k, v in snapshot["batch"].items()},
+            weights={k: to_host(v) for k, v in part["weights"].items()},
+            batch={k: tree.map_structure(to_host, v) for k, v in part["batch"].items()},
             loss=LossSettings(
                 clip_param=float(config.clip_param),
                 vf_clip_param=float(config.vf_clip_param),
                 vf_loss_coeff=float(config.vf_loss_coeff),
-                entropy_coeff=float(snapshot["entropy_coeff"]),
-                kl_coeff=float(snapshot["kl_coeff"]),
+                entropy_coeff=float(part["entropy_coeff"]),
+                kl_coeff=float(part["kl_coeff"]),
                 use_kl_loss=bool(config.use_kl_loss),
             ),
         )

@@ -4,7 +4,8 @@ A real postprocessed batch of the built-in env, cut to 60 rows, whose episode, g
 loss-mask columns are replaced by a designed layout, so that each bucket's groups, episodes,
 unmasked steps and reward stds can be counted by hand (``expected_buckets``, numpy); the module's
 weights have moved off the sampling policy by one update, so the KL term has a real gradient.
-Also a regularizer that sleeps a known time per call (``sleepy_l2``).
+Also the PPO loss written out by hand (``hand_written_losses``, the probe oracles' loss) and a
+regularizer that sleeps a known time per call (``sleepy_l2``).
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import copy
 import time
 
 import numpy as np
+import torch
 import tree
 from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.columns import Columns
+from ray.rllib.evaluation.postprocessing import Postprocessing
+from torch.distributions import Categorical, kl_divergence
 
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.probe.analysis import LossSettings
@@ -98,6 +102,47 @@ def expected_buckets(columns) -> dict[str, dict]:
     return out
 
 
+def hand_written_losses(module, batch, loss: LossSettings):
+    """The PPO loss written out with ``torch.distributions`` (no gradmon loss code): ``(weighted
+    components as they enter the total loss, unweighted terms as RLlib logs them, the current
+    logits, the float loss mask)``.  ``module`` is a ``FactoredActorCritic``; heads by attribute."""
+    out = module.forward_train(batch)
+    logits = out[Columns.ACTION_DIST_INPUTS]
+    names = sorted(module.heads)  # the Dict action space's keys, as dm-tree flattens them
+    sizes = [module.heads[n][-1].out_features for n in names]
+    heads = torch.split(logits, sizes, dim=-1)
+    old_heads = torch.split(batch[Columns.ACTION_DIST_INPUTS], sizes, dim=-1)
+    actions = batch[Columns.ACTIONS]
+    logp = sum(Categorical(logits=h).log_prob(actions[n]) for h, n in zip(heads, names, strict=True))
+    entropy = sum(Categorical(logits=h).entropy() for h in heads)
+    kl = sum(kl_divergence(Categorical(logits=o), Categorical(logits=h)) for o, h in zip(old_heads, heads, strict=True))
+    mask = batch[Columns.LOSS_MASK].float()
+
+    def mmean(x):
+        return (x * mask).sum() / mask.sum()
+
+    ratio = torch.exp(logp - batch[Columns.ACTION_LOGP])
+    adv = batch[Postprocessing.ADVANTAGES]
+    policy = -mmean(torch.min(adv * ratio, adv * ratio.clamp(1 - loss.clip_param, 1 + loss.clip_param)))
+    values = module.value_head(out[Columns.EMBEDDINGS]).squeeze(-1)
+    value = mmean((values - batch[Postprocessing.VALUE_TARGETS]).pow(2).clamp(0, loss.vf_clip_param))
+    ent, kl_mean = mmean(entropy), mmean(kl)
+    weighted = {
+        "task": policy,
+        "entropy": -loss.entropy_coeff * ent,
+        **({"kl": loss.kl_coeff * kl_mean} if loss.use_kl_loss else {}),
+        "value": loss.vf_loss_coeff * value,
+    }
+    total = sum(weighted.values())
+    terms = {"policy": policy, "entropy": ent, "kl": kl_mean, "value": value, "total": total}
+    return weighted, terms, logits, mask
+
+
+def flat(grads) -> np.ndarray:
+    """Gradients as one float64 vector."""
+    return np.concatenate([g.detach().double().numpy().ravel() for g in grads])
+
+
 SLEEP_S = 0.2
 SLEEPS: list[float] = []
 
@@ -109,13 +154,14 @@ def sleepy_l2(module, batch, fwd_out):
     return fwd_out[Columns.ACTION_DIST_INPUTS].pow(2).mean()
 
 
-def probe_request(module, batch, iteration: int):
+def module_probe(module, batch, *, module_id: str = DEFAULT_MODULE_ID, loss: LossSettings = LOSS):
+    """One module's share of a probe request: a spec that builds ``module``, its weights, ``batch``."""
     from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
-    from gradmon_ray.probe import ProbeRequest
+    from gradmon_ray.probe import ModuleProbe
 
-    return ProbeRequest(
-        iteration=iteration,
+    return ModuleProbe(
+        module_id=module_id,
         module_spec=RLModuleSpec(
             module_class=type(module),
             observation_space=module.observation_space,
@@ -124,5 +170,12 @@ def probe_request(module, batch, iteration: int):
         ),
         weights={k: v.detach().numpy().copy() for k, v in module.state_dict().items()},
         batch=batch,
-        loss=LOSS,
+        loss=loss,
     )
+
+
+def probe_request(module, batch, iteration: int):
+    """A one-module probe request (plain metric names) for ``module`` on ``batch``."""
+    from gradmon_ray.probe import ProbeRequest
+
+    return ProbeRequest(iteration=iteration, modules=[module_probe(module, batch)])

@@ -16,7 +16,6 @@ import ray
 import tree
 from mlflow.tracking import MlflowClient
 from ray.rllib.core import DEFAULT_MODULE_ID
-from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import config_from_dict
@@ -24,7 +23,7 @@ from gradmon_ray.probe import ProbeClient, ProbeRequest, start_probe_actor
 from gradmon_ray.probe.analysis import LossSettings
 from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch, update
 from tests.probe import designed_batch
-from tests.probe.designed_batch import designed_module_and_batch, expected_buckets, probe_request
+from tests.probe.designed_batch import designed_module_and_batch, expected_buckets, module_probe, probe_request
 
 LOSS = LossSettings(
     clip_param=0.2, vf_clip_param=10.0, vf_loss_coeff=0.5, entropy_coeff=0.01, kl_coeff=0.2, use_kl_loss=False
@@ -51,18 +50,8 @@ def request_template():
     learner = build_local_learner(cfg)
     batch = train_batch(learner, sample_episodes(cfg, learner, 256)).policy_batches[DEFAULT_MODULE_ID]
     module = learner.module[DEFAULT_MODULE_ID].unwrapped()
-    return ProbeRequest(
-        iteration=7,
-        module_spec=RLModuleSpec(
-            module_class=type(module),
-            observation_space=module.observation_space,
-            action_space=module.action_space,
-            model_config=module.model_config,
-        ),
-        weights={k: v.detach().numpy().copy() for k, v in module.state_dict().items()},
-        batch={k: tree.map_structure(lambda t: t.numpy(), v) for k, v in batch.items() if k != "weights_seq_no"},
-        loss=LOSS,
-    )
+    host = {k: tree.map_structure(lambda t: t.numpy(), v) for k, v in batch.items() if k != "weights_seq_no"}
+    return ProbeRequest(iteration=7, modules=[module_probe(module, host, loss=LOSS)])
 
 
 @pytest.fixture
@@ -330,11 +319,13 @@ def test_learner_hands_off_pre_update_weights_and_the_probe_leaves_the_learner_u
         batch = train_batch(learner, sample_episodes(cfg, learner, 256))
         results = update(learner, batch, cfg)
         (request,) = sent
-        assert request.iteration == 1
+        assert request.iteration == 1 and not request.per_module_names
+        (part,) = request.modules
+        assert part.module_id == DEFAULT_MODULE_ID
         for key, value in before_update.items():  # the weights the update started from
-            np.testing.assert_array_equal(request.weights[key], value.numpy())
-        assert any(not np.array_equal(request.weights[k], v.detach().numpy()) for k, v in module.state_dict().items())
-        assert {"gradmon_group_id", "gradmon_episode", "advantages", "loss_mask"} <= set(request.batch)
+            np.testing.assert_array_equal(part.weights[key], value.numpy())
+        assert any(not np.array_equal(part.weights[k], v.detach().numpy()) for k, v in module.state_dict().items())
+        assert {"gradmon_group_id", "gradmon_episode", "advantages", "loss_mask"} <= set(part.batch)
         assert results[DEFAULT_MODULE_ID][mn.PROBE_REQUESTS_SENT].peek() == 1.0
         fingerprint = _fingerprint(learner)
         outcome = ray.get(learner._probe._in_flight)

@@ -21,8 +21,6 @@ import torch
 import tree
 from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.columns import Columns
-from ray.rllib.evaluation.postprocessing import Postprocessing
-from torch.distributions import Categorical, kl_divergence
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import config_from_dict
@@ -31,7 +29,7 @@ from gradmon_ray.losses.regularizers import RegularizerSpec, resolve_regularizer
 from gradmon_ray.probe.analysis import LossSettings, TooFewGroupsError, analyse_batch, episodes_from_batch
 from gradmon_ray.probe.connectors import EPISODE_COLUMN, GROUP_ID_COLUMN
 from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch
-from tests.probe.designed_batch import designed_module_and_batch, expected_buckets
+from tests.probe.designed_batch import designed_module_and_batch, expected_buckets, flat, hand_written_losses
 
 LOSS = LossSettings(
     clip_param=0.2, vf_clip_param=10.0, vf_loss_coeff=0.5, entropy_coeff=0.05, kl_coeff=0.3, use_kl_loss=True
@@ -158,44 +156,13 @@ def designed():
 
 
 def _hand_written_losses(module, batch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(weighted components as they enter the loss, unweighted terms as RLlib logs them)."""
-    out = module.forward_train(batch)
-    logits = out[Columns.ACTION_DIST_INPUTS]
-    names = sorted(module.heads)  # the Dict action space's keys, as dm-tree flattens them
-    sizes = [module.heads[n][-1].out_features for n in names]
-    heads = torch.split(logits, sizes, dim=-1)
-    old_heads = torch.split(batch[Columns.ACTION_DIST_INPUTS], sizes, dim=-1)
-    actions = batch[Columns.ACTIONS]
-    logp = sum(Categorical(logits=h).log_prob(actions[n]) for h, n in zip(heads, names, strict=True))
-    entropy = sum(Categorical(logits=h).entropy() for h in heads)
-    kl = sum(kl_divergence(Categorical(logits=o), Categorical(logits=h)) for o, h in zip(old_heads, heads, strict=True))
-    mask = batch[Columns.LOSS_MASK].float()
-
-    def mmean(x):
-        return (x * mask).sum() / mask.sum()
-
-    ratio = torch.exp(logp - batch[Columns.ACTION_LOGP])
-    adv = batch[Postprocessing.ADVANTAGES]
-    policy = -mmean(torch.min(adv * ratio, adv * ratio.clamp(1 - LOSS.clip_param, 1 + LOSS.clip_param)))
-    values = module.value_head(out[Columns.EMBEDDINGS]).squeeze(-1)
-    value = mmean((values - batch[Postprocessing.VALUE_TARGETS]).pow(2).clamp(0, LOSS.vf_clip_param))
-    ent, kl_mean = mmean(entropy), mmean(kl)
-    weighted = {
-        "task": policy,
-        "entropy": -LOSS.entropy_coeff * ent,
-        "kl": LOSS.kl_coeff * kl_mean,
-        "value": LOSS.vf_loss_coeff * value,
-    }
+    """(weighted components and regularizers as they enter the loss, unweighted terms as RLlib logs them)."""
+    weighted, terms, logits, mask = hand_written_losses(module, batch, LOSS)
     regs = {
         "wl2": WEIGHTS["wl2"] * sum(p.pow(2).sum() for p in module.parameters()),
-        "logits": WEIGHTS["logits"] * mmean(logits.pow(2).mean(-1)),
+        "logits": WEIGHTS["logits"] * (logits.pow(2).mean(-1) * mask).sum() / mask.sum(),
     }
-    terms = {"policy": policy, "entropy": ent, "kl": kl_mean, "value": value, "total": sum(weighted.values())}
     return {**weighted, **regs}, terms
-
-
-def _flat(grads) -> np.ndarray:
-    return np.concatenate([g.detach().double().numpy().ravel() for g in grads])
 
 
 def test_every_bucket_metric_by_name_equals_an_independent_recomputation(designed):
@@ -229,8 +196,8 @@ def test_every_bucket_metric_by_name_equals_an_independent_recomputation(designe
             raw = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
             grads[component] = [torch.zeros_like(p) if g is None else g for p, g in zip(params, raw, strict=True)]
         # weight_l2's gradient in closed form: 2 * w * p
-        np.testing.assert_allclose(_flat(grads["wl2"]), _flat([2 * WEIGHTS["wl2"] * p for p in params]), rtol=1e-6)
-        flats = {c: _flat(g) for c, g in grads.items()}
+        np.testing.assert_allclose(flat(grads["wl2"]), flat([2 * WEIGHTS["wl2"] * p for p in params]), rtol=1e-6)
+        flats = {c: flat(g) for c, g in grads.items()}
 
         for component, g in flats.items():
             norm = float(np.linalg.norm(g))

@@ -46,10 +46,11 @@ def test_learner_probes_iterations_n_2n_3n_with_the_pre_update_weights():
         (request,) = sent[len(probed) :]
         probed.append(iteration)
         assert request.iteration == iteration
-        assert request.weights.keys() == before.keys()
+        (part,) = request.modules
+        assert part.weights.keys() == before.keys()
         for key, value in before.items():  # exactly the weights the update started from ...
-            np.testing.assert_array_equal(request.weights[key], value, err_msg=f"iteration {iteration}: {key}")
+            np.testing.assert_array_equal(part.weights[key], value, err_msg=f"iteration {iteration}: {key}")
         # ... not the weights it produced
-        assert any(not np.array_equal(request.weights[k], after[k]) for k in after), iteration
+        assert any(not np.array_equal(part.weights[k], after[k]) for k in after), iteration
     assert probed == [EVERY, 2 * EVERY, 3 * EVERY]
     assert learner._probe.counters[mn.PROBE_REQUESTS_DROPPED] == 0
