@@ -19,6 +19,7 @@ about to train.  Nothing of gradmon's head resolution or norm pass is used.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ import torch
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 from ray.rllib.callbacks.callbacks import RLlibCallback
 from ray.rllib.connectors.learner import ComputeReturnsToGo
+from ray.rllib.core import ALL_MODULES
 from ray.rllib.core.columns import Columns
 from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 from ray.rllib.core.learner.training_data import TrainingData
@@ -39,6 +41,8 @@ from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
 from ray.rllib.utils.typing import ModuleID
 
 from gradmon_ray import compat
+from gradmon_ray.rllib import with_gradmon
+from tests.peer.pairs import first_difference, learner_tensors, seeded_update, shutdown_all
 
 GLOBAL = "<global>"
 """The oracle's name for a module's global norm (every parameter: the empty prefix)."""
@@ -215,6 +219,54 @@ def sample_with(runner: Any, learner: Any, num_timesteps: int) -> Any:
     runner.module.set_state(state if isinstance(runner, MultiAgentEnvRunner) else next(iter(state.values())))
     episodes = runner.sample(num_timesteps=num_timesteps, random_actions=False)
     return compat.make_train_batch(learner, TrainingData(episodes=episodes))
+
+
+MINIBATCHES = {"num_epochs": 2, "minibatch_size": 32, "shuffle_batch_per_epoch": True}
+"""Each observe-only update: 2 epochs of 32-row minibatches, reshuffled (RLlib's np.random)."""
+
+
+def observe_only_difference(config: Any, gradmon: dict[str, Any], *, updates: int = 2) -> str | None:
+    """None when ``with_gradmon(config.learner_class)`` trains bit for bit like the learner itself
+    on one sampled batch for ``updates`` seeded multi-epoch updates; else the first difference
+    (``pairs.first_difference``: weights, every optimizer's state, lr schedulers, KL coefficients)."""
+    runner = env_runner(config)
+    stock = wrapped = None
+    try:
+        spaces = runner.get_spaces()
+        stock = config.build_learner(spaces=spaces)
+        twin = copy.deepcopy(config)
+        extra = dict(config.learner_config_dict)
+        twin.learners(
+            learner_class=with_gradmon(config.learner_class), learner_config_dict={**extra, "gradmon": gradmon}
+        )
+        wrapped = twin.build_learner(spaces=spaces)
+        wrapped.module.set_state(stock.module.get_state())  # in place: the optimizers keep their Parameters
+        batch = sample_with(runner, stock, num_timesteps=64)
+        before = {k: v.clone() for k, v in _all_state(stock).items() if k.startswith("module[")}
+        for step in range(1, updates + 1):
+            for learner in (stock, wrapped):
+                seeded_update(learner, "ppo", batch, seed=100 + step, step=step, **MINIBATCHES)
+            diff = first_difference(_all_state(stock), _all_state(wrapped))
+            if diff is not None:
+                return f"after update {step}: {diff}"
+        optimizer_steps = [
+            k for k, v in _all_state(stock).items() if k.startswith("optimizer[") and k.endswith(".step")
+        ]
+        after = {k: v for k, v in _all_state(stock).items() if k.startswith("module[")}
+        assert optimizer_steps and first_difference(before, after), "nothing trained: a vacuous check"
+        return None
+    finally:
+        runner.stop()
+        shutdown_all([stock, wrapped])
+
+
+def _all_state(learner: Any) -> dict[str, Any]:
+    """``pairs.learner_tensors`` plus the optimizers registered for all modules at once."""
+    out = learner_tensors(learner)
+    for name, optimizer in learner.get_optimizers_for_module(ALL_MODULES):
+        for index, per_param in optimizer.state_dict()["state"].items():
+            out.update({f"optimizer[{name}].state[{index}].{key}": v for key, v in per_param.items()})
+    return out
 
 
 class TwoSpacesEnv(MultiAgentEnv):
