@@ -13,6 +13,7 @@ The examples with custom learners also train bit for bit like the unwrapped lear
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from collections.abc import Callable
@@ -374,6 +375,14 @@ def test_two_step_game_grouped_agents_tuple_action_space(ray_session) -> None:
         .multi_agent(policies={"p0"}, policy_mapping_fn=lambda aid, *a, **kw: "p0")
         .rl_module(rl_module_spec=MultiRLModuleSpec(rl_module_specs={"p0": RLModuleSpec()}))
     )
+    # No zero-config heads for a Tuple action space: refused at build, in one line naming what to give.
+    zero_config = copy.deepcopy(config).learners(learner_class=with_gradmon(PPOTorchLearner))
+    runner = env_runner(zero_config)
+    try:
+        with pytest.raises(ValueError, match=r"module 'p0'.*no zero-config heads for a Tuple action space"):
+            zero_config.build_learner(spaces=runner.get_spaces())
+    finally:
+        runner.stop()
     oracle = OracleSpec(rllib_loss_of(PPOTorchLearner), {"p0": PPO_HEADS})
     run = train_against_oracle(config, PPOTorchLearner, oracle, {"heads": {"pi": r"^pi\.", "vf": r"^vf\."}})
     assert all(it.trained() == {"p0"} for it in run)
