@@ -17,23 +17,56 @@ is the one test every writer and reader asks:
   (``parse_value_heads``), and a run without it (none declared, or written before the tag
   existed) has the built-in names only.
 
+A head name or module id goes into every metric name as one path segment, so only names the
+grammar can carry are accepted (``check_name``, asked by every place that takes a name: the gradmon
+settings, the heads and module ids a learner resolves, gradmon's own module).
+
 Bottom layer: ``metric_names`` re-exports all of this; nothing here imports gradmon.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Collection, Iterable
 
 VALUE_HEAD_NAMES: tuple[str, ...] = ("value", "vf")
 """Head names that always mean the value function (gradmon's own modules say ``value``, RLlib's
 default modules ``vf``), in every run; a run may declare more (``is_value_head``)."""
 
+POLICY_LATCH = "policy"
+"""The one latch head (``latch/nan/policy``, ...) of a module whose action distribution has no
+per-head log-probs (``rllib.heads.latch_heads``): it watches the whole policy's log-prob; ``watch``
+and the report show it in each action head's latch rows (``viz.runs.latch_head``)."""
+
 _module_template = "module/{module}/{name}"
 """How a module's metric is named (``module_metric``): in a run whose learners monitor several
 RLModules (multi-agent), every per-module metric (gradient telemetry, latches, losses) is
 ``module/<module_id>/<name>``, e.g. ``module/p1/grad/head/op/norm``.  A run with one module keeps
 the plain names.  Readers see a module's head as the label ``<module_id>/<head>`` (``head_label``)."""
+
+
+MAX_NAME_LENGTH = 64
+"""The longest head name or module id: two of them and the longest template stay well inside
+MLflow's 250-character metric names (``module/<id>/latch/collapse/<head>/first_iteration``)."""
+NAME_RULE = f"1-{MAX_NAME_LENGTH} characters from A-Z a-z 0-9 _ - . (not '.' or '..')"
+"""What a head name or module id may be, in words (every refusal says it)."""
+_name_pattern = re.compile(rf"[A-Za-z0-9_.\-]{{1,{MAX_NAME_LENGTH}}}\Z")
+# Why not more: '/' splits path segments (``p1/op`` is module/head to ``metric_parsing``), ','
+# separates the ``gradmon.head_names`` tag, MLflow refuses most other characters (':' on Windows)
+# and the paths '.' and '..' (``grad/head/../norm`` is not unique); whitespace, which MLflow takes,
+# would be a name that looks like another in a table or a shell.
+
+
+def check_name(name: object, what: str) -> str:
+    """``name`` if a head name or module id can be it (``NAME_RULE``), else a one-line ``ValueError``
+    naming ``what`` (e.g. ``"gradmon head"``), the name and what is allowed."""
+    if isinstance(name, str) and _name_pattern.match(name) and name not in (".", ".."):
+        return name
+    raise ValueError(
+        f"{what} {name!r} cannot go into gradmon's metric names (module/<module>/grad/head/<head>/norm): "
+        f"use {NAME_RULE}"
+    )
 
 
 @functools.lru_cache(maxsize=4096)  # ~90 names per telemetry step, the same every step

@@ -35,7 +35,7 @@ HEAD_GRAD_NORM = "grad/head/{head}/norm"
 HEAD_GRAD_NORM_PREV = "grad/head/{head}/norm_prev"
 """The previous iteration's value of ``HEAD_GRAD_NORM`` (trend detection)."""
 HEAD_GRAD_TREND = "grad/head/{head}/trend"
-"""+1 rising (delta > 0.01), -1 falling (delta < -0.01), 0 steady; see ``trend_arrow``."""
+"""+1 rising (delta > 0.01), -1 falling (< -0.01), 0 steady (``trend_arrow``); APPO/IMPALA: a mean (note)."""
 HEAD_GRAD_HEALTH = "grad/head/{head}/health"
 """Health band as a code, see ``HEALTH_CODES``."""
 HEAD_NOISE_SCALE = "grad/head/{head}/noise_scale"
@@ -55,7 +55,7 @@ GLOBAL_NOISE_SCALE = "grad/noise_scale"
 
 Left out of an iteration while undefined, as ``HEAD_NOISE_SCALE``."""
 HEAD_GRAD_NORM_CV = "grad/head_norm_cv"
-"""Coefficient of variation (population std / mean) of the finite action-head norms."""
+"""Population std / mean of the finite action-head norms; left out (never NaN) with fewer than two."""
 
 # --- TELE-310/300/301: global norm and non-finite gradient element counts -----------
 GLOBAL_GRAD_NORM = "grad/global_norm"
@@ -267,11 +267,15 @@ SCALAR_NAMES: tuple[str, ...] = _names_shaped(lambda n: "/" in n and "{" not in 
 TAG_NAMES: tuple[str, ...] = _names_shaped(lambda n: n.startswith("gradmon."))
 PROBE_COUNTERS = (PROBE_REQUESTS_SENT, PROBE_REQUESTS_DROPPED, PROBE_COMPLETED, PROBE_SKIPPED, PROBE_FAILURES)
 
-
-ABSENT_WHEN_UNDEFINED = (HEAD_NOISE_SCALE, GLOBAL_NOISE_SCALE, HEAD_ENTROPY, HEAD_ENTROPY_NORM, HEAD_KL)
-"""Metrics the learner leaves out of an iteration while they are undefined. RLlib's metrics
-logger fills a key missing from one iteration with NaN; readers drop those NaNs again."""
-
+ABSENT_WHEN_UNDEFINED = (
+    HEAD_NOISE_SCALE,
+    GLOBAL_NOISE_SCALE,
+    HEAD_ENTROPY,
+    HEAD_ENTROPY_NORM,
+    HEAD_KL,
+    HEAD_GRAD_NORM_CV,
+)
+"""Metrics left out of an iteration while undefined; RLlib fills a key missing from one with NaN, readers drop it."""
 
 # The spelling of a probe template's ``{bucket}``: ``probe_bucket`` writes it, ``metric_parsing`` reads it.
 _bucket_template = "bucket_{index}"

@@ -21,10 +21,15 @@ module declares in its ``value_heads`` attribute or the settings' ``value_heads`
 (``declared_value_heads``); ``metric_names.is_value_head`` is the test.
 
 Latch heads (the log-prob NaN/Inf latches) are the components of the action distribution,
-named as the zero-config heads: ``FactoredCategorical``'s heads; a ``MultiDiscrete`` space's
-components (``a0``, ...) through RLlib's ``TorchMultiCategorical``; a flat ``Dict`` space's keys
-(sorted, as dm-tree flattens) through ``TorchMultiDistribution``.  Any other distribution gives
-no per-head log-probs, so the whole policy latches under one name, ``"policy"``.
+named as the zero-config heads, decided at build from the module's train action distribution
+class: ``FactoredCategorical``'s heads; a ``MultiDiscrete`` space's components (``a0``, ...)
+only where the class is RLlib's ``TorchMultiCategorical``; a flat ``Dict`` space's keys (sorted,
+as dm-tree flattens) only where it is RLlib's ``TorchMultiDistribution``.  Any other
+distribution (a custom one over the same spaces included) gives no per-head log-probs, so the
+whole policy latches under one name, ``head_labels.POLICY_LATCH`` (``"policy"``).
+
+Every head and latch name must fit the metric grammar (``head_labels.check_name``): a name that
+does not is refused here, at build, in one line.
 """
 
 from __future__ import annotations
@@ -40,12 +45,10 @@ from ray.rllib.core.distribution.torch.torch_distribution import TorchMultiCateg
 from ray.rllib.core.models.torch.heads import TorchFreeLogStdMLPHead, TorchMLPHead
 
 from gradmon_ray import compat
+from gradmon_ray.head_labels import POLICY_LATCH, check_name
 from gradmon_ray.losses.distribution import FactoredCategorical
 from gradmon_ray.metric_names import VALUE_HEAD_NAMES, is_value_head
 from gradmon_ray.telemetry.head_norms import HeadPart, ParamRows
-
-POLICY_LATCH = "policy"
-"""The one latch of a module whose action distribution has no per-head log-probs."""
 
 SINGLE_COMPONENT_HEAD = "pi"
 """The zero-config head of a single ``Discrete`` or ``Box`` action space."""
@@ -62,13 +65,19 @@ def head_parameter_groups(module: torch.nn.Module, regexes: Mapping[str, str]) -
     See the module docstring for the order of precedence and the zero-config heads.  Raises
     ``ValueError`` naming the head whose regex matches no trainable parameter (listing every
     parameter name), the parameter two heads match, or a module without heads of its own that
-    is not a recognisable RLlib default module (naming the class and what to pass as heads).
+    is not a recognisable RLlib default module (naming the class and what to pass as heads), and
+    a head name that metric names cannot carry (``head_labels.check_name``).
     """
     if hasattr(module, "head_parameter_groups"):
-        return {name: list(params) for name, params in module.head_parameter_groups().items()}
-    if regexes:
-        return _regex_heads(module, regexes)
-    return zero_config_heads(module)
+        groups = {name: list(params) for name, params in module.head_parameter_groups().items()}
+        what = f"{type(module).__name__}.head_parameter_groups(): head name"
+    elif regexes:
+        groups, what = _regex_heads(module, regexes), "gradmon head name"
+    else:
+        groups, what = zero_config_heads(module), f"{type(module).__name__}'s zero-config head name"
+    for name in groups:
+        check_name(name, what)
+    return groups
 
 
 def _regex_heads(module: torch.nn.Module, regexes: Mapping[str, str]) -> dict[str, list[HeadPart]]:
@@ -190,11 +199,11 @@ def action_components(module: Any) -> list[tuple[str, int]]:
 
 
 def _check_component_names(module: Any, names: Sequence[Any]) -> None:
-    bad = [k for k in names if not isinstance(k, str) or not k or "/" in k or k in VALUE_HEAD_NAMES]
-    if bad:
+    for key in names:
+        check_name(key, f"{type(module).__name__}'s Dict action key")
+    if bad := [k for k in names if k in VALUE_HEAD_NAMES]:
         raise _unrecognised(
-            module,
-            f"Dict action keys {bad} cannot name heads (need non-empty strings without '/', not {VALUE_HEAD_NAMES})",
+            module, f"Dict action keys {bad} cannot name action heads ({VALUE_HEAD_NAMES} are value heads)"
         )
 
 
@@ -235,18 +244,20 @@ def declared_value_heads(
 
 
 def latch_heads(module: Any) -> tuple[str, ...]:
-    """The names of the per-head log-prob latches of ``module`` (see the module docstring)."""
+    """The names of the per-head log-prob latches of ``module`` (see the module docstring), decided
+    here, at build: ``per_head_logp`` then never meets a distribution it cannot split."""
     dist_cls = module.get_train_action_dist_cls()
-    if isinstance(dist_cls, type) and issubclass(dist_cls, FactoredCategorical):
-        return dist_cls.head_names
     space = module.action_space
-    if isinstance(space, gym.spaces.MultiDiscrete) and space.nvec.ndim == 1:
-        return tuple(f"a{i}" for i in range(len(space.nvec)))  # the zero-config heads' names
-    if isinstance(space, gym.spaces.Dict) and not any(
-        isinstance(s, (gym.spaces.Dict, gym.spaces.Tuple)) for s in space.spaces.values()
-    ):
-        return tuple(sorted(space.spaces))
-    return (POLICY_LATCH,)
+    if _is_subclass(dist_cls, FactoredCategorical):
+        names: Sequence[Any] = dist_cls.head_names
+    elif _is_subclass(dist_cls, TorchMultiCategorical) and isinstance(space, gym.spaces.MultiDiscrete):
+        names = [f"a{i}" for i in range(len(space.nvec))] if space.nvec.ndim == 1 else [POLICY_LATCH]
+    elif _is_subclass(dist_cls, TorchMultiDistribution) and isinstance(space, gym.spaces.Dict):
+        nested = any(isinstance(s, (gym.spaces.Dict, gym.spaces.Tuple)) for s in space.spaces.values())
+        names = [POLICY_LATCH] if nested else tree.flatten({key: key for key in space.spaces})  # dm-tree's order
+    else:
+        names = [POLICY_LATCH]
+    return tuple(check_name(name, f"{type(module).__name__}'s action component") for name in names)
 
 
 def per_head_logp(module: Any, logits: torch.Tensor, actions: Any, num_heads: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from ray.rllib.core.rl_module.torch import TorchRLModule
 from ray.rllib.utils.annotations import override
 from torch import nn
 
+from gradmon_ray.head_labels import check_name
 from gradmon_ray.losses.distribution import ActionFormat, FactoredCategorical
 from gradmon_ray.metric_names import VALUE_HEAD
 
@@ -42,7 +43,8 @@ def resolve_heads(action_space: gym.Space, head_names: Sequence[str] | None = No
     A ``Dict`` space's heads are its keys in sorted order, which is the order dm-tree (and
     so RLlib) flattens dicts in, and which gymnasium's ``Dict`` already iterates in;
     ``head_names`` may not rename them.  ``MultiDiscrete``/``Discrete`` heads take
-    ``head_names`` when given, else ``head_0, head_1, ...`` / ``action``.
+    ``head_names`` when given, else ``head_0, head_1, ...`` / ``action``.  Every name must fit the
+    metric grammar (``head_labels.check_name``).
     """
     if isinstance(action_space, gym.spaces.Dict):
         names = tuple(sorted(action_space.spaces))
@@ -74,6 +76,12 @@ def resolve_heads(action_space: gym.Space, head_names: Sequence[str] | None = No
             "FactoredActorCritic supports Dict-of-Discrete, MultiDiscrete and Discrete action spaces, "
             f"got {action_space}"
         )
+    what = "FactoredActorCritic: Dict action key" if layout.action_format == "dict" else "model.head_names: head name"
+    for name in layout.names:
+        try:
+            check_name(name, what)
+        except ValueError as exc:  # a ModelConfigError: preflight reports it as a config error
+            raise ModelConfigError(str(exc)) from None
     if len(set(layout.names)) != len(layout.names):
         raise ModelConfigError(f"head names must be unique, got {list(layout.names)}")
     if VALUE_HEAD in layout.names:

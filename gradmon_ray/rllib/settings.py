@@ -15,6 +15,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from gradmon_ray.head_labels import check_name
 from gradmon_ray.optim.upgd import UPGD
 from gradmon_ray.rllib.fault_injection import FaultInjection
 from gradmon_ray.rllib.settings_parsing import (
@@ -178,7 +179,9 @@ class GradmonSettings:
             modules=module_ids(data.get("modules")),
             per_module=frozen(
                 {
-                    mid: ModuleSettings.from_dict(e, at=f"{where('per_module')}[{mid!r}]")
+                    check_name(mid, f"{where('per_module')}: module id"): ModuleSettings.from_dict(
+                        e, at=f"{where('per_module')}[{mid!r}]"
+                    )
                     for mid, e in per_module.items()
                 }
             ),
@@ -220,7 +223,8 @@ class GradmonSettings:
 
     def check_modules(self, module_ids: Collection[str]) -> None:
         """Raise a one-line ``ValueError`` if ``modules`` or ``per_module`` names a module id that is
-        not among ``module_ids`` (the MultiRLModule's)."""
+        not among ``module_ids`` (the MultiRLModule's), or a module to monitor has an id that metric
+        names cannot carry (``head_labels.check_name``)."""
         have = list(module_ids)
         for key, named in (("modules", self.modules or ()), ("per_module", tuple(self.per_module))):
             missing = [mid for mid in named if mid not in have]
@@ -228,3 +232,6 @@ class GradmonSettings:
                 raise ValueError(
                     f"{where(key)} names module ids {missing} that the MultiRLModule does not have; it has {have}"
                 )
+        for mid in have:
+            if self.modules is None or mid in self.modules:
+                check_name(mid, "the MultiRLModule's module id")

@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Any
 
 from gradmon_ray.config import RegularizerEntry
+from gradmon_ray.head_labels import check_name
 from gradmon_ray.telemetry.bands import BandSet, CollapseBand, HealthBands
 
 LEARNER_CONFIG_KEY = "gradmon"
@@ -97,11 +98,13 @@ def keywords(fn: Any, *passed: str) -> frozenset[str]:
 
 
 def parse_heads(data: Any, at: str) -> Mapping[str, str]:
-    """``{head name: regex}``; each regex must compile (``at``: the section's place, for errors)."""
+    """``{head name: regex}``; each name a metric name can carry (``head_labels.check_name``), each
+    regex must compile (``at``: the section's place, for errors)."""
     heads = mapping(data, at)
     for name, rx in heads.items():
         if not isinstance(name, str) or not isinstance(rx, str):
             raise ValueError(f"{at}: expected {{head name (str): regex (str)}}, got {name!r}: {type(rx).__name__}")
+        check_name(name, f"{at}: head name")
         try:
             re.compile(rx)
         except re.error as exc:
@@ -130,9 +133,8 @@ def parse_value_heads(data: Any, at: str) -> tuple[str, ...] | None:
         return None
     if isinstance(data, (str, bytes)) or not isinstance(data, (list, tuple)):
         raise ValueError(f"{at} must be a list of head names (str), got {type(data).__name__} {data!r}")
-    bad = [h for h in data if not isinstance(h, str) or not h or "/" in h]
-    if bad:
-        raise ValueError(f"{at} must be a list of head names (non-empty str without '/'), got {bad}")
+    for head in data:
+        check_name(head, f"{at}: head name")
     return tuple(dict.fromkeys(data))
 
 
@@ -156,7 +158,7 @@ def module_ids(data: Any) -> tuple[str, ...] | None:
         raise ValueError(
             f"{at} must be a non-empty list of module ids (str) (omit it to monitor every module), got {data!r}"
         )
-    return tuple(data)
+    return tuple(check_name(m, f"{at}: module id") for m in data)
 
 
 def regularizers(data: Any) -> tuple[Mapping[str, Any], ...]:

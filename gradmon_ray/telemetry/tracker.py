@@ -84,7 +84,8 @@ class IterationTelemetry:
         ):
             for head, value in values.items():
                 out[mn.head_metric(template, head)] = value
-        out[mn.HEAD_GRAD_NORM_CV] = self.head_norm_cv
+        if not math.isnan(self.head_norm_cv):  # undefined (fewer than two action heads): left out, never NaN
+            out[mn.HEAD_GRAD_NORM_CV] = self.head_norm_cv
         out[mn.GLOBAL_GRAD_NORM] = self.global_norm
         out[mn.NAN_GRAD_COUNT] = self.nan_grad_count
         out[mn.INF_GRAD_COUNT] = self.inf_grad_count

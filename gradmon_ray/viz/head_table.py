@@ -91,6 +91,15 @@ def short_number(value: float | None) -> str:
     return format(value, ".3f" if size < 9.9995 else ".2f" if size < 99.995 else ".1f")
 
 
+def trend_arrow_of(trend: float | None) -> str:
+    """The arrow of a logged trend by its sign: exactly -1/0/+1 for one telemetry step, RLlib's mean
+    of several steps' codes where an iteration holds several (the IMPALA family, docs/metrics.md);
+    blank when not logged."""
+    if trend is None or not math.isfinite(trend):
+        return " "
+    return TREND_ARROWS[int(math.copysign(1, trend)) if trend else 0]
+
+
 def _latch(value: float | None) -> Text:
     if value is None:
         return Text(LATCH_NONE, style="dim")
@@ -103,20 +112,21 @@ def head_cells(snap: RunSnapshot, head: str, *, compact: bool = False) -> dict[s
     norm = snap.head_value(mn.HEAD_GRAD_NORM, head)
     trend = snap.head_value(mn.HEAD_GRAD_TREND, head)
     band = head_band(snap.head_value(mn.HEAD_GRAD_HEALTH, head), norm, head, snap.bands)
-    arrow = TREND_ARROWS.get(int(trend), "→") if trend is not None and math.isfinite(trend) else " "
+    arrow = trend_arrow_of(trend)
     noise = snap.head_value(mn.HEAD_NOISE_SCALE, head)
-    entropy_norm = snap.head_value(mn.HEAD_ENTROPY_NORM, head)
+    latch = snap.latch_head(head)  # its own latches, or its module's ``policy`` latch
+    entropy_norm = snap.head_value(mn.HEAD_ENTROPY_NORM, latch)
     low = entropy_norm is not None and entropy_norm < ENTROPY_LOW
     number = (short_number(norm) + arrow).rstrip() if compact else f"{fmt(norm)} {arrow}"
     return {
         "grad norm": Text(number),
         "log bar": Text(mini_bar(norm, COMPACT_CELL if compact else BAR_WIDTH), style=BAND_STYLES[band]),
         "state": Text(COMPACT_STATES.get(band, band) if compact else band, style=BAND_STYLES[band]),
-        "NaN latch": _latch(snap.head_value(mn.HEAD_NAN_LATCH, head)),
-        "Inf latch": _latch(snap.head_value(mn.HEAD_INF_LATCH, head)),
+        "NaN latch": _latch(snap.head_value(mn.HEAD_NAN_LATCH, latch)),
+        "Inf latch": _latch(snap.head_value(mn.HEAD_INF_LATCH, latch)),
         "noise scale": Text(short_number(noise) if compact else fmt(noise, ".3g")),
         "entropy norm": Text(fmt(entropy_norm), style="bold red" if low else ""),
-        "collapse": _latch(snap.head_value(mn.HEAD_COLLAPSE_LATCH, head)),
+        "collapse": _latch(snap.head_value(mn.HEAD_COLLAPSE_LATCH, latch)),
     }
 
 
@@ -166,7 +176,8 @@ def table_rows(snap: RunSnapshot, heads: Sequence[str]) -> list[str]:
     return [
         row
         for row in ROWS
-        if (template := _OPTIONAL_ROWS.get(row)) is None or any(snap.head_value(template, h) is not None for h in heads)
+        if (template := _OPTIONAL_ROWS.get(row)) is None
+        or any(snap.head_value(template, snap.latch_head(h)) is not None for h in heads)
     ]
 
 

@@ -124,7 +124,7 @@ def render_panel(snap: RunSnapshot, width: int | None = None) -> Group:
     the terminal's columns; tables wider than that become compact (None: never)."""
     modules = [m for m, _ in group_heads(snap.heads)]
     body = module_tables(snap, width) if snap.heads else [Text("no per-head telemetry in this run yet", style="dim")]
-    policy = policy_line(snap, snap.heads)
+    policy = policy_line(snap, [*snap.heads, *(snap.latch_head(h) for h in snap.heads)])  # not shown twice
     return Group(_header(snap, modules, width), *body, *([policy] if policy is not None else []), _probe_footer(snap))
 
 

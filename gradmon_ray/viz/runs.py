@@ -8,12 +8,13 @@ what MLflow stores.  Lookup problems become ``RunLookupError`` with a one-line m
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray import metric_parsing as mp
+from gradmon_ray.head_labels import POLICY_LATCH
 from gradmon_ray.telemetry.bands import DEFAULT_BANDS, BandSet
 from gradmon_ray.viz.layout import modules_of, run_bands
 
@@ -86,6 +87,16 @@ def head_band(code: float | None, norm: float | None, head: str, bands: BandSet 
     if norm is None:
         return "missing"
     return bands.for_head(head).classify(norm)
+
+
+def latch_head(head: str, names: Container[str], bands: BandSet = DEFAULT_BANDS) -> str:
+    """The label whose latches, entropy and collapse ``head``'s rows show: its own; for an action head
+    without latches of its own in a module whose action distribution latches as a whole, that
+    module's ``policy`` latch (``head_labels.POLICY_LATCH``; ``names``: the run's metric names)."""
+    if mn.head_metric(mn.HEAD_NAN_LATCH, head) in names or bands.is_value_head(head):
+        return head
+    policy = mn.head_label(mn.split_head_label(head)[0], POLICY_LATCH)
+    return policy if mn.head_metric(mn.HEAD_NAN_LATCH, policy) in names else head
 
 
 def policy_heads(metrics: Mapping[str, float], order: Iterable[str] = ()) -> list[str]:
@@ -165,6 +176,10 @@ class RunSnapshot:
         """The latest value of the per-head ``template`` for ``head`` (a label), None if never logged."""
         return self.metrics.get(mn.head_metric(template, head))
 
+    def latch_head(self, head: str) -> str:
+        """Whose latches, entropy and collapse ``head``'s rows show (``latch_head``)."""
+        return latch_head(head, self.metrics, self.bands)
+
     def module_value(self, name: str, module: str | None) -> float | None:
         """The latest value of ``module``'s ``name`` (``module/<id>/<name>``; plain for None)."""
         return self.metrics.get(mn.module_metric(module, name))
@@ -219,6 +234,10 @@ class RunHistory:
         """``module``'s history of ``name`` (``module/<id>/<name>``; plain for None)."""
         return self.series.get(mn.module_metric(module, name), {})
 
+    def latch_head(self, head: str) -> str:
+        """Whose latches ``head``'s rows show (``latch_head``)."""
+        return latch_head(head, self.latest, self.bands)
+
     def head_steps(self) -> list[int]:
         """Every iteration at which any head's norm was logged."""
         steps: set[int] = set()
@@ -245,11 +264,12 @@ def load_history(client: Any, run_id: str, extra: Iterable[str] = ()) -> RunHist
         latest = dict(run.data.metrics)
         tags = dict(run.data.tags)
         heads = run_heads(latest, tags)
+        bands = run_bands(run.data.params, tags)
         names = [
-            mn.head_metric(t, h)
-            for h in heads
-            for t in (mn.HEAD_GRAD_NORM, mn.HEAD_GRAD_HEALTH, mn.HEAD_NAN_LATCH, mn.HEAD_INF_LATCH, mn.HEAD_NOISE_SCALE)
+            mn.head_metric(t, h) for h in heads for t in (mn.HEAD_GRAD_NORM, mn.HEAD_GRAD_HEALTH, mn.HEAD_NOISE_SCALE)
         ]
+        latches = dict.fromkeys(latch_head(h, latest, bands) for h in heads)
+        names += [mn.head_metric(t, h) for h in latches for t in (mn.HEAD_NAN_LATCH, mn.HEAD_INF_LATCH)]
         policy = policy_heads(latest, heads)
         names += [mn.head_metric(t, h) for h in policy for t in (mn.HEAD_ENTROPY_NORM, mn.HEAD_COLLAPSE_LATCH)]
         names += [mn.module_metric(m, name) for m in modules_of(heads) for name in MODULE_SCALARS]
@@ -267,5 +287,5 @@ def load_history(client: Any, run_id: str, extra: Iterable[str] = ()) -> RunHist
         latest=latest,
         tags=tags,
         policy_heads=policy,
-        bands=run_bands(run.data.params, tags),
+        bands=bands,
     )
