@@ -241,7 +241,7 @@ class ProbeClient:
         if self._handle is None:
             try:
                 self._handle = ray.get_actor(self.actor_name)
-            except ValueError:
+            except Exception:  # not there (ValueError), or Ray itself unreachable: a counted failure either way
                 return None
         return self._handle
 

@@ -192,15 +192,13 @@ class GradmonPPOTorchLearner(compat.TrainBatchHook, with_gradmon(PPOTorchLearner
         if self._probe is None:
             return {}
         snapshot, self._probe_snapshot = self._probe_snapshot, None
-        if snapshot is None:
-            self._probe.poll()
-        else:
-            try:
-                request = self._probe_request(snapshot)
-            except Exception as exc:  # e.g. a module removed since the snapshot: counted, training goes on
-                self._probe.record_failure(f"request: {type(exc).__name__}: {exc}")
+        try:
+            if snapshot is None:
+                self._probe.poll()
             else:
-                self._probe.submit(request)
+                self._probe.submit(self._probe_request(snapshot))
+        except Exception as exc:  # the probe is an observer: whatever breaks in it is counted, training goes on
+            self._probe.record_failure(f"hand-off: {type(exc).__name__}: {exc}")
         return self._probe.metrics()
 
     def _probe_request(self, snapshot: dict[str, Any]) -> ProbeRequest:

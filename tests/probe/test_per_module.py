@@ -12,7 +12,8 @@ and takes ``torch.autograd.grad``: none of the probe's own code.
 Bugs these catch: the probe following only the first module (``agent_1``'s names missing), every
 module analysed with one module's weights or batch (the values would match the other module's
 oracle), module ids missing from the names (``module/<id>/`` prefix), a module absent from the
-iteration's batch sent anyway, a module the actor cannot build taking the others' metrics down.
+iteration's batch sent anyway, a module the actor cannot build taking the others' metrics down, a
+request the learner cannot build raising into the update (the fixture's fourth update).
 """
 
 from __future__ import annotations
@@ -85,6 +86,15 @@ def probed():
         request = sent[-1]
         update(learner, MultiAgentBatch({"agent_1": designed["agent_1"]}, env_steps=60), cfg)
         sparse = sent[-1]  # iteration 3: agent_0 has no rows
+
+        def broken(module_id, part):
+            raise RuntimeError(f"cannot describe {module_id}")
+
+        learner._module_probe = broken  # a request that cannot be built: counted, the update goes on
+        before = len(sent)
+        update(learner, MultiAgentBatch(designed, env_steps=60), cfg)
+        assert len(sent) == before and learner._probe.counters[mn.PROBE_FAILURES] == 1
+        assert learner.gradmon_iteration == 4
         probe = GradientProbe(num_buckets=2, device="cpu")
         outcome = probe.analyse(request)
         modules = {mid: copy.deepcopy(learner.module[mid].unwrapped()) for mid in AGENTS}
