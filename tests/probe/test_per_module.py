@@ -13,7 +13,8 @@ Bugs these catch: the probe following only the first module (``agent_1``'s names
 module analysed with one module's weights or batch (the values would match the other module's
 oracle), module ids missing from the names (``module/<id>/`` prefix), a module absent from the
 iteration's batch sent anyway, a module the actor cannot build taking the others' metrics down, a
-request the learner cannot build raising into the update (the fixture's fourth update).
+request the learner cannot build raising into the update (the fixture's fourth update), the module
+list fixed at build (a module added with RLlib's ``add_module`` never probed, a removed one still sent).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 import tree
+from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 
 from gradmon_ray import metric_names as mn
@@ -37,7 +39,7 @@ from tests.probe.designed_batch import designed_columns, expected_buckets, flat,
 
 AGENTS = ("agent_0", "agent_1")
 PPO = {
-    "train_batch_size": 256,
+    "train_batch_size": 128,
     "minibatch_size": 128,
     "num_epochs": 1,
     "entropy_coeff": 0.05,
@@ -77,7 +79,7 @@ def probed():
     sent = []
     learner._probe.submit = sent.append  # a recording client: the hand-off is the subject here
     try:
-        first = train_batch(learner, sample_episodes(cfg, learner, 256))
+        first = train_batch(learner, sample_episodes(cfg, learner, 128))
         update(learner, first, cfg)  # the weights move off the sampling policy: KL has a gradient
         designed = {mid: _designed(first.policy_batches[mid]) for mid in AGENTS}
         weights = {mid: copy.deepcopy(learner.module[mid].unwrapped().state_dict()) for mid in AGENTS}
@@ -219,3 +221,41 @@ def test_a_module_the_probe_cannot_build_is_an_error_and_the_others_are_still_lo
     for name, value in logged.items():
         if name != mn.PROBE_DURATION_S:
             assert value == pytest.approx(metrics[name], rel=1e-9, nan_ok=True), name
+
+
+def test_a_module_added_mid_run_is_probed_from_its_next_iteration_and_a_removed_one_no_more():
+    """RLlib's own ``Learner.add_module`` / ``remove_module`` (the self-play pattern): the probe
+    follows the learner's monitored modules at each probed iteration, with the new module's own weights."""
+    cfg = _cfg()
+    learner = build_local_learner(cfg)
+    sent = []
+    learner._probe.submit = sent.append
+    try:
+        first = train_batch(learner, sample_episodes(cfg, learner, 128))
+        update(learner, first, cfg)
+        template = learner.module["agent_0"].unwrapped()
+        spec = RLModuleSpec(
+            module_class=type(template),
+            observation_space=template.observation_space,
+            action_space=template.action_space,
+            model_config=template.model_config,
+        )
+        learner.add_module(module_id="snapshot", module_spec=spec)
+        designed = {mid: _designed(first.policy_batches[mid]) for mid in AGENTS}
+        designed["snapshot"] = designed["agent_0"]  # the snapshot plays agent_0's seat
+        weights = copy.deepcopy(learner.module["snapshot"].unwrapped().state_dict())
+        update(learner, MultiAgentBatch(designed, env_steps=60), cfg)
+        added = sent[-1]
+        learner.remove_module("agent_0")
+        del designed["agent_0"]
+        update(learner, MultiAgentBatch(designed, env_steps=60), cfg)
+        removed = sent[-1]
+    finally:
+        learner.shutdown()
+    assert added.iteration == 2 and sorted(p.module_id for p in added.modules) == ["agent_0", "agent_1", "snapshot"]
+    (part,) = [p for p in added.modules if p.module_id == "snapshot"]
+    for key, value in weights.items():
+        np.testing.assert_array_equal(part.weights[key], value.numpy(), err_msg=key)
+    assert removed.iteration == 3 and sorted(p.module_id for p in removed.modules) == ["agent_1", "snapshot"]
+    outcome = GradientProbe(num_buckets=2, device="cpu").analyse(added)
+    assert outcome.status == "ok" and outcome.modules == dict.fromkeys(["agent_0", "agent_1", "snapshot"], "ok")
