@@ -96,7 +96,7 @@ def round_trips(head: str, module: str | None) -> list[str]:
     return problems
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(head=names, module=names)
 def test_every_accepted_name_round_trips_and_every_name_that_breaks_it_is_refused(head, module):
     for m in (None, module):
