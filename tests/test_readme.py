@@ -2,11 +2,13 @@
 
 The README keeps the install / test / train commands; every metric and tag name is documented in
 docs/metrics.md (generated from metric_names.py, see tests/test_docs.py); the plot artifacts in
-docs/operations.md; every ``gradmon-ray`` command in the README and docs/*.md must parse.
+docs/operations.md; every ``gradmon-ray`` command in the README and docs/*.md must parse; every
+drop-in python block is known to the test that runs it, and fits 2 cores.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 import shlex
 from pathlib import Path
@@ -15,6 +17,8 @@ from gradmon_ray import metric_names as mn
 from gradmon_ray.app.cli import build_parser
 from gradmon_ray.viz.plots import ENTROPY_FILE, HEATMAP_FILE, LINES_FILE, PROBE_FILE
 from gradmon_ray.viz.report import PLOTS_ARTIFACT_DIR
+from tests.doc_blocks import EDITS, drop_in_blocks
+from tests.e2e.doc_block_runner import cpus_needed
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -119,3 +123,30 @@ def test_every_gradmon_ray_command_in_the_readme_and_docs_parses():
     for line in commands:
         args = parser.parse_args(shlex.split(line)[1:])
         assert args.command in {"train", "tune", "watch", "report"}, line
+
+
+def _statements_before_training(code: str) -> str:
+    """A block's statements up to (not including) the first that trains: they build ``config``, no Ray."""
+    body = ast.parse(code).body
+    first = next(i for i, s in enumerate(body) if "build_algo()" in ast.unparse(s) or "Tuner(" in ast.unparse(s))
+    return ast.unparse(ast.Module(body=body[:first], type_ignores=[]))
+
+
+def test_every_drop_in_block_has_its_test_edits_and_they_still_apply():
+    """tests/e2e/test_dropin_e2e.py runs every drop-in block; here, without Ray: the blocks the
+    markdown holds are exactly those ``EDITS`` knows, and each edit still finds its text once."""
+    blocks = drop_in_blocks()
+    assert sorted(b.key for b in blocks) == sorted(EDITS), [b.key for b in blocks]
+    for block in blocks:
+        ast.parse(block.for_test("/tmp/tune"))
+
+
+def test_every_drop_in_block_fits_two_cores_by_rllibs_resource_request():
+    """Each block's config, built by its own statements, asks Ray for at most 2 CPUs (RLlib's
+    ``default_resource_request``: a Tune trial reserves every bundle, ``build_algo()`` its actors'):
+    on a 2-core machine, where ``ray.init()`` offers 2, a block asking for 3 waits forever (the
+    README's APPO block did, with APPO's default remote learner beside two EnvRunners)."""
+    for block in drop_in_blocks():
+        namespace: dict = {"__name__": "__main__"}
+        exec(compile(_statements_before_training(block.for_test("/tmp/tune")), block.key, "exec"), namespace)
+        assert cpus_needed(namespace["config"], tuner="Tuner(" in block.code) <= 2, block.key

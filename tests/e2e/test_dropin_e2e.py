@@ -1,20 +1,39 @@
-"""The README's drop-in example (APPO, CartPole, RLlib's default module and learner settings), run
-from the README's own block; and two remote APPO learners on RLlib's default modules of a
-two-policy run with no head settings: one packed reduction per step, the replica checksum."""
+"""The drop-in as a user runs it.
+
+- Every drop-in block of the README and docs/*.md (``tests/doc_blocks.py`` finds them in the markdown),
+  run as a script in one subprocess: it finishes, asks no more CPUs than 2 cores have, does what its
+  docs say, and the script exits.
+- A settings mistake in the README's block: one ``ValueError`` line before Ray starts
+  (``check_gradmon``); a head regex matching nothing: one line from the learner, built in the driver
+  with the block's ``num_learners=0``; and with a remote learner the script still exits promptly
+  (``gradmon_ray.rllib.dropin``'s exit hook).
+- The README's block against two oracles (RLlib's own global norm, autograd hooks), and two remote
+  APPO learners on RLlib's default modules of a two-policy run with no head settings: one packed
+  reduction per step, the replica checksum.
+"""
 
 from __future__ import annotations
 
 import ast
+import json
 import math
+import os
+import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 from ray.rllib.algorithms.appo import APPOConfig
 from ray.rllib.algorithms.appo.torch.appo_torch_learner import APPOTorchLearner
 from ray.rllib.examples.envs.classes.multi_agent import MultiAgentCartPole
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.rllib import with_gradmon
+from tests.doc_blocks import ROOT, drop_in_blocks
+from tests.e2e.processes import clean_env, kill_group
 from tests.test_docs import _readme_drop_in_example
 
 pytestmark = pytest.mark.e2e
@@ -40,14 +59,14 @@ def test_appo_example_as_written(ray_session):
     """The README's block builds the config (its statements, not a copy); the test adds only what
     the oracles need: RLlib's own ``grad_clip`` and ``log_gradients``, so RLlib logs the global norm
     its ``clip_gradients`` computes (``compute_global_norm``), an independent path to gradmon's
-    ``grad/global_norm``; and hooks on ``module.pi`` / ``module.vf`` on the remote learner, whose
+    ``grad/global_norm``; and hooks on ``module.pi`` / ``module.vf`` on the learner, whose
     squared gradients give each head's norm.  The value is read by the README's own expression.
     APPO's update is one minibatch (``minibatch_size`` None, one epoch), so gradmon's mean over the
     step's minibatches and RLlib's last-minibatch value are the same gradient; the driver averages
     both over the same updates."""
 
     def record_submodule_gradients(learner) -> None:
-        """On the remote learner (defined here: pickled by value): tensor hooks on the parameters
+        """On the learner (the block's ``num_learners=0``: in this process): tensor hooks on the parameters
         of the ``pi`` and ``vf`` submodules, fetched by attribute name, adding each backward's
         squared gradient (float64) under the telemetry step it belongs to."""
         from ray.rllib.core import DEFAULT_MODULE_ID
@@ -140,3 +159,131 @@ def test_two_appo_learners_on_rllibs_default_multi_agent_modules(ray_session):
     finally:
         algo.stop()
     assert time.monotonic() - start < 300
+
+
+# --- the docs' blocks, run as scripts -----------------------------------------------------------
+TWO_CORES = 2.0
+BLOCK_S = 120.0
+"""Most seconds one block may take on the loaded 2-core box (about 15-40 s when measured)."""
+EXIT_S = 30.0
+"""Most seconds from a script's last statement (or its error) to the end of its process."""
+
+
+def _run_script(argv: list[str], cwd: Path, env: dict[str, str], timeout_s: float) -> tuple[int, str, float]:
+    """Run ``argv``; its return code, stderr and seconds.  A script that does not end is killed, and fails."""
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_group(proc, grace_s=5)  # the script and the Ray it started
+        out, err = proc.communicate()
+        pytest.fail(f"{argv} did not end within {timeout_s} s:\n{out[-2000:]}\n{err[-4000:]}")
+    return proc.returncode, out + "\n" + err, time.monotonic() - start
+
+
+def _shared_ray_env(address: str) -> dict[str, str]:
+    """The suite's shared Ray for a script's own ``ray.init()`` (RLlib's auto-init reads RAY_ADDRESS)."""
+    return {**os.environ, "RAY_ADDRESS": address, "PYTHONPATH": str(ROOT)}
+
+
+def test_every_drop_in_block_of_the_docs_runs_as_written_and_the_script_exits(lasting_ray_address, tmp_path):
+    """All drop-in blocks, found in the markdown now, in one script (a fresh namespace each, in the
+    user's directory): each finishes, its config fits 2 cores by RLlib's own resource request (the
+    README's APPO block asked for 3 actor CPUs and waited forever), the MLflow blocks wrote the runs
+    their docs promise into the directory the script ran in, and the process ends after the last one."""
+    blocks = drop_in_blocks()
+    tune_dir = str(tmp_path / "tune")
+    (tmp_path / "blocks.json").write_text(json.dumps([{"key": b.key, "code": b.for_test(tune_dir)} for b in blocks]))
+    argv = [sys.executable, "-m", "tests.e2e.doc_block_runner", "blocks.json", "results.json"]
+    rc, output, _ = _run_script(argv, tmp_path, _shared_ray_env(lasting_ray_address), BLOCK_S * len(blocks))
+    ended = time.time()
+    assert rc == 0, output[-6000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [r["key"] for r in results] == [b.key for b in blocks]
+    for r in results:
+        assert r["cpus"] <= TWO_CORES, r
+        assert r["seconds"] < BLOCK_S, r
+    (done,) = re.findall(r"doc blocks done at ([\d.]+)", output)
+    assert ended - float(done) < EXIT_S
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    for experiment, n_runs, head in (("gradmon-ray", 1, "pi"), ("my-ppo", 2, "action")):  # README's, callback.md's
+        runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+        assert len(runs) == n_runs and {r.info.status for r in runs} == {"FINISHED"}, experiment
+        for run in runs:
+            assert client.get_metric_history(run.info.run_id, mn.head_metric(mn.HEAD_GRAD_NORM, head)), experiment
+
+
+README_HEADS = '{"heads": {"pi": r"^pi\\.", "vf": r"^vf\\."}}'
+MISTAKES = {  # the README block's settings -> what the user wrote, and the start of the one line they get
+    "misspelled key": (
+        '{"heds": {"pi": r"^pi\\."}}',
+        "learner_config_dict['gradmon']: unknown keys ['heds']; allowed:",
+    ),
+    "bad regex": ('{"heads": {"pi": r"(["}}', "learner_config_dict['gradmon']['heads']['pi']: invalid regular"),
+    "band as a string": (
+        '{"bands": {"action": "0.1"}}',
+        "learner_config_dict['gradmon']['bands']['action'] must be a mapping (dict), got str '0.1'",
+    ),
+}
+
+
+def _readme_script(tmp_path: Path, settings: str, *replace: tuple[str, str]) -> list[str]:
+    """The README's drop-in block with other gradmon settings (and ``replace`` applied), as a script."""
+    (block,) = [b for b in drop_in_blocks() if b.key == "README.md:APPOConfig"]
+    code = block.code
+    for old, new in ((README_HEADS, settings), *replace):
+        assert code.count(old) == 1, old
+        code = code.replace(old, new)
+    (tmp_path / "script.py").write_text(code)
+    return [sys.executable, "script.py"]
+
+
+def _last_line(output: str) -> str:
+    return output.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("mistake", sorted(MISTAKES))
+def test_a_settings_mistake_is_one_value_error_line_before_ray_starts(mistake, tmp_path):
+    """Run with RAY_ADDRESS naming a port nothing listens on: a script that reached Ray (an EnvRunner,
+    a learner actor) would fail to connect instead.  What it gets is the ``ValueError``, in one line,
+    raised by the block's own ``check_gradmon(...)`` line; the process has ended within seconds."""
+    settings, message = MISTAKES[mistake]
+    argv = _readme_script(tmp_path, settings)
+    rc, output, seconds = _run_script(argv, tmp_path, clean_env(RAY_ADDRESS="127.0.0.1:9"), 120)
+    assert rc == 1 and _last_line(output).startswith(f"ValueError: {message}"), output[-3000:]
+    traceback = output[output.index("Traceback (most recent call last):") :]
+    frames = re.findall(r'^  File "(.+?)", line \d+, in (\S+)', traceback, re.M)
+    assert [f[1] for f in frames] == ["<module>", "check_gradmon"], frames  # the user's line, then ours
+    assert "Started a local Ray" not in output and "RayTaskError" not in output
+    assert seconds < 60  # interpreter, torch and RLlib imports only (the learner's check took ~50 s)
+
+
+def test_a_head_regex_matching_nothing_is_one_line_from_the_learner_in_the_driver(lasting_ray_address, tmp_path):
+    """The README's block as written (``num_learners=0``): the regex is checked where the module is
+    built, the learner in the driver, so the user gets gradmon's ``ValueError`` itself, no
+    ``RayTaskError`` around it, and the script ends."""
+    argv = _readme_script(tmp_path, '{"heads": {"pi": r"^nomatch\\."}}')
+    rc, output, _ = _run_script(argv, tmp_path, _shared_ray_env(lasting_ray_address), 180)
+    want = "ValueError: module 'default_policy': gradmon head 'pi' (regex '^nomatch\\\\.') matches no trainable"
+    assert rc == 1 and _last_line(output).startswith(want), output[-3000:]
+    assert "RayTaskError" not in output
+
+
+def test_a_learner_actor_that_fails_to_build_ends_the_script_promptly(tmp_path):
+    """With a remote learner the regex error comes back as RLlib's ``RayTaskError`` (no gradmon code
+    runs on the driver between), and the half-built ``LearnerGroup`` it holds used to start a second
+    local Ray at interpreter exit and hang there.  The script starts its own Ray, as a user's does
+    (the shared one would be reconnected to instead): it ends, and starts Ray once."""
+    argv = _readme_script(
+        tmp_path,
+        '{"heads": {"pi": r"^nomatch\\."}}',
+        ("num_learners=0", "num_learners=1"),
+        ('.environment("CartPole-v1")', '.environment("CartPole-v1").env_runners(num_env_runners=0)'),
+    )
+    rc, output, _ = _run_script(argv, tmp_path, clean_env(), 120)
+    assert rc == 1 and "matches no trainable parameter" in _last_line(output), output[-3000:]
+    assert output.count("Started a local Ray instance") == 1, output[-3000:]
