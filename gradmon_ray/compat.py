@@ -13,7 +13,7 @@ Private uses kept here (Ray 2.60 / torch 2.x):
 
 - ``Learner._make_batch_if_necessary`` (overridden by ``TrainBatchHook``, called by ``make_train_batch``)
 - ``TorchLearner._make_modules_ddp_if_necessary``, ``TorchLearner._update`` and ``Learner._module``
-  (``PerModuleDDPGroups``)
+  (``DistributedModulesHook``)
 - ``Checkpointable._check_component`` (``wants_component``)
 - ``TorchLearner._grad_scalers`` (``grad_scaler``)
 - ``torch.amp.GradScaler._get_scale_async`` (``scale_tensor``)
@@ -77,50 +77,29 @@ class TrainBatchHook:
         """Called with the ``MultiAgentBatch`` (or None); default: nothing."""
 
 
-class PerModuleDDPGroups:
-    """Mixin: with 2+ learners, each torch module of a ``MultiRLModule`` gets DDP on its OWN process group.
-
-    RLlib 2.60 wraps every module in ``TorchDDPRLModule`` on the default (WORLD) group.  Each
-    module's DDP reducer launches its bucket all-reduces in the order its backward hooks fire,
-    which differs between learners (different data), so on one communicator module A's
-    gradients on rank 0 get summed with module B's on rank 1: silently averaged across
-    modules when their shapes match (seen here with two same-shaped policies: the replicas
-    then diverge), a hang or an error when they don't.  One group per module keeps each
-    module's all-reduces in their own communicator.  ``torch.distributed.new_group`` is called
-    for the modules in ``MultiRLModule.keys()`` order, the same on every learner, as it
-    requires.  A ``process_group`` the user put in ``torch_ddp_kwargs`` is left alone.
-
-    The modules' forward passes must then run in one order on every learner (DDP's first
-    forward rebuilds its buckets with a collective on the module's group: two learners running
-    the modules in different orders would wait for each other forever), so ``_update`` hands
-    RLlib each (mini)batch with its modules in ``MultiRLModule.keys()`` order; RLlib runs the
-    forward in the batch's order, which otherwise follows the learner's own data.
+class DistributedModulesHook:
+    """Mixin: after RLlib's DDP wrapping (``_make_modules_ddp_if_necessary``) the learner's
+    ``arrange_gradient_average()`` runs; while its ``gradient_average`` is set, every update
+    (``_update``) runs with DDP's communication off (``no_sync()`` on every module, RLlib's own
+    IMPALA multi-agent recipe), because the learner averages the gradients itself after
+    ``backward`` (``gradmon_ray.rllib.module_sync``).  RLlib has no public hook for either.
     """
 
-    _own_ddp_groups = False
+    def _make_modules_ddp_if_necessary(self) -> None:
+        super()._make_modules_ddp_if_necessary()  # type: ignore[misc]
+        self.arrange_gradient_average()  # type: ignore[attr-defined]
 
     def _update(self, batch: dict[str, Any]) -> Any:
-        if self._own_ddp_groups:
-            order = [mid for mid in self._module.keys() if mid in batch]  # type: ignore[attr-defined]  # noqa: SIM118
-            batch = {**{mid: batch[mid] for mid in order}, **batch}
-        return super()._update(batch)  # type: ignore[misc]
+        if self.gradient_average is None:  # type: ignore[attr-defined]
+            return super()._update(batch)  # type: ignore[misc]
+        from contextlib import ExitStack
 
-    def _make_modules_ddp_if_necessary(self) -> None:
-        import torch.distributed as dist
-        from ray.rllib.core.rl_module.multi_rl_module import MultiRLModule
-        from ray.rllib.core.rl_module.torch.torch_rl_module import TorchDDPRLModule, TorchRLModule
-
-        module = self._module  # type: ignore[attr-defined]
-        kwargs = dict(self.config.torch_ddp_kwargs or {})  # type: ignore[attr-defined]
-        torch_ids = [mid for mid in module.keys() if isinstance(module[mid], TorchRLModule)]  # noqa: SIM118
-        several = isinstance(module, MultiRLModule) and len(torch_ids) > 1
-        if self.config.num_learners <= 1 or not several or "process_group" in kwargs:  # type: ignore[attr-defined]
-            super()._make_modules_ddp_if_necessary()  # type: ignore[misc]
-            return
-        for mid in torch_ids:
-            group = dist.new_group()
-            module.add_module(mid, TorchDDPRLModule(module[mid], process_group=group, **kwargs), override=True)
-        self._own_ddp_groups = True
+        with ExitStack() as stack:
+            for mid in self._module.keys():  # type: ignore[attr-defined]  # noqa: SIM118
+                module = self._module[mid]  # type: ignore[attr-defined]
+                if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+                    stack.enter_context(module.no_sync())
+            return super()._update(batch)  # type: ignore[misc]
 
 
 def make_train_batch(learner: Any, training_data: Any) -> Any:

@@ -137,6 +137,11 @@ class NoiseScaleHook:
         self._enabled = True
         return True
 
+    def enable(self) -> bool:
+        """Measure without DDP: the caller hands each module's local gradients to ``add_local``."""
+        self._enabled = True
+        return True
+
     def remove(self) -> None:
         """Stop measuring.  DDP cannot unregister a comm hook: it stays DDP's plain all-reduce."""
         self._enabled = False

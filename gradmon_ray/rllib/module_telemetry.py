@@ -104,10 +104,13 @@ class ModuleTelemetry:
     def _loss_scale(self) -> torch.Tensor | None:
         return compat.scale_tensor(self.grad_scaler) if self.grad_scaler is not None else None
 
-    def setup_noise_scale(self, ddp_module: Any, settings: GradmonSettings, active: bool) -> None:
-        """Per-head gradient noise scale (2+ learners): a DDP comm hook adds each bucket's LOCAL
-        squared norms into device lanes, then hands the bucket to DDP's own all-reduce."""
-        if settings.noise_scale and active and self.noise_hook.register(ddp_module):
+    def setup_noise_scale(self, ddp_module: Any, settings: GradmonSettings, active: bool, *, averaged: bool) -> None:
+        """Per-head gradient noise scale (2+ learners): the LOCAL squared norms go into device
+        lanes before the cross-learner average: from a DDP comm hook on each bucket, or, where
+        gradmon averages the gradients itself (``averaged``), from that average."""
+        if not (settings.noise_scale and active):
+            return
+        if self.noise_hook.enable() if averaged else self.noise_hook.register(ddp_module):
             self.noise = NoiseScaleTracker([*self.groups, GLOBAL_ENTRY], beta=settings.noise_ema_beta)
 
     # --- per minibatch -------------------------------------------------------------------

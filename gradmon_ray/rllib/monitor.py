@@ -20,9 +20,10 @@ everything stays on the learner's device (nothing syncs with the host):
 Observe-only: with VGS off, a learner gets bit-for-bit the weights and optimizer state of
 ``learner_cls`` (``tests/peer/test_observe_only.py``), except that a non-finite minibatch
 under ``torch_skip_nan_gradients=True`` is skipped, where RLlib 2.60 still steps
-(``tests/peer/test_observe_only_differences.py``), and that with 2+ learners each module of a
-``MultiRLModule`` gets DDP on its own process group, where RLlib 2.60 can average one
-module's gradients with another's (``compat.PerModuleDDPGroups``).
+(``tests/peer/test_observe_only_differences.py``), and that with 2+ learners the modules of a
+``MultiRLModule`` with several modules are averaged across learners by gradmon, over the
+learners that trained each module (``rllib.module_sync``), where RLlib 2.60's DDP can average
+one module's gradients with another's and hangs on a module missing from one learner's shard.
 
 One telemetry step = ``report_every`` calls of ``Learner.update`` (default: 1, and for the
 IMPALA family ``config.broadcast_interval``, the number of updates between two reductions of
@@ -47,6 +48,8 @@ from gradmon_ray import compat
 from gradmon_ray.distributed import LearnerCollective
 from gradmon_ray.rllib.gradient_pass import GradmonGradientPass
 from gradmon_ray.rllib.heads import latch_heads, per_head_logp
+from gradmon_ray.rllib.module_changes import ModuleChanges
+from gradmon_ray.rllib.module_sync import SparseSafeModuleSync
 from gradmon_ray.rllib.module_telemetry import ModuleTelemetry, resolve_module
 from gradmon_ray.rllib.monitor_step import (
     GRADMON_STATE_KEYS,
@@ -67,7 +70,9 @@ def global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-class GradmonMonitor(compat.PerModuleDDPGroups, GradmonGradientPass, GradmonReporting):
+class GradmonMonitor(
+    compat.DistributedModulesHook, ModuleChanges, SparseSafeModuleSync, GradmonGradientPass, GradmonReporting
+):
     """The telemetry half of a gradmon learner; ``with_gradmon`` puts it before a ``TorchLearner``."""
 
     gradmon_full_learner: ClassVar[bool] = False
@@ -84,17 +89,19 @@ class GradmonMonitor(compat.PerModuleDDPGroups, GradmonGradientPass, GradmonRepo
         # heads are resolved there, so a bad head fails before IMPALA/APPO start their threads.
         super().build()
         self._collective = self._make_collective()
+        self._hook_handles: list[Any] = []
         for module_id, monitor in self._monitors.items():
-            monitor.setup_noise_scale(self.module[module_id], self.gradmon, self._collective.active)
+            self._attach(module_id, monitor)
         self._report_every = self.gradmon.report_every or int(getattr(self.config, "broadcast_interval", 1) or 1)
         self._updates_since_report = 0
-        self._hook_handles = [
-            handle
-            for monitor in self._monitors.values()
-            for handle in self.gradmon.fault_injection.install_grad_hooks(
-                monitor.groups, global_rank(), lambda: self.gradmon_iteration + 1
-            )
-        ]
+
+    def _attach(self, module_id: ModuleID, monitor: ModuleTelemetry) -> None:
+        """What a monitor needs once the modules are distributed: the noise-scale hook, fault hooks."""
+        averaged = self.gradient_average is not None
+        monitor.setup_noise_scale(self.module[module_id], self.gradmon, self._collective.active, averaged=averaged)
+        self._hook_handles += self.gradmon.fault_injection.install_grad_hooks(
+            monitor.groups, global_rank(), lambda: self.gradmon_iteration + 1
+        )
 
     @override(Learner)
     def configure_optimizers(self) -> None:
@@ -104,24 +111,30 @@ class GradmonMonitor(compat.PerModuleDDPGroups, GradmonGradientPass, GradmonRepo
 
     def _build_monitors(self) -> dict[ModuleID, ModuleTelemetry]:
         """One ``ModuleTelemetry`` per monitored module; every head is resolved first (errors name the module)."""
-        module_ids = [mid for mid in self.module.keys() if isinstance(self.module[mid], torch.nn.Module)]  # noqa: SIM118 (a MultiRLModule iterates otherwise)
+        module_ids = self._torch_module_ids()
         self.gradmon.check_modules(module_ids)
-        wanted = [mid for mid in module_ids if self.gradmon.modules is None or mid in self.gradmon.modules]
+        wanted = [mid for mid in module_ids if self._wants(mid)]
         specs = []
         for module_id in wanted:
             rl_module = self.module[module_id].unwrapped()
             specs.append(resolve_module(module_id, rl_module, self.gradmon, self.latch_heads_of(rl_module)))
-        return {
-            spec.module_id: ModuleTelemetry(
-                spec,
-                self.module[spec.module_id].unwrapped(),
-                device=self.device,
-                grad_scaler=compat.grad_scaler(self, spec.module_id),
-                vgs=self.gradmon.vgs,
-                optimizers=self._optimizers_of(spec.module_id),
-            )
-            for spec in specs
-        }
+        return {spec.module_id: self._monitor_of(spec) for spec in specs}
+
+    def _torch_module_ids(self) -> list[ModuleID]:
+        return [mid for mid in self.module.keys() if isinstance(self.module[mid], torch.nn.Module)]  # noqa: SIM118 (a MultiRLModule iterates otherwise)
+
+    def _wants(self, module_id: ModuleID) -> bool:
+        return self.gradmon.modules is None or module_id in self.gradmon.modules
+
+    def _monitor_of(self, spec: Any) -> ModuleTelemetry:
+        return ModuleTelemetry(
+            spec,
+            self.module[spec.module_id].unwrapped(),
+            device=self.device,
+            grad_scaler=compat.grad_scaler(self, spec.module_id),
+            vgs=self.gradmon.vgs,
+            optimizers=self._optimizers_of(spec.module_id),
+        )
 
     def latch_heads_of(self, rl_module: Any) -> tuple[str, ...]:
         """The log-prob latches (``heads.latch_heads``); a subclass with its own loss may narrow them."""

@@ -81,19 +81,27 @@ class GradmonReporting:
         for module_id, monitor in self._monitors.items():
             metrics[module_id].update(self._module_metrics(monitor, reduced[module_id]))
             if checksum_ok is not None:
-                metrics[module_id][mn.REPLICA_CHECKSUM_OK] = float(checksum_ok)
+                metrics[module_id][mn.REPLICA_CHECKSUM_OK] = float(checksum_ok[module_id])
         self._log_gradmon_metrics(metrics)
-        if checksum_ok is False:
+        self.partially_trained.clear()
+        diverged = [mid for mid, ok in (checksum_ok or {}).items() if not ok]
+        if diverged:
             raise ReplicaDivergenceError(
-                f"learner replicas hold different parameters after iteration {self.gradmon_iteration} "
-                f"(detected on rank {self._collective.rank} of {self._collective.world_size}); "
-                "the run cannot be trusted: restore the last checkpoint"
+                f"learner replicas hold different parameters of module(s) {diverged} after iteration "
+                f"{self.gradmon_iteration} (detected on rank {self._collective.rank} of "
+                f"{self._collective.world_size}); the run cannot be trusted: restore the last checkpoint"
             )
 
     def _module_metrics(self, monitor: ModuleTelemetry, reduced: ReducedIteration) -> dict[str, float]:
         """One module's metrics of this step, from its share of the reduced host copy."""
         metrics: dict[str, float] = {}
         local = _local_segments(monitor).unpack(reduced.local)
+        if self.gradmon.telemetry and reduced.lanes[monitor.tracker.layout.minibatches] == 0:
+            # No learner trained the module in this step (its agents were in no shard, or it is
+            # not in policies_to_train): nothing to report, not even "missing" norms.
+            monitor.tracker.skip_iteration()
+            monitor.noise_hook.take_rows()
+            return metrics
         if self.gradmon.telemetry:
             health = reduced.health if monitor.head_health.enabled else None
             summary = monitor.last_telemetry = monitor.tracker.finish_iteration(reduced.lanes, health)
@@ -111,7 +119,9 @@ class GradmonReporting:
     def _noise_scale_metrics(self, monitor: ModuleTelemetry, noise: np.ndarray, minibatches: int) -> dict[str, float]:
         """B_simple per head and global from the reduced noise lanes of one step, as metrics."""
         rows = monitor.noise_hook.take_rows()
-        if monitor.noise is None:
+        if monitor.noise is None or monitor.module_id in self.partially_trained:
+            # B_simple needs every learner's local gradient of the module; a learner without
+            # the module's samples has none, so the step has no noise scale for it.
             return {}
         per_head, global_scale = noise_scales(
             monitor.noise, noise, world_size=self._collective.world_size, minibatches=minibatches, rows=rows
@@ -122,11 +132,11 @@ class GradmonReporting:
         for module_id, values in metrics.items():
             log_step_metrics(self.metrics, module_id, values)
 
-    def _reduce_step(self) -> tuple[dict[Any, ReducedIteration], bool | None]:
+    def _reduce_step(self) -> tuple[dict[Any, ReducedIteration], dict[Any, bool] | None]:
         """Pack every module's lanes, reduce ONCE across learners, copy to the host ONCE.
 
         Reduced: the telemetry lanes, the checksum digits (zeros unless this is a check step;
-        one checksum over all monitored parameters), the noise-scale lanes and the policy
+        one checksum per module; the second value: per module, whether the replicas agree), the noise-scale lanes and the policy
         head-health lanes (``rllib.head_health``; computed here, once per step, from the step's
         last minibatch).  Local (identical on every replica, or rank-local): the scaler lanes,
         the VGS metrics and this rank's own checksum digits.
@@ -134,11 +144,11 @@ class GradmonReporting:
         collective = self._collective
         every = self.gradmon.replica_check_every
         check = collective.active and every > 0 and (self.gradmon_iteration + 1) % every == 0
-        params = [p for monitor in self._monitors.values() for p in monitor.params]
+        # One checksum per module (two float64 digits each): a divergence names its module.
         digits = (
-            parameter_checksum(list({id(p): p for p in params}.values())).to(self.device)
-            if check
-            else torch.zeros(2, dtype=torch.float64, device=self.device)
+            torch.cat([parameter_checksum(list(m.params)).to(self.device) for m in self._monitors.values()])
+            if check and self._monitors
+            else torch.zeros(2 * len(self._monitors), dtype=torch.float64, device=self.device)
         )
         parts = []
         for index, monitor in enumerate(self._monitors.values()):
@@ -153,9 +163,10 @@ class GradmonReporting:
             monitor.scaler_lanes[0].zero_()
             monitor.noise_hook.zero_()
         k = collective.world_size
-        checksum_ok = (
-            bool(np.array_equal(reduced[0].checksum, k * reduced[0].own_checksum)) if check and reduced else None
-        )
+        checksum_ok = None
+        if check and reduced:
+            agree = (reduced[0].checksum == k * reduced[0].own_checksum).reshape(-1, 2).all(axis=1)
+            checksum_ok = dict(zip(self._monitors, (bool(a) for a in agree), strict=True))
         return dict(zip(self._monitors, reduced, strict=True)), checksum_ok
 
     def telemetry_state(self) -> dict[str, Any]:

@@ -144,10 +144,12 @@ class IterationAccumulator:
             self.buffer.zero_()
             return
         f64 = torch.float64
-        count = norms.scalars.shape[1]
         scalars = norms.scalars.to(f64)
         values = torch.cat([norms.head_norms.to(f64), scalars[0].reshape(-1, 1)], dim=1)
         known = values == values  # NaN norms are left out of the sums and counts, Inf kept
+        # A minibatch counts where the module had a gradient: a NaN global norm without NaN/Inf
+        # elements is a module this minibatch did not train (its agents were not in it).
+        trained = (known[:, -1] | (scalars[1] + scalars[2] > 0)).to(f64)
         if logp:
             logp_nan, logp_inf = _nonfinite_flags(*zip(*logp, strict=True))
         else:
@@ -158,7 +160,7 @@ class IterationAccumulator:
                     torch.where(known, values, 0.0).sum(0),
                     known.sum(0),
                     scalars[1:].sum(1),
-                    torch.full((1,), float(count), dtype=f64, device=values.device),
+                    trained.sum().reshape(1),
                     logp_nan,
                     logp_inf,
                 ]

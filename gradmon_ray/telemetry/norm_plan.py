@@ -30,7 +30,8 @@ class GradientNorms:
     head_norms: torch.Tensor
     """[heads] L2 norm per head; NaN for a head with no gradient (batched: every module's heads, in order)."""
     global_norm: torch.Tensor
-    """0-d L2 norm over every gradient of the module (heads and shared trunk); batched: [modules]."""
+    """0-d L2 norm over every gradient of the module (heads and shared trunk); batched: [modules].
+    NaN for a module without any gradient (not trained in this minibatch)."""
     nan_count: torch.Tensor
     """0-d number of NaN gradient elements (batched: [modules])."""
     inf_count: torch.Tensor
@@ -105,6 +106,7 @@ class _Index(NamedTuple):
     row_params: tuple[tuple[int, int], ...]  # (position in params, row count) of row-split params with a gradient
     rows: torch.Tensor  # slot of each of their rows, concatenated (rows no head takes: the trunk slot)
     has_grad: torch.Tensor  # per head of every module: does any part of it have a gradient
+    module_has_grad: torch.Tensor | None  # per module: any gradient at all (None: every module has one)
     buffers: list[CountBuffers]  # the eager counts' buffers, made at the first eager compute (empty until then)
 
 
@@ -191,6 +193,7 @@ class GradientNormPlan:
                 tuple((pos, len(row_slots)) for pos, row_slots in row_params),
                 longs(row_index),
                 torch.tensor(has_grad, dtype=torch.bool, device=device),
+                None if all(module_sizes) else torch.tensor([n > 0 for n in module_sizes], device=device),
                 [],
             )
             self._index_cache[present] = cached
@@ -252,4 +255,7 @@ class GradientNormPlan:
         global_sq = torch.zeros(slots.num_modules, device=squares.device).index_add_(0, index.module_of, squares)
         heads = per_slot[: slots.trunk_base]
         head_norms = torch.where(index.has_grad, heads.sqrt(), float("nan"))
-        return head_norms, global_sq.sqrt()
+        global_norm = global_sq.sqrt()
+        if index.module_has_grad is not None:  # a module this minibatch did not train: missing, not 0
+            global_norm = torch.where(index.module_has_grad, global_norm, float("nan"))
+        return head_norms, global_norm

@@ -512,13 +512,6 @@ def test_example_learners_train_bit_for_bit_with_gradmon(example: str) -> None:
     assert observe_only_difference(config, gradmon) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gradmon reports a module RLlib never trains (not in policies_to_train: the examples' "
-    "frozen opponents and self-play snapshots) every iteration as NaN norms with "
-    "grad/head/<head>/health = -1 ('missing', ranked above weak/elevated) and latch lanes, "
-    "instead of leaving it out",
-)
 def test_a_module_outside_policies_to_train_raises_no_missing_gradient_health() -> None:
     """``different_spaces_for_agents.py``'s ``policies_to_train=["main0"]``, in-process: main1
     gets no rows and no gradient by RLlib's design; it must not be reported as a head whose
