@@ -131,8 +131,8 @@ class NoiseScaleHook:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         self._allreduce = allreduce_hook
-        # DDP's own all-reduce, on the module's own process group (not WORLD: with one group per
-        # module, modules' buckets must never meet in one communicator; see gradmon_ray.compat).
+        # DDP's own all-reduce on the module's process group (a learner with several modules
+        # averages them itself instead: ``enable`` and ``add_local``, rllib.module_sync).
         module.register_comm_hook(state=module.process_group, hook=self.local_norm_hook)
         self._enabled = True
         return True

@@ -18,6 +18,7 @@ from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 from ray.rllib.utils.annotations import override
 from ray.rllib.utils.typing import ModuleID
 
+from gradmon_ray.head_labels import check_name
 from gradmon_ray.rllib.module_sync import SparseSafeModuleSync
 from gradmon_ray.rllib.module_telemetry import resolve_module
 
@@ -30,6 +31,8 @@ class ModuleChanges:
         """RLlib's ``add_module``, then: the module distributed like the others (its own share of
         the gradient average with 2+ learners) and, if monitored, its telemetry from its first
         update on (heads, bands, latches; its clock at the learner's; its state in checkpoints)."""
+        if self._wants(module_id):  # before RLlib adds it; RLlib's own check lets "a b" and "a,b" through
+            check_name(module_id, "added module id")
         spec = super().add_module(module_id=module_id, module_spec=module_spec, **kwargs)
         self.arrange_gradient_average()
         if self._wants(module_id) and isinstance(self.module[module_id], torch.nn.Module):

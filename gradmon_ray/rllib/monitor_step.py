@@ -136,10 +136,11 @@ class GradmonReporting:
         """Pack every module's lanes, reduce ONCE across learners, copy to the host ONCE.
 
         Reduced: the telemetry lanes, the checksum digits (zeros unless this is a check step;
-        one checksum per module; the second value: per module, whether the replicas agree), the noise-scale lanes and the policy
-        head-health lanes (``rllib.head_health``; computed here, once per step, from the step's
-        last minibatch).  Local (identical on every replica, or rank-local): the scaler lanes,
-        the VGS metrics and this rank's own checksum digits.
+        one checksum per module; the second value returned: per module, whether the replicas
+        agree), the noise-scale lanes and the policy head-health lanes (``rllib.head_health``;
+        computed here, once per step, from the step's last minibatch).  Local (identical on every
+        replica, or rank-local): the scaler lanes, the VGS metrics and this rank's own checksum
+        digits.
         """
         collective = self._collective
         every = self.gradmon.replica_check_every
