@@ -1,13 +1,13 @@
 """The per-minibatch gradient path of a gradmon learner: one norm pass for all modules, the step.
 
-After backward (and the cross-learner average: DDP's, or gradmon's own, ``module_sync``),
-before any module's clipping (``postprocess_gradients``), ONE ``GradientNormPlan`` measures every monitored module (per-head norms, global norms, exact
-NaN/Inf counts); each module then runs what needs its own slice (VGS, the noise-scale hook).
-The step (``apply_gradients``) is RLlib's own, with the non-finite flag handed to fused
-optimizers as ``found_inf`` (no host read), and the minibatch's norms of every module are ONE
-record (``NormRecords``).  Nothing here reads the device from the host, whatever the number of
-modules (``tests/rllib/test_host_reads.py`` counts it).
-"""
+After backward (and the cross-learner average: DDP's, or gradmon's own, ``module_sync``), before
+any module's clipping (``postprocess_gradients``), ONE ``GradientNormPlan`` measures every
+monitored module (per-head norms, global norms, exact NaN/Inf counts); each module then runs
+what needs its own slice (VGS, the noise-scale hook). The step (``apply_gradients``) is RLlib's
+own, with the non-finite flag handed to fused optimizers as ``found_inf`` (no host read), and
+the minibatch's norms of every module are ONE record (``NormRecords``). Nothing here reads the
+device from the host, whatever the number of modules (``tests/rllib/test_host_reads.py`` counts
+it)."""
 
 from __future__ import annotations
 
