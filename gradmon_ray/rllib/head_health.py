@@ -10,38 +10,31 @@ minibatch RLlib's own ``entropy`` and ``mean_kl_loss`` (logged with window=1) re
 ride in the step's single packed reduction and host copy.
 
 The heads are the latch heads (``heads.latch_heads``); their sizes come from
-``head_sizes``.  A distribution that is not categorical per head (e.g. a Box action space)
-gets no head health (``head_sizes`` returns None).
+``head_sizes``, decided at build with the latches (``distribution_heads``).  Entropy and KL are
+computed from the raw logits as one plain categorical per head, so only a distribution that is
+exactly that gets them: RLlib's ``TorchCategorical`` (``Discrete``), its catalog's
+``TorchMultiCategorical`` (``MultiDiscrete``) and ``TorchMultiDistribution`` of ``TorchCategorical``
+children (flat ``Dict`` of ``Discrete``), gradmon's ``FactoredCategorical.for_heads`` classes.  Any
+other (a ``Box`` space, a subclass with a temperature in ``from_logits``) gets no head health:
+``head_sizes`` returns None and no ``policy/head/...`` metric is reported (not NaN).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import gymnasium as gym
 import torch
 
-from gradmon_ray.losses.distribution import FactoredCategorical
+from gradmon_ray.rllib.distribution_heads import distribution_heads
 from gradmon_ray.telemetry.head_entropy import empty_head_health_lanes, head_health_lanes
 
 
 def head_sizes(module: Any, heads: tuple[str, ...]) -> tuple[int, ...] | None:
     """Number of actions of each of ``heads`` (``heads.latch_heads(module)``), in order; None when
-    the action distribution is not one categorical per head."""
-    dist_cls = module.get_train_action_dist_cls()
-    if isinstance(dist_cls, type) and issubclass(dist_cls, FactoredCategorical):
-        sizes: tuple[int, ...] = tuple(dist_cls.head_sizes)
-    else:
-        space = module.action_space
-        if isinstance(space, gym.spaces.Discrete):
-            sizes = (int(space.n),)
-        elif isinstance(space, gym.spaces.MultiDiscrete) and space.nvec.ndim == 1:
-            sizes = tuple(int(n) for n in space.nvec)
-        elif isinstance(space, gym.spaces.Dict) and all(isinstance(s, gym.spaces.Discrete) for s in space.values()):
-            sizes = tuple(int(space[k].n) for k in sorted(space.spaces))  # dm-tree's sorted-key order
-        else:
-            return None
-    return sizes if len(sizes) == len(heads) else None
+    the train action distribution is not exactly one plain categorical per head
+    (``distribution_heads``: the same build-time decision as the latches)."""
+    sizes = distribution_heads(module).sizes
+    return sizes if sizes is not None and len(sizes) == len(heads) else None
 
 
 class HeadHealthRecorder:

@@ -22,7 +22,8 @@ module declares in its ``value_heads`` attribute or the settings' ``value_heads`
 
 Latch heads (the log-prob NaN/Inf latches) are the components of the action distribution,
 named as the zero-config heads, decided at build from the module's train action distribution
-class: ``FactoredCategorical``'s heads; a ``MultiDiscrete`` space's components (``a0``, ...)
+class (``distribution_heads``, the one place, which also decides where per-head entropy/KL
+apply): ``FactoredCategorical``'s heads; a ``MultiDiscrete`` space's components (``a0``, ...)
 only where the class is RLlib's ``TorchMultiCategorical``; a flat ``Dict`` space's keys (sorted,
 as dm-tree flattens) only where it is RLlib's ``TorchMultiDistribution``.  Any other
 distribution (a custom one over the same spaces included) gives no per-head log-probs, so the
@@ -45,9 +46,10 @@ from ray.rllib.core.distribution.torch.torch_distribution import TorchMultiCateg
 from ray.rllib.core.models.torch.heads import TorchFreeLogStdMLPHead, TorchMLPHead
 
 from gradmon_ray import compat
-from gradmon_ray.head_labels import POLICY_LATCH, check_name
+from gradmon_ray.head_labels import check_name
 from gradmon_ray.losses.distribution import FactoredCategorical
 from gradmon_ray.metric_names import VALUE_HEAD_NAMES, is_value_head
+from gradmon_ray.rllib.distribution_heads import distribution_heads
 from gradmon_ray.telemetry.head_norms import HeadPart, ParamRows
 
 SINGLE_COMPONENT_HEAD = "pi"
@@ -244,20 +246,10 @@ def declared_value_heads(
 
 
 def latch_heads(module: Any) -> tuple[str, ...]:
-    """The names of the per-head log-prob latches of ``module`` (see the module docstring), decided
-    here, at build: ``per_head_logp`` then never meets a distribution it cannot split."""
-    dist_cls = module.get_train_action_dist_cls()
-    space = module.action_space
-    if _is_subclass(dist_cls, FactoredCategorical):
-        names: Sequence[Any] = dist_cls.head_names
-    elif _is_subclass(dist_cls, TorchMultiCategorical) and isinstance(space, gym.spaces.MultiDiscrete):
-        names = [f"a{i}" for i in range(len(space.nvec))] if space.nvec.ndim == 1 else [POLICY_LATCH]
-    elif _is_subclass(dist_cls, TorchMultiDistribution) and isinstance(space, gym.spaces.Dict):
-        nested = any(isinstance(s, (gym.spaces.Dict, gym.spaces.Tuple)) for s in space.spaces.values())
-        names = [POLICY_LATCH] if nested else tree.flatten({key: key for key in space.spaces})  # dm-tree's order
-    else:
-        names = [POLICY_LATCH]
-    return tuple(check_name(name, f"{type(module).__name__}'s action component") for name in names)
+    """The names of the per-head log-prob latches of ``module`` (see the module docstring), decided at
+    build by ``distribution_heads.distribution_heads`` (the one decision, which also says where
+    per-head entropy/KL apply): ``per_head_logp`` then never meets a distribution it cannot split."""
+    return distribution_heads(module).names
 
 
 def per_head_logp(module: Any, logits: torch.Tensor, actions: Any, num_heads: int) -> torch.Tensor:

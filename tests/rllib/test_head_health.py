@@ -16,19 +16,34 @@ dropped ``policy/`` prefix on the way to MLflow, and ``vf_explained_var`` not re
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import gymnasium as gym
+import numpy as np
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 from ray.rllib.algorithms.ppo import PPOConfig
+from ray.rllib.algorithms.ppo.torch.default_ppo_torch_rl_module import DefaultPPOTorchRLModule
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
+from ray.rllib.core import DEFAULT_MODULE_ID
+from ray.rllib.core.columns import Columns
+from ray.rllib.core.distribution.torch.torch_distribution import (
+    TorchCategorical,
+    TorchMultiCategorical,
+    TorchMultiDistribution,
+)
+from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray.head_labels import POLICY_LATCH
+from gradmon_ray.losses.distribution import FactoredCategorical
 from gradmon_ray.rllib import with_gradmon
 from gradmon_ray.rllib.head_health import head_sizes
 from gradmon_ray.rllib.heads import latch_heads
 from gradmon_ray.tracking import GradmonMLflowCallback
 from tests.fixtures.user_envs import MatchTwoEnv
+from tests.peer.pairs import sample_batch
 from tests.rllib.user_module import default_ppo_module
 
 SIZES = {"a0": 3, "a1": 4}  # MatchTwoEnv's MultiDiscrete([3, 4]): zero-config names a0, a1
@@ -46,6 +61,147 @@ SIZES = {"a0": 3, "a1": 4}  # MatchTwoEnv's MultiDiscrete([3, 4]): zero-config n
 def test_head_sizes_follow_the_latch_heads_of_rllibs_default_module(space, sizes):
     module = default_ppo_module(space)
     assert head_sizes(module, latch_heads(module)) == sizes
+
+
+TEMPERATURE = 4.0
+
+
+class TemperedCategorical(TorchCategorical):
+    """A user's categorical at temperature 4: ``softmax(logits / 4)``, so its entropy is NOT the
+    entropy of ``softmax(logits)`` that gradmon's per-head lanes would compute from the raw logits."""
+
+    @classmethod
+    def from_logits(cls, logits: torch.Tensor, **kwargs: Any) -> TemperedCategorical:
+        return cls(logits=logits / TEMPERATURE, **kwargs)
+
+
+class TemperedPPOModule(DefaultPPOTorchRLModule):
+    """RLlib's default PPO module (its catalog, its layers) with the tempered distribution."""
+
+    def get_train_action_dist_cls(self) -> type:
+        return TemperedCategorical
+
+    def get_exploration_action_dist_cls(self) -> type:
+        return TemperedCategorical
+
+    def get_inference_action_dist_cls(self) -> type:
+        return TemperedCategorical
+
+
+class TemperedMultiCategorical(TorchMultiCategorical):
+    """A subclass of RLlib's MultiCategorical (its children stay RLlib's ``TorchCategorical``)."""
+
+
+DICT = gym.spaces.Dict({"b": gym.spaces.Discrete(4), "a": gym.spaces.Discrete(2)})
+
+
+def _module(space: gym.Space, dist_cls: type) -> Any:
+    module = default_ppo_module(space)
+    module.get_train_action_dist_cls = lambda: dist_cls  # this module's own train distribution
+    return module
+
+
+@pytest.mark.parametrize(
+    ("space", "dist_cls", "names"),
+    [
+        (gym.spaces.Discrete(3), TemperedCategorical, (POLICY_LATCH,)),
+        (
+            gym.spaces.MultiDiscrete([3, 4]),
+            TemperedMultiCategorical.get_partial_dist_cls(space=gym.spaces.MultiDiscrete([3, 4]), input_lens=[3, 4]),
+            ("a0", "a1"),
+        ),
+        (
+            DICT,
+            TorchMultiDistribution.get_partial_dist_cls(
+                space=DICT,
+                child_distribution_cls_struct={"a": TemperedCategorical, "b": TorchCategorical},
+                input_lens=[2, 4],
+            ),
+            ("a", "b"),
+        ),
+        (
+            gym.spaces.MultiDiscrete([3, 4]),
+            type("Hot", (FactoredCategorical.for_heads(("x", "y"), (3, 4), "multi_discrete"),), {}),
+            ("x", "y"),
+        ),
+    ],
+)
+def test_a_subclass_of_a_categorical_keeps_its_latches_but_gets_no_head_sizes(space, dist_cls, names):
+    module = _module(space, dist_cls)
+    assert latch_heads(module) == names
+    assert head_sizes(module, latch_heads(module)) is None
+
+
+def test_gradmons_own_factored_categorical_gets_its_head_sizes():
+    module = _module(
+        gym.spaces.MultiDiscrete([3, 4]), FactoredCategorical.for_heads(("x", "y"), (3, 4), "multi_discrete")
+    )
+    assert head_sizes(module, latch_heads(module)) == (3, 4)
+
+
+def _acrobot_learner(module_class: type) -> tuple[Any, PPOConfig]:
+    """An in-process ``with_gradmon(PPOTorchLearner)`` on Acrobot (``Discrete(3)``), no Ray."""
+    config = (
+        PPOConfig()
+        .environment("Acrobot-v1")
+        .rl_module(rl_module_spec=RLModuleSpec(module_class=module_class))
+        .env_runners(num_env_runners=0, rollout_fragment_length=64)
+        .learners(num_learners=0, learner_class=with_gradmon(PPOTorchLearner))
+        .training(train_batch_size_per_learner=64, minibatch_size=64, num_epochs=1)
+        .debugging(seed=0)
+    )
+    learner = config.build_learner(spaces={DEFAULT_MODULE_ID: (gym.spaces.Box(-30, 30, (6,)), gym.spaces.Discrete(3))})
+    return learner, config
+
+
+def _update(learner: Any, batch: Any) -> dict[str, float]:
+    results = learner.update(batch=batch, timesteps={}, num_epochs=1, minibatch_size=None)
+    return {k: float(v.peek()) for k, v in results[DEFAULT_MODULE_ID].items() if hasattr(v, "peek")}
+
+
+def test_a_tempered_categorical_module_reports_no_head_entropy_or_kl():
+    learner, config = _acrobot_learner(TemperedPPOModule)
+    try:
+        assert learner.module[DEFAULT_MODULE_ID].get_train_action_dist_cls() is TemperedCategorical
+        logged = _update(learner, sample_batch(config, learner, num_timesteps=64))
+    finally:
+        learner.shutdown()
+    assert logged[mn.head_metric(mn.HEAD_NAN_LATCH, POLICY_LATCH)] == 0.0  # the latch stays
+    assert "entropy" in logged  # RLlib's own, from the tempered distribution
+    assert not [k for k in logged if k.startswith(("policy/head/", "latch/collapse/"))]
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    shifted = x - x.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def test_a_stock_categorical_modules_entropy_and_kl_equal_numpy_from_the_logits():
+    """One minibatch (the whole batch): entropy of softmax(current logits) and KL(sampling || current),
+    masked means over the loss mask, in numpy; the weights are moved after sampling so the KL is real."""
+    learner, config = _acrobot_learner(DefaultPPOTorchRLModule)
+    try:
+        batch = sample_batch(config, learner, num_timesteps=64)
+        module = learner.module[DEFAULT_MODULE_ID].unwrapped()
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in module.pi.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+            rows = batch.policy_batches[DEFAULT_MODULE_ID]
+            current = module.forward_train({Columns.OBS: torch.as_tensor(rows[Columns.OBS])})
+        logged = _update(learner, batch)
+    finally:
+        learner.shutdown()
+    logq = _log_softmax(current[Columns.ACTION_DIST_INPUTS].double().numpy())
+    logp = _log_softmax(np.asarray(rows[Columns.ACTION_DIST_INPUTS], dtype=np.float64))
+    mask = np.asarray(rows[Columns.LOSS_MASK], dtype=bool)  # PPO's bootstrap rows are masked out
+    assert 0 < mask.sum() < len(mask)
+    entropy = float((-(np.exp(logq) * logq).sum(-1))[mask].mean())
+    kl = float((np.exp(logp) * (logp - logq)).sum(-1)[mask].mean())
+    assert kl > 1e-3  # a real KL, not two zeros agreeing
+    assert logged[mn.head_metric(mn.HEAD_ENTROPY, POLICY_LATCH)] == pytest.approx(entropy, rel=1e-5)
+    assert logged[mn.head_metric(mn.HEAD_KL, POLICY_LATCH)] == pytest.approx(kl, rel=1e-5)
+    assert logged["entropy"] == pytest.approx(entropy, rel=1e-5)  # and RLlib's own agrees
 
 
 @pytest.mark.e2e  # a real algorithm on a local Ray
