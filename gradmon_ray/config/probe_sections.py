@@ -13,6 +13,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from gradmon_ray.config.base import ConfigError, ConfigModel
 from gradmon_ray.config.sections import CustomResources, Text, check_custom_resources
+from gradmon_ray.head_labels import check_name
 from gradmon_ray.import_paths import resolve_regularizer_fn
 
 RESERVED_REGULARIZER_NAMES = ("task", "entropy", "kl", "value", "total")
@@ -70,6 +71,21 @@ class ProbeSection(ConfigModel):
     track_grad_norms: bool = Field(
         False, description="ADR-009: also take each regularizer's own gradient (one backward pass each)."
     )
+    modules: Union[list[Text], None] = Field(
+        None,
+        description="Multi-agent: the module ids to probe (null: every monitored module); an id the run's "
+        "MultiRLModule does not have stops the learner's build.",
+    )
+
+    @field_validator("modules")
+    @classmethod
+    def _module_ids(cls, modules: list[str] | None) -> list[str] | None:
+        if modules is not None and not modules:
+            raise ConfigError("", "must be a non-empty list of module ids or null (every module)")
+        try:
+            return None if modules is None else [check_name(m, "module id") for m in modules]
+        except ValueError as exc:
+            raise ConfigError("", str(exc)) from None
 
     @field_validator("custom_resources")
     @classmethod

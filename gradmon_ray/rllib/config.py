@@ -84,6 +84,8 @@ def build_ppo_config(cfg: GradmonConfig, *, probe_actor: str | None = None) -> P
             "actor_name": probe_actor or probe_actor_name(new_group_name()),
             "every": cfg.probe.gradient_analysis_every,
         }
+        if cfg.probe.modules is not None:
+            probe["modules"] = list(cfg.probe.modules)
     group_key = cfg.probe.group_key
     model_config: dict[str, Any] = {
         "trunk_hiddens": list(cfg.model.trunk_hiddens),

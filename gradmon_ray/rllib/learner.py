@@ -70,8 +70,9 @@ class GradmonPPOTorchLearner(compat.TrainBatchHook, with_gradmon(PPOTorchLearner
     loss) and ``probe`` (rank 0 hands the GradientProbe actor the pre-update weights and the
     batch every ``probe.every`` iterations).  ``build_ppo_config`` sets
     ``torch_skip_nan_gradients=True``: a non-finite minibatch is skipped, not zeroed.
-    With several modules, each gets this loss, and each monitored module with rows in a probed
-    iteration's batch is probed (its metrics named ``module/<id>/...``).
+    With several modules, each gets this loss, and each monitored module (or each in
+    ``probe.modules``) with rows in a probed iteration's batch is probed (its metrics named
+    ``module/<id>/...``).
     """
 
     gradmon_full_learner = True
@@ -164,8 +165,14 @@ class GradmonPPOTorchLearner(compat.TrainBatchHook, with_gradmon(PPOTorchLearner
         if probe is None or batch is None or not probe.due(self.gradmon_iteration + 1):
             return
         # The modules monitored NOW (one added mid-run is probed from its first probed iteration,
-        # a removed one no more), those with rows in this batch (a sparse agent may have none).
-        present = [mid for mid in self.gradmon_modules if mid in batch.policy_batches]
+        # a removed one no more), those with rows in this batch (a sparse agent may have none),
+        # and of those the ones in probe.modules when it is set.
+        chosen = self.gradmon.probe.modules  # probe.modules: only these (None: every monitored module)
+        present = [
+            mid
+            for mid in self.gradmon_modules
+            if mid in batch.policy_batches and (chosen is None or str(mid) in chosen)
+        ]
         if not present or not probe.reserve():
             return
         try:

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from ray.rllib.core import ALL_MODULES
 from ray.rllib.core.learner.learner import Learner
 from ray.rllib.utils.annotations import override
 from ray.rllib.utils.typing import StateDict
@@ -63,14 +64,15 @@ class GradmonReporting:
         return 0
 
     def gradmon_extra_metrics(self) -> dict[str, float]:
-        """Metrics a subclass adds to the step of its first monitored module (called before the clock advances)."""
+        """Learner-wide metrics a subclass adds to the step (the probe counters), logged once per
+        learner under RLlib's ``ALL_MODULES`` key, never under a module (called before the clock advances)."""
         return {}
 
     def _report(self) -> None:
-        extra = dict(self.gradmon_extra_metrics())
         metrics: dict[Any, dict[str, float]] = {mid: {} for mid in self._monitors}
-        if extra and self._monitors:
-            metrics[next(iter(self._monitors))].update(extra)
+        extra = dict(self.gradmon_extra_metrics())
+        if extra:  # not a module's: which module is "first" is RLlib's set order, and it can be removed
+            metrics[ALL_MODULES] = extra
         vgs_on = any(m.vgs is not None for m in self._monitors.values())
         if not self.gradmon.telemetry and not vgs_on:
             for monitor in self._monitors.values():
@@ -96,7 +98,7 @@ class GradmonReporting:
         """One module's metrics of this step, from its share of the reduced host copy."""
         metrics: dict[str, float] = {}
         local = _local_segments(monitor).unpack(reduced.local)
-        if self.gradmon.telemetry and reduced.lanes[monitor.tracker.layout.minibatches] == 0:
+        if self.gradmon.telemetry and reduced.lanes[monitor.tracker.layout.minibatches] < 0:
             # No learner trained the module in this step (its agents were in no shard, or it is
             # not in policies_to_train): nothing to report, not even "missing" norms.
             monitor.tracker.skip_iteration()

@@ -67,10 +67,12 @@ class VGSSettings:
 
 @dataclass(frozen=True)
 class ProbeSettings:
-    """Rank 0 hands the GradientProbe actor ``actor_name`` the batch every ``every`` iterations (0: off)."""
+    """Rank 0 hands the GradientProbe actor ``actor_name`` the batch every ``every`` iterations (0: off),
+    of every monitored module, or of those in ``modules`` (None: all)."""
 
     actor_name: str | None = None
     every: int = 0
+    modules: tuple[str, ...] | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None, *, at: str = where("probe")) -> ProbeSettings:
@@ -81,7 +83,7 @@ class ProbeSettings:
         actor_name = typed(data.get("actor_name"), "str", f"{at}['actor_name']", none_ok=True)
         if every > 0 and not actor_name:
             raise ValueError(f"{at}['actor_name'] is required when {at}['every'] > 0")
-        return cls(actor_name=actor_name, every=every)
+        return cls(actor_name=actor_name, every=every, modules=module_ids(data.get("modules"), f"{at}['modules']"))
 
 
 @dataclass(frozen=True)
@@ -222,16 +224,25 @@ class GradmonSettings:
         )
 
     def check_modules(self, module_ids: Collection[str]) -> None:
-        """Raise a one-line ``ValueError`` if ``modules`` or ``per_module`` names a module id that is
-        not among ``module_ids`` (the MultiRLModule's), or a module to monitor has an id that metric
-        names cannot carry (``head_labels.check_name``)."""
+        """Raise a one-line ``ValueError`` if ``modules``, ``per_module`` or ``probe.modules`` names a
+        module id that is not among ``module_ids`` (the MultiRLModule's), ``probe.modules`` one that
+        ``modules`` does not monitor, or a module to monitor has an id that metric names cannot carry
+        (``head_labels.check_name``)."""
         have = list(module_ids)
-        for key, named in (("modules", self.modules or ()), ("per_module", tuple(self.per_module))):
+        named_at = (
+            (where("modules"), self.modules or ()),
+            (where("per_module"), tuple(self.per_module)),
+            (f"{where('probe')}['modules']", self.probe.modules or ()),
+        )
+        for at, named in named_at:
             missing = [mid for mid in named if mid not in have]
             if missing:
-                raise ValueError(
-                    f"{where(key)} names module ids {missing} that the MultiRLModule does not have; it has {have}"
-                )
+                raise ValueError(f"{at} names module ids {missing} that the MultiRLModule does not have; it has {have}")
+        unmonitored = [mid for mid in self.probe.modules or () if self.modules is not None and mid not in self.modules]
+        if unmonitored:  # the probe follows the monitored modules only: these would never be probed
+            raise ValueError(
+                f"{where('probe')}['modules'] names module ids {unmonitored} that {where('modules')} does not monitor"
+            )
         for mid in have:
             if self.modules is None or mid in self.modules:
                 check_name(mid, "the MultiRLModule's module id")

@@ -147,17 +147,14 @@ def refuse_full_learner_keys(data: Mapping[str, Any]) -> None:
         raise ValueError(f"{where(key)} is read only by GradmonPPOTorchLearner: {FULL_LEARNER_KEYS[key]}")
 
 
-def module_ids(data: Any) -> tuple[str, ...] | None:
-    """``modules``: a non-empty list of module ids, or None (every module)."""
-    at = where("modules")
+def module_ids(data: Any, at: str = where("modules")) -> tuple[str, ...] | None:
+    """``modules`` (or the list at ``at``): a non-empty list of module ids, or None (every module)."""
     if data is None:
         return None
     if isinstance(data, (str, bytes)) or not isinstance(data, (list, tuple)):
         raise ValueError(f"{at} must be a list of module ids (str), got {type(data).__name__} {data!r}")
     if not data or not all(isinstance(m, str) for m in data):
-        raise ValueError(
-            f"{at} must be a non-empty list of module ids (str) (omit it to monitor every module), got {data!r}"
-        )
+        raise ValueError(f"{at} must be a non-empty list of module ids (str) (omit it for every module), got {data!r}")
     return tuple(check_name(m, f"{at}: module id") for m in data)
 
 

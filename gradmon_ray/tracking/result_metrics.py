@@ -59,7 +59,7 @@ def learners_updated(result: Mapping[str, Any]) -> bool:
     False when they had no batch, e.g. while the only EnvRunner is down and being restarted:
     RLlib then still returns a result, with NaN in every learner metric (empty windows).
     """
-    trained = _as_float(_lookup(result, ("learners", "__all_modules__", "num_env_steps_trained"), ""))
+    trained = _as_float(_lookup(result, ("learners", ALL_MODULES, "num_env_steps_trained"), ""))
     return trained is not None and math.isfinite(trained) and trained > 0
 
 
@@ -92,6 +92,7 @@ def result_to_metrics(result: Mapping[str, Any], module_id: str | None = None) -
     prefixed = len(modules) > 1
     for mid in modules:
         out.update(_module_metrics(result, mid, updated, mid if prefixed else None))
+    out.update(_learner_wide_metrics(result))
     for name, path in _RLLIB_PATHS.items():
         if path[0] == "learners":
             continue
@@ -119,6 +120,16 @@ def _module_metrics(result: Mapping[str, Any], module_id: str, updated: bool, pr
             if number is not None:
                 out[mn.module_metric(prefix, name)] = number
     return out
+
+
+def _learner_wide_metrics(result: Mapping[str, Any]) -> dict[str, float]:
+    """The probe counters, which the learner logs once under RLlib's ``ALL_MODULES`` (not per
+    module), under their plain names in every run; RLlib's NaN (not logged this iteration) left out."""
+    learners = _lookup(result, ("learners", ALL_MODULES), "")
+    if not isinstance(learners, Mapping):
+        return {}
+    numbers = {name: _as_float(learners.get(name)) for name in mn.PROBE_COUNTERS}
+    return {name: n for name, n in numbers.items() if n is not None and not math.isnan(n)}
 
 
 def order_heads(

@@ -15,7 +15,7 @@ import pytest
 import ray
 import tree
 from mlflow.tracking import MlflowClient
-from ray.rllib.core import DEFAULT_MODULE_ID
+from ray.rllib.core import ALL_MODULES, DEFAULT_MODULE_ID
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import config_from_dict
@@ -326,7 +326,7 @@ def test_learner_hands_off_pre_update_weights_and_the_probe_leaves_the_learner_u
             np.testing.assert_array_equal(part.weights[key], value.numpy())
         assert any(not np.array_equal(part.weights[k], v.detach().numpy()) for k, v in module.state_dict().items())
         assert {"gradmon_group_id", "gradmon_episode", "advantages", "loss_mask"} <= set(part.batch)
-        assert results[DEFAULT_MODULE_ID][mn.PROBE_REQUESTS_SENT].peek() == 1.0
+        assert results[ALL_MODULES][mn.PROBE_REQUESTS_SENT].peek() == 1.0
         fingerprint = _fingerprint(learner)
         outcome = ray.get(learner._probe._in_flight)
         assert outcome.status == "ok"

@@ -118,7 +118,9 @@ def test_a_typo_in_a_nested_section_lists_that_sections_keys(gradmon, where, all
 
 def test_typos_in_the_full_learners_sections_list_their_keys():
     message = error({"probe": {"evry": 2}}, full_learner=True)
-    assert message == "learner_config_dict['gradmon']['probe']: unknown keys ['evry']; allowed: ['actor_name', 'every']"
+    assert message == (
+        "learner_config_dict['gradmon']['probe']: unknown keys ['evry']; allowed: ['actor_name', 'every', 'modules']"
+    )
     message = error({"upgd": {"sigmaa": 1}}, full_learner=True)
     assert listed(message) == ["beta_utility", "sigma", "weight_decay"]  # UPGD's own, less what the learner passes
     message = error({"regularizers": [{"name": "logit_l2", "wieght": 1}]}, full_learner=True)
