@@ -11,6 +11,14 @@ Bugs this catches: the KL direction swapped (KL(current || sampling) differs onc
 moved), the wrong minibatch (the first instead of the last: entropy moves across 8 updates),
 wrong head slices or sizes, log base, the mask, entropy_norm normalised by the wrong size, a
 dropped ``policy/`` prefix on the way to MLflow, and ``vf_explained_var`` not reaching MLflow.
+
+Fast lane (in-process learners, no Ray): which distribution classes get head health
+(``distribution_heads``), and on ``Discrete(3)`` (Acrobot) a module whose train distribution is a
+``TorchCategorical`` subclass with a temperature reports no entropy/KL (it would be the entropy of
+the untempered logits), while RLlib's stock ``TorchCategorical`` module reports the entropy and
+KL(sampling || current) that numpy computes from the logits over the loss mask.  Bugs: entropy/KL
+turned on by the action space or by ``issubclass`` whatever ``from_logits`` does, a subclassed
+partial or ``FactoredCategorical`` taken for the stock one, the loss mask ignored, KL swapped.
 """
 
 from __future__ import annotations
