@@ -102,21 +102,26 @@ def _header(snap: RunSnapshot, modules: Sequence[str | None], width: int | None 
 
 
 def _probe_footer(snap: RunSnapshot) -> Group | Text:
+    """The latest probe's bucket x component table; one per module in a multi-module run, titled by it."""
     probe = snap.probe
     if not probe.norms:
         return Text("probe: no probe results in this run", style="dim")
-    table = Table()
-    table.add_column("bucket")
-    for component in probe.components:
-        table.add_column(component, justify="right")
-    for bucket in probe.buckets:
-        row = [bucket]
-        for component in probe.components:
-            norm = probe.norms[bucket].get(component)
-            share = probe.shares.get(bucket, {}).get(component)
-            row.append(f"{fmt(norm, '.3g')}" + (f" ({share:+.0%})" if share is not None else ""))
-        table.add_row(*row)
-    return Group(Text(f"latest probe (iteration {probe.step}): gradient norm (signed share)", style="bold"), table)
+    parts: list[Text | Table] = []
+    for module in probe.modules:
+        components = probe.module_components(module)
+        table = Table()
+        table.add_column("bucket")
+        for component in components:
+            table.add_column(component, justify="right")
+        for bucket in probe.module_buckets(module):
+            row = [bucket]
+            for component in components:
+                norm, share = probe.cell(module, bucket, component)
+                row.append(f"{fmt(norm, '.3g')}" + (f" ({share:+.0%})" if share is not None else ""))
+            table.add_row(*row)
+        title = f"latest probe ({probe.label(module)}): gradient norm (signed share)"
+        parts += [Text(title, style="bold"), table]
+    return Group(*parts)
 
 
 def render_panel(snap: RunSnapshot, width: int | None = None) -> Group:

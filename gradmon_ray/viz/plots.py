@@ -27,7 +27,8 @@ from matplotlib.ticker import MaxNLocator
 from gradmon_ray import metric_names as mn
 from gradmon_ray.telemetry.bands import HealthBands
 from gradmon_ray.viz.layout import band_edges_text, group_heads, short_head
-from gradmon_ray.viz.runs import ProbeView, RunHistory
+from gradmon_ray.viz.probe_view import ProbeView
+from gradmon_ray.viz.runs import RunHistory
 
 HEATMAP_FILE = "head_grad_norm_heatmap.png"
 LINES_FILE = "head_grad_norm_lines.png"
@@ -210,23 +211,27 @@ def entropy_figure(history: RunHistory) -> Figure:
 
 
 def probe_bars_figure(probe: ProbeView) -> Figure:
-    """Bucket x component gradient norms of the latest probe, shares written on the bars."""
-    figure = _new_figure(10.0, 5.0)
-    ax = figure.add_subplot()
-    buckets, components = probe.buckets, probe.components
-    width = 0.8 / max(len(components), 1)
-    for k, component in enumerate(components):
-        xs = np.arange(len(buckets)) + (k - (len(components) - 1) / 2) * width
-        heights = [probe.norms[b].get(component, np.nan) for b in buckets]
-        bars = ax.bar(xs, heights, width, label=component)
-        shares = [probe.shares.get(b, {}).get(component) for b in buckets]
-        labels = [f"{s:+.0%}" if s is not None and math.isfinite(s) else "" for s in shares]
-        ax.bar_label(bars, labels=labels, fontsize=7, padding=1)
-    ax.set_xticks(range(len(buckets)), buckets)
-    ax.set_xlabel("bucket (ascending group reward std)")
-    ax.set_ylabel("gradient L2 norm")
-    ax.set_title(f"gradient probe, iteration {probe.step}: component norms (signed share on the bars)")
-    ax.legend(fontsize=8)
+    """Bucket x component gradient norms of the latest probe, shares written on the bars; one row of
+    bars per probed module in a multi-module run, titled by the module."""
+    modules = probe.modules
+    figure = _new_figure(10.0, 5.0 * len(modules))
+    for row, module in enumerate(modules, start=1):
+        ax = figure.add_subplot(len(modules), 1, row)
+        buckets, components = probe.module_buckets(module), probe.module_components(module)
+        width = 0.8 / max(len(components), 1)
+        for k, component in enumerate(components):
+            xs = np.arange(len(buckets)) + (k - (len(components) - 1) / 2) * width
+            cells = [probe.cell(module, b, component) for b in buckets]
+            bars = ax.bar(xs, [np.nan if n is None else n for n, _ in cells], width, label=component)
+            labels = [f"{s:+.0%}" if s is not None and math.isfinite(s) else "" for _, s in cells]
+            ax.bar_label(bars, labels=labels, fontsize=7, padding=1)
+        ax.set_xticks(range(len(buckets)), buckets)
+        ax.set_xlabel("bucket (ascending group reward std)")
+        ax.set_ylabel("gradient L2 norm")
+        prefix = f"module {module}: " if module is not None else ""
+        step = probe.steps.get(module, probe.step)
+        ax.set_title(f"{prefix}gradient probe, iteration {step}: component norms (signed share on the bars)")
+        ax.legend(fontsize=8)
     return figure
 
 

@@ -18,7 +18,8 @@ from gradmon_ray import metric_names as mn
 from gradmon_ray.telemetry.bands import worst_head
 from gradmon_ray.viz.layout import band_edges_text, group_heads, short_head
 from gradmon_ray.viz.plots import write_plots
-from gradmon_ray.viz.runs import ProbeView, RunHistory, head_band, latest_probe, load_history
+from gradmon_ray.viz.probe_view import ProbeView
+from gradmon_ray.viz.runs import RunHistory, head_band, latest_probe, load_history
 
 SUMMARY_FILE = "summary.md"
 PLOTS_ARTIFACT_DIR = "plots"
@@ -121,21 +122,29 @@ def summary_markdown(history: RunHistory, probe: ProbeView, run_name: str = "") 
         lines += [f"### module {module}", ""] if several else []
         lines += [*_module_lines(history, module), *([""] if several else [])]
     lines += ["", "## Latest gradient probe", ""]
-    if probe.norms:
-        lines.append(f"Iteration {probe.step}; gradient norm per bucket and component (signed share):")
-        lines.append("")
-        lines.append("| bucket | " + " | ".join(probe.components) + " |")
-        lines.append("|---|" + "---:|" * len(probe.components))
-        for bucket in probe.buckets:
-            cells = []
-            for component in probe.components:
-                norm = probe.norms[bucket].get(component, math.nan)
-                share = probe.shares.get(bucket, {}).get(component)
-                cells.append(f"{norm:.4g}" + (f" ({share:+.0%})" if share is not None else ""))
-            lines.append(f"| {bucket} | " + " | ".join(cells) + " |")
-    else:
+    for module in probe.modules:
+        lines += [f"### module {module}", ""] if module is not None else []
+        lines += [*_probe_table(probe, module), ""]
+    if not probe.norms:
         lines.append("No probe ran (probe.gradient_analysis_every: 0).")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _probe_table(probe: ProbeView, module: str | None) -> list[str]:
+    """One module's latest probe: the iteration, then bucket x component norms (signed share)."""
+    components = probe.module_components(module)
+    step = probe.steps.get(module, probe.step)
+    lines = [f"Iteration {step}; gradient norm per bucket and component (signed share):", ""]
+    lines.append("| bucket | " + " | ".join(components) + " |")
+    lines.append("|---|" + "---:|" * len(components))
+    for bucket in probe.module_buckets(module):
+        cells = []
+        for component in components:
+            norm, share = probe.cell(module, bucket, component)
+            norm = math.nan if norm is None else norm
+            cells.append(f"{norm:.4g}" + (f" ({share:+.0%})" if share is not None else ""))
+        lines.append(f"| {bucket} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _head_table(rows: list[HeadSummary]) -> list[str]:

@@ -17,6 +17,7 @@ from gradmon_ray import metric_parsing as mp
 from gradmon_ray.head_labels import POLICY_LATCH
 from gradmon_ray.telemetry.bands import DEFAULT_BANDS, BandSet
 from gradmon_ray.viz.layout import modules_of, run_bands
+from gradmon_ray.viz.probe_view import ProbeView
 
 
 class RunLookupError(Exception):
@@ -107,28 +108,9 @@ def policy_heads(metrics: Mapping[str, float], order: Iterable[str] = ()) -> lis
     return named + sorted(found.difference(named))
 
 
-@dataclass
-class ProbeView:
-    """The latest probe: per bucket, each component's gradient norm and signed share."""
-
-    step: int | None
-    norms: dict[str, dict[str, float]] = field(default_factory=dict)
-    shares: dict[str, dict[str, float]] = field(default_factory=dict)
-
-    @property
-    def buckets(self) -> list[str]:
-        return sorted(self.norms, key=mp.bucket_index)
-
-    @property
-    def components(self) -> list[str]:
-        seen: dict[str, None] = {}
-        for bucket in self.buckets:
-            seen.update(dict.fromkeys(self.norms[bucket]))
-        return list(seen)
-
-
 def probe_view(metrics: Mapping[str, float], step: int | None = None) -> ProbeView:
-    """Bucket x component norms and shares from a run's latest metrics (empty when no probe ran).
+    """Module x bucket x component norms and shares from a run's latest metrics (empty when no
+    probe ran); module None for a one-module run's plain names.
 
     Norms are the ``PROBE_COMPONENT_NORM`` names, shares the ``PROBE_SHARE`` ones; a bucket's
     other scalars (``PROBE_REWARD_STD_MEAN``, ``PROBE_NUM_STEPS``, ...) parse as their own names.
@@ -138,20 +120,24 @@ def probe_view(metrics: Mapping[str, float], step: int | None = None) -> ProbeVi
     for key, value in metrics.items():
         parsed = mp.parse(key)
         if parsed is not None and parsed.template in tables:
-            tables[parsed.template].setdefault(parsed["bucket"], {})[parsed["component"]] = value
+            module = parsed.parts.get("module")  # each module its own table: never one overwriting another
+            table = tables[parsed.template].setdefault(module, {})
+            table.setdefault(parsed["bucket"], {})[parsed["component"]] = value
     return view
 
 
 def latest_probe(client: Any, run_id: str, metrics: Mapping[str, float]) -> ProbeView:
-    """The latest probe's view, with the iteration it was taken at."""
+    """The latest probe's view, with the iteration each module's was taken at (``step``: the latest)."""
     probe = probe_view(metrics)
-    if probe.norms:
-        bucket = probe.buckets[0]
-        name = mn.probe_metric(mn.PROBE_COMPONENT_NORM, bucket, component=next(iter(probe.norms[bucket])))
+    for module in probe.modules:
+        bucket = probe.module_buckets(module)[0]
+        component = next(iter(probe.norms[module][bucket]))
+        name = mn.module_metric(module, mn.probe_metric(mn.PROBE_COMPONENT_NORM, bucket, component=component))
         try:
-            probe.step = max((m.step for m in client.get_metric_history(run_id, name)), default=None)
+            probe.steps[module] = max((m.step for m in client.get_metric_history(run_id, name)), default=None)
         except Exception as exc:
             raise _unreachable(getattr(client, "tracking_uri", "MLflow"), exc) from None
+    probe.step = max((s for s in probe.steps.values() if s is not None), default=None)
     return probe
 
 

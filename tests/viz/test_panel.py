@@ -11,7 +11,8 @@ from rich.console import Console
 from gradmon_ray import metric_names as mn
 from gradmon_ray.app.cli import main
 from gradmon_ray.viz.panel import BAR_WIDTH, LATCH_CLEAR, LATCH_SET, head_cells, mini_bar, watch
-from gradmon_ray.viz.runs import ProbeView, RunSnapshot
+from gradmon_ray.viz.probe_view import ProbeView
+from gradmon_ray.viz.runs import RunSnapshot
 from tests.e2e.processes import free_port
 from tests.viz.known_run import HEADS, make_known_run, shuffled_known_runs
 

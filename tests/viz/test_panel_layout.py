@@ -19,7 +19,8 @@ from gradmon_ray import metric_names as mn
 from gradmon_ray.envs import HEAD_NAMES
 from gradmon_ray.viz.head_table import short_number
 from gradmon_ray.viz.panel import render_panel, watch
-from gradmon_ray.viz.runs import ProbeView, RunSnapshot
+from gradmon_ray.viz.probe_view import ProbeView
+from gradmon_ray.viz.runs import RunSnapshot
 from tests.viz.module_runs import log_run
 
 DECLARED = [*HEAD_NAMES, "value"]

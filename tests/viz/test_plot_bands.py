@@ -20,8 +20,9 @@ from matplotlib.image import imread
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray.viz.plots import BAND_ALPHA, BAND_COLOURS, heatmap_figure, lines_figure
+from gradmon_ray.viz.probe_view import ProbeView
 from gradmon_ray.viz.report import summary_markdown
-from gradmon_ray.viz.runs import ProbeView, load_history
+from gradmon_ray.viz.runs import load_history
 from tests.viz.module_runs import log_run
 
 RUNS = {

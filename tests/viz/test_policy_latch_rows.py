@@ -16,8 +16,9 @@ from mlflow.tracking import MlflowClient
 from rich.console import Console
 
 from gradmon_ray.viz.panel import watch
+from gradmon_ray.viz.probe_view import ProbeView
 from gradmon_ray.viz.report import head_summaries, summary_markdown
-from gradmon_ray.viz.runs import ProbeView, load_history
+from gradmon_ray.viz.runs import load_history
 from tests.viz.module_runs import log_run
 
 
