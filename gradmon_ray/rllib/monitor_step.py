@@ -98,7 +98,7 @@ class GradmonReporting:
         """One module's metrics of this step, from its share of the reduced host copy."""
         metrics: dict[str, float] = {}
         local = _local_segments(monitor).unpack(reduced.local)
-        if self.gradmon.telemetry and reduced.lanes[monitor.tracker.layout.minibatches] < 0:
+        if self.gradmon.telemetry and reduced.lanes[monitor.tracker.layout.minibatches] == 0:
             # No learner trained the module in this step (its agents were in no shard, or it is
             # not in policies_to_train): nothing to report, not even "missing" norms.
             monitor.tracker.skip_iteration()
