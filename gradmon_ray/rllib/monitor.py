@@ -7,9 +7,10 @@ everything stays on the learner's device (nothing syncs with the host):
 1. after the loss, the per-head log-probs of the taken actions -> NaN/Inf flags
    (``heads.per_head_logp``; a subclass with its own loss calls ``record_logp``);
 2. after backward (and the cross-learner average, ``rllib.module_sync``), before clipping
-   (``postprocess_gradients``): per-head norms, global norms, exact NaN/Inf element counts of ALL monitored modules in one pass
-   (``GradientNormPlan.for_modules``); VGS scales the gradients; then RLlib's own
-   ``postprocess_gradients_for_module`` per module (its clipping, unchanged);
+   (``postprocess_gradients``): per-head norms, global norms, exact NaN/Inf element counts of
+   ALL monitored modules in one pass (``GradientNormPlan.for_modules``); VGS scales the
+   gradients; then RLlib's own ``postprocess_gradients_for_module`` per module (its clipping,
+   unchanged);
 3. the step is RLlib's own ``apply_gradients``: with ``torch_skip_nan_gradients=True`` a
    non-finite minibatch is really skipped (fused optimizers read ``found_inf`` on the device,
    as from ``torch.amp.GradScaler``; others cost one host sync); with RLlib's default
