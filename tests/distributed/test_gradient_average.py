@@ -1,0 +1,144 @@
+"""``distributed/gradient_average.py`` on a real one-process gloo world: presence marks, the
+divisor per module (numpy oracle), missing gradients filled and returned, one all-reduce per
+device and dtype, and the local gradients ``before_reduce`` sees.
+
+With one process the SUM all-reduce is the identity, so after ``average`` every gradient is
+exactly what this learner contributes: its local gradient (zeros where it has none) divided by
+the number of learners that trained its module.  Where a test needs other learners, it sets the
+``Presence`` those learners' marks would have produced (``exchange_presence`` itself is tested
+on its own); the real multi-learner exchange runs in tests/e2e/test_sparse_agents_e2e.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from gradmon_ray.distributed.gradient_average import ModuleGradientAverage, Presence
+
+
+@pytest.fixture
+def world(tmp_path) -> Iterator[None]:
+    if dist.is_initialized():
+        pytest.skip("a torch.distributed world is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _param(n: int, grad: list[float] | None, dtype: torch.dtype = torch.float32) -> torch.nn.Parameter:
+    p = torch.nn.Parameter(torch.zeros(n, dtype=dtype))
+    if grad is not None:
+        p.grad = torch.tensor(grad, dtype=dtype)
+    return p
+
+
+def _count_all_reduces(monkeypatch: pytest.MonkeyPatch) -> list[tuple[torch.dtype, int]]:
+    """Every ``torch.distributed.all_reduce`` (dtype, size), calling through to the real one."""
+    calls: list[tuple[torch.dtype, int]] = []
+    real = dist.all_reduce
+
+    def spy(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
+        calls.append((tensor.dtype, tensor.numel()))
+        return real(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", spy)
+    return calls
+
+
+def test_presence_marks_per_parameter_and_module_and_untrained_stay_none(world):
+    """Module 0 has a gradient on one of its two parameters, module 1 on none, module 2 on its
+    only one: the module counts are 1, 0, 1 (a module counts as trained when ANY of its
+    parameters got a gradient), nothing is filled (no learner gave b or c a gradient), and the
+    trained gradients are unchanged (divided by 1 learner, summed over 1)."""
+    a, b, c, d = _param(2, [1.0, -2.0]), _param(3, None), _param(1, None), _param(2, [0.5, 4.0])
+    average = ModuleGradientAverage([[a, b], [c], [d]])
+    assert average.presence is None
+    assert average.exchange_presence() == Presence((1, 0, 0, 1), (1, 0, 1))
+    assert average.average() == []
+    assert b.grad is None and c.grad is None
+    assert a.grad.tolist() == [1.0, -2.0] and d.grad.tolist() == [0.5, 4.0]
+
+
+def test_each_module_divided_by_its_own_learner_count_missing_filled_and_returned(world):
+    """Five modules trained by 2, 2, 3, 1 and 3 learners (the presence 3 learners' marks give),
+    several parameters each (so equal divisors of neighbouring modules merge into one run):
+    every gradient is this learner's local one / its module's count (numpy), a parameter with
+    no local gradient that another learner trained is filled (zeros / count, the parameter's
+    shape and dtype) and returned; one no learner trained stays None and is not returned."""
+    rng = np.random.default_rng(0)
+    sizes = [[3, 2], [4], [1, 5, 2], [2, 2], [3]]
+    counts = [2, 2, 3, 1, 3]
+    missing = {(1, 0), (2, 1), (4, 0)}  # (module, param) with no local gradient
+    params, local = [], {}
+    for m, shape in enumerate(sizes):
+        params.append([])
+        for j, n in enumerate(shape):
+            values = None if (m, j) in missing else rng.normal(size=n).astype(np.float32)
+            params[m].append(_param(n, None if values is None else values.tolist()))
+            local[(m, j)] = values
+    untrained = _param(2, None)
+    params[3].append(untrained)  # module 3: trained by 1 learner, this parameter by none
+    average = ModuleGradientAverage(params)
+    param_counts = tuple(0 if p is untrained else counts[m] for m, ps in enumerate(params) for p in ps)
+    average.presence = Presence(param_counts, tuple(counts))
+    filled = average.average()
+    assert [id(p) for p in filled] == [id(params[m][j]) for m, j in sorted(missing)]
+    for (m, j), values in local.items():
+        p = params[m][j]
+        expected = (np.zeros(sizes[m][j], np.float32) if values is None else values) / np.float32(counts[m])
+        assert p.grad.shape == p.shape and p.grad.dtype == p.dtype
+        np.testing.assert_array_equal(p.grad.numpy(), expected, err_msg=str((m, j)))
+    assert untrained.grad is None
+
+
+def test_the_presence_lasts_the_update_and_new_update_exchanges_it_again(world, monkeypatch):
+    """``average`` exchanges the presence once per update (the minibatches after the first reuse
+    it: one small SUM, not one per minibatch); ``new_update`` forgets it, so the next update
+    exchanges again and sees that the module it trained before is missing now."""
+    a, b = _param(2, [1.0, 2.0]), _param(1, [3.0])
+    average = ModuleGradientAverage([[a], [b]])
+    calls = _count_all_reduces(monkeypatch)
+    average.average()
+    average.average()
+    assert [n for _, n in calls] == [2, 3, 3], "presence (2 marks) once, then one reduce per minibatch"
+    average.new_update()
+    assert average.presence is None
+    b.grad = None  # the next update's shard has no sample of b's module
+    assert average.average() == [] and average.presence == Presence((1, 0), (1, 0))
+    assert b.grad is None, "not filled: nobody trained it this update"
+
+
+def test_one_all_reduce_per_dtype_and_filled_gradients_keep_their_dtype(world, monkeypatch):
+    """A float64 module and a float32 one: two all-reduces (one per dtype), each gradient keeps
+    its parameter's dtype and its exact value / count; a filled float64 gradient is float64."""
+    wide = [_param(2, [1.0, 3.0], torch.float64), _param(3, None, torch.float64)]
+    narrow = [_param(2, [0.1, 0.2])]
+    average = ModuleGradientAverage([wide, narrow])
+    average.presence = Presence((2, 1, 1), (2, 1))
+    calls = _count_all_reduces(monkeypatch)
+    filled = average.average()
+    assert sorted(calls, key=str) == sorted([(torch.float64, 5), (torch.float32, 2)], key=str)
+    assert filled == [wide[1]]
+    assert wide[0].grad.dtype == wide[1].grad.dtype == torch.float64 and narrow[0].grad.dtype == torch.float32
+    assert wide[0].grad.tolist() == [0.5, 1.5] and wide[1].grad.tolist() == [0.0, 0.0, 0.0]
+    np.testing.assert_array_equal(narrow[0].grad.numpy(), np.array([0.1, 0.2], np.float32))
+
+
+def test_before_reduce_sees_each_modules_local_gradients_before_the_average(world):
+    """The gradient noise scale needs every learner's LOCAL gradient: ``before_reduce`` gets, per
+    module with a local gradient, its index, the parameters that have one and their gradients as
+    backward left them (not yet divided by the learner count)."""
+    a, b, c, d = _param(2, [2.0, 4.0]), _param(1, None), _param(1, [6.0]), _param(2, None)
+    average = ModuleGradientAverage([[a, b], [c], [d]])
+    average.presence = Presence((2, 1, 3, 0), (2, 3, 0))
+    seen = []
+    average.average(lambda m, ps, gs: seen.append((m, [id(p) for p in ps], [g.tolist() for g in gs])))
+    assert seen == [(0, [id(a)], [[2.0, 4.0]]), (1, [id(c)], [[6.0]])]
+    assert a.grad.tolist() == [1.0, 2.0] and c.grad.tolist() == [2.0]
