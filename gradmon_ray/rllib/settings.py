@@ -237,7 +237,10 @@ class GradmonSettings:
         for at, named in named_at:
             missing = [mid for mid in named if mid not in have]
             if missing:
-                raise ValueError(f"{at} names module ids {missing} that the MultiRLModule does not have; it has {have}")
+                # sorted: RLlib builds the MultiRLModule's order from a set, so it varies between runs
+                raise ValueError(
+                    f"{at} names module ids {missing} that the MultiRLModule does not have; it has {sorted(have)}"
+                )
         unmonitored = [mid for mid in self.probe.modules or () if self.modules is not None and mid not in self.modules]
         if unmonitored:  # the probe follows the monitored modules only: these would never be probed
             raise ValueError(

@@ -102,9 +102,9 @@ def test_appo_example_as_written(ray_session):
         assert logged[mn.MINIBATCH_UPDATES] == 1.0
 
         # The driver's value is the mean over every step whose result it merged in this train()
-        # call (RLlib's root MetricsLogger merges each update's window=1 value), the clock too: the
-        # first iteration with results holds steps 1..last, so the clock's mean says which last.
-        last = 2 * logged[mn.TELEMETRY_ITERATION] - 1
+        # call (RLlib's root MetricsLogger merges each update's window=1 value); the clock is reduced
+        # by max, so it is the last of them: the first iteration with results holds steps 1..last.
+        last = logged[mn.TELEMETRY_ITERATION]
         assert last == int(last) >= 1, logged[mn.TELEMETRY_ITERATION]
         steps = range(1, int(last) + 1)
         (sums,) = [
