@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import Any
 
 from gradmon_ray.app.cli_common import (
     EXIT_FAILED,
@@ -73,4 +75,17 @@ def tune_command(args: argparse.Namespace) -> int:
     outcome = run_sweep(sweep, base, progress=lambda line: print(line, flush=True))
     best = f"best run {outcome.best.run_id} ({sweep.metric} {fmt4(outcome.best.metric)})" if outcome.best else "no best"
     print(f"gradmon-ray: sweep done; MLflow parent run {outcome.parent_run_id}; {best}", flush=True)
-    return EXIT_OK if any(t.status != "failed" for t in outcome.trials) else EXIT_FAILED
+    code, failures = sweep_exit(outcome.trials)
+    if failures:
+        print(failures, file=sys.stderr, flush=True)
+    return code
+
+
+def sweep_exit(trials: list[Any]) -> tuple[int, str | None]:
+    """The sweep's exit status and, when any trial failed, the one line that says which: a sweep
+    succeeds only when every trial finished or was stopped by a health rule (a stop is a result)."""
+    failed = [t for t in trials if t.status == "failed"]
+    if not failed:
+        return EXIT_OK, None
+    names = ", ".join(f"{t.trial_id} (MLflow run {t.run_id})" if t.run_id else str(t.trial_id) for t in failed)
+    return EXIT_FAILED, f"gradmon-ray: {len(failed)} of {len(trials)} trials failed: {names}"
