@@ -37,6 +37,7 @@ from gradmon_ray.probe.lifecycle import flush_probe, start_probe, stop_probe
 from gradmon_ray.telemetry.bands import BandSet
 from gradmon_ray.telemetry.health_stop import HealthStopMonitor, HealthStopRules
 from gradmon_ray.tracking import MlflowSink, progress_line, result_to_metrics
+from gradmon_ray.tracking.redact import install_log_redaction
 from gradmon_ray.tracking.result_metrics import latch_tags
 
 logger = logging.getLogger(__name__)
@@ -133,6 +134,8 @@ def run_training(
     import ray
 
     from gradmon_ray.rllib.config import build_ppo_config, probe_actor_name_of
+
+    install_log_redaction()  # called as a library, no CLI has masked its log output
 
     if sink is None and not checked:  # the CLI and a sweep check before they create anything
         from gradmon_ray.rllib.preflight import preflight

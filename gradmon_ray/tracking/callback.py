@@ -44,7 +44,7 @@ from gradmon_ray.tracking.callback_settings import (  # re-exported: their docum
     pinned_settings,
 )
 from gradmon_ray.tracking.mlflow_sink import MlflowSink
-from gradmon_ray.tracking.redact import redact_text, redact_uri
+from gradmon_ray.tracking.redact import install_log_redaction, redact_text, redact_uri
 from gradmon_ray.tracking.result_metrics import latch_tags, result_to_metrics, run_value_heads
 from gradmon_ray.tracking.spill import default_spill_path
 from gradmon_ray.tracking.store_check import local_store_problem
@@ -138,6 +138,7 @@ class GradmonMLflowCallback(RLlibCallback, metaclass=_PinnedWhenShipped):
 
     def __init__(self) -> None:
         super().__init__()
+        install_log_redaction()  # in a Tune trial's actor no CLI has masked its log output
         self.sink: MlflowSink | None = None
         self._lock = threading.Lock()
         self._closed = False

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from gradmon_ray.tracking.redact import install_log_redaction
 from gradmon_ray.tracking.sink_writer import PendingIteration, PlotFn, SinkWriter
 from gradmon_ray.tracking.spill import SpillWriter
 from gradmon_ray.tracking.store_uri import absolute_tracking_uri
@@ -136,6 +137,7 @@ class MlflowSink(SinkWriter):
         self._run_ready = threading.Event()
         self._run_attempted = threading.Event()  # the writer's first try at the run ended (either way)
         self._waited_for_run = False  # run_id_waiting_once has waited already
+        install_log_redaction()  # before the writer logs: MLflow's errors quote the URL, password and all
         self._thread = threading.Thread(target=self._worker, name="gradmon-mlflow-sink", daemon=True)
         self._thread.start()
 

@@ -6,7 +6,9 @@ connects with the real URI; only what is *shown or stored* (MLflow params and ta
 warnings, error messages, spill headers, resume files, checkpoints) goes through
 :func:`redact_uri` or :func:`redact_text`.  No MLflow import: this module is string work, plus
 ``OUTPUT_REDACTOR``, which the CLI installs so that every log record and warning of the process
-is masked too (messages it does not write itself: MLflow's, Ray's, the sink's).
+is masked too (messages it does not write itself: MLflow's, Ray's, the sink's), and
+``CredentialFilter``, which the sink, the callback and ``run_training`` put on gradmon-ray's own
+loggers, CLI or not (a Tune trial's actor, a library call).
 """
 
 from __future__ import annotations
@@ -199,3 +201,53 @@ class OutputRedactor:
 
 OUTPUT_REDACTOR = OutputRedactor()
 """The process's one redactor (the CLI installs it and adds every tracking URI it is given)."""
+
+GRADMON_LOGGER = "gradmon_ray"
+
+
+class CredentialFilter(logging.Filter):
+    """A ``logging.Filter`` that masks credentials in a record: its message with its ``%`` args,
+    its traceback (``exc_text``) and its stack; the rule is :data:`OUTPUT_REDACTOR`'s (``redact_text``
+    plus the URIs added to it).  It never drops a record.
+
+    Unlike ``OUTPUT_REDACTOR.install`` (the CLI's, process-wide), it needs no CLI: the sink, the
+    callback (in a Tune trial's actor) and ``run_training`` put it on gradmon-ray's loggers.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record: logging reports it itself, unchanged
+            return True
+        clean = OUTPUT_REDACTOR(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        if record.exc_info and record.exc_info[0] is not None and not record.exc_text:
+            # Formatter.format prints exc_text when set, instead of formatting exc_info again.
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = OUTPUT_REDACTOR(record.exc_text)
+        if record.stack_info:
+            record.stack_info = OUTPUT_REDACTOR(record.stack_info)
+        return True
+
+
+def install_log_redaction() -> list[str]:
+    """Put a :class:`CredentialFilter` on ``gradmon_ray`` and each ``gradmon_ray.*`` logger made so far.
+
+    A logger's filters see only the records logged *on it* (not those propagated from children),
+    hence one per logger.  Idempotent: a logger that has one already gets none; call it again
+    after importing more of gradmon-ray.  Returns the names of the loggers it added one to.
+    """
+    names = [GRADMON_LOGGER] + [
+        name
+        for name, obj in list(logging.Logger.manager.loggerDict.items())
+        if name.startswith(GRADMON_LOGGER + ".") and isinstance(obj, logging.Logger)
+    ]
+    added = []
+    for name in names:
+        log = logging.getLogger(name)
+        if not any(isinstance(f, CredentialFilter) for f in log.filters):
+            log.addFilter(CredentialFilter())
+            added.append(name)
+    return added

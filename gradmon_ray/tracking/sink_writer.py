@@ -160,7 +160,10 @@ class SinkWriter:
         except Exception as exc:
             self.plot_failures += 1
             if self.plot_failures == 1:
-                logger.warning("gradmon MLflow sink: plots not written (%s: %s)", type(exc).__name__, exc)
+                # Unredacted here: the sink's CredentialFilter masks message and traceback alike.
+                logger.warning(
+                    "gradmon MLflow sink: plots not written (%s: %s)", type(exc).__name__, exc, exc_info=True
+                )
 
     def _create_run(self) -> Any:
         from mlflow.tracking import MlflowClient
