@@ -64,28 +64,69 @@ def train_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {**{k: v for k, v in flags.items() if v is not None}, **set_overrides(args.set)}
 
 
-def resume_command(args: argparse.Namespace) -> int:
-    from gradmon_ray.app.mlflow_run import plotter
+RESUME_FLAGS = ("--iterations", "--mlflow-uri", "--checkpoint-dir", "--ray-address")
+"""What ``--resume`` takes besides the run id; the run keeps its own config otherwise."""
+
+
+def resumed_config(args: argparse.Namespace) -> tuple[GradmonConfig, Any]:
+    """The run's own config with ``--resume``'s flags applied, and its resume point; checked before
+    Ray or MLflow start (``ConfigError``), a local store is never created."""
     from gradmon_ray.app.resume import resume_point
     from gradmon_ray.config import default_tracking_uri
-    from gradmon_ray.tracking import MlflowSink
-    from gradmon_ray.tracking.spill import default_spill_path
-    from gradmon_ray.tracking.store_check import uri_scheme_problem
+    from gradmon_ray.tracking.store_check import local_store_problem
 
     own = ("config", "num_learners", "num_env_runners", "seed", "experiment", "run_name")  # the run keeps its own
     if any(getattr(args, k) is not None for k in own) or args.set:
-        raise ConfigError(
-            "--resume", "takes the run's own config; only --iterations, --mlflow-uri and --checkpoint-dir may be given"
-        )
+        allowed = ", ".join(RESUME_FLAGS[:-1]) + f" and {RESUME_FLAGS[-1]}"
+        raise ConfigError("--resume", f"takes the run's own config; only {allowed} may be given")
     uri = args.mlflow_uri or default_tracking_uri()
     use_uri(uri)
-    problem = uri_scheme_problem(uri)
+    problem = local_store_problem(uri, must_exist=True)  # the run is read from it: never create one
     if problem:
         raise ConfigError("--mlflow-uri", problem)
     cfg, point = resume_point(uri, args.resume, args.checkpoint_dir)
+    done = point.iterations_done
+    if args.iterations is not None and args.iterations <= done:
+        raise ConfigError(
+            "--iterations",
+            f"{args.iterations} is not more than the {done} iterations run {args.resume} has done; "
+            f"give --iterations N with N > {done}, or leave it out to train to the run's own {cfg.iterations}",
+        )
     cfg.mlflow.tracking_uri = uri
     if args.iterations is not None:
         cfg.iterations = args.iterations
+    if args.ray_address is not None:
+        cfg.resources.ray_address = args.ray_address
+    return cfg, point
+
+
+def check_up_front(cfg: GradmonConfig, debug: bool) -> None:
+    """What ``train`` and ``--resume`` check and set up before their banner, Ray or MLflow: Ray's
+    and MLflow's start-up noise filtered, ``preflight``, the tracking server, the advisories."""
+    from gradmon_ray.rllib.preflight import preflight
+
+    if not debug:
+        filter_startup_noise()
+    preflight(cfg)  # store, GPUs, env, model, restore point: before the banner, Ray or MLflow
+    check_tracking_server(cfg)
+    print_advisories(cfg)
+
+
+def resume_command(args: argparse.Namespace) -> int:
+    from gradmon_ray.app.mlflow_run import plotter
+    from gradmon_ray.app.resource_wait import ray_address_problem
+    from gradmon_ray.app.train import ray_address_of
+    from gradmon_ray.tracking import MlflowSink
+    from gradmon_ray.tracking.spill import default_spill_path
+
+    cfg, point = resumed_config(args)
+    check_up_front(cfg.model_copy(update={"restore_from": None}), args.debug)  # the resume point replaces it
+    # train finds an unreachable Ray before it opens its run; a resumed run's sink opens before Ray
+    problem = ray_address_problem(ray_address_of(cfg))
+    if problem:
+        field = "--ray-address" if args.ray_address else "resources.ray_address"
+        raise ConfigError(field if cfg.resources.ray_address else "RAY_ADDRESS", problem)
+    uri = cfg.mlflow.tracking_uri
     print(
         f"gradmon-ray: resuming run {args.resume} after iteration {point.iterations_done} of {cfg.iterations}",
         flush=True,
@@ -126,13 +167,7 @@ def train_command(args: argparse.Namespace) -> int:
         return resume_command(args)
     cfg = load_config(args.config, train_overrides(args))
     use_uri(cfg.mlflow.tracking_uri)  # the config file may hold it too
-    from gradmon_ray.rllib.preflight import preflight
-
-    if not args.debug:
-        filter_startup_noise()
-    preflight(cfg)  # store, GPUs, env, model, restore point: before the banner, Ray or MLflow
-    check_tracking_server(cfg)
-    print_advisories(cfg)
+    check_up_front(cfg, args.debug)
     shown = redact_uri(cfg.mlflow.tracking_uri)
     print(f"gradmon-ray: training {cfg.iterations} iterations on {cfg.env.id}; MLflow: {shown}", flush=True)
     outcome = _train(cfg, checked=True)

@@ -184,4 +184,7 @@ def test_checkpoint_dir_flag_is_the_root_resume_loads_from(store, learners, tmp_
 def test_resume_keeps_the_runs_own_name_and_config(store, flag, capsys):
     assert cli.main(["train", "--resume", "0" * 32, "--mlflow-uri", store, *flag]) == 2
     err = capsys.readouterr().err
-    assert "--resume: takes the run's own config; only --iterations, --mlflow-uri and --checkpoint-dir" in err
+    assert err == (
+        "gradmon-ray: config error: --resume: takes the run's own config; "
+        "only --iterations, --mlflow-uri, --checkpoint-dir and --ray-address may be given\n"
+    )
