@@ -17,7 +17,7 @@ import logging
 import os
 import re
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from urllib.parse import quote, unquote
 
@@ -178,17 +178,7 @@ class OutputRedactor:
         make_record = logging.getLogRecordFactory()
 
         def masked_record(*args: Any, **kwargs: Any) -> logging.LogRecord:
-            record = make_record(*args, **kwargs)
-            try:
-                message = record.getMessage()
-            except Exception:  # a malformed record: logging reports it itself, unchanged
-                return record
-            clean = self(message)
-            if clean != message:
-                record.msg, record.args = clean, None
-            if record.exc_info and record.exc_info[0] is not None:  # the traceback the handler would print
-                record.exc_text = self(logging.Formatter().formatException(record.exc_info))
-            return record
+            return mask_record(make_record(*args, **kwargs), self)
 
         logging.setLogRecordFactory(masked_record)
         format_warning = warnings.formatwarning
@@ -215,21 +205,29 @@ class CredentialFilter(logging.Filter):
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            message = record.getMessage()
-        except Exception:  # a malformed record: logging reports it itself, unchanged
-            return True
-        clean = OUTPUT_REDACTOR(message)
-        if clean != message:
-            record.msg, record.args = clean, None
-        if record.exc_info and record.exc_info[0] is not None and not record.exc_text:
-            # Formatter.format prints exc_text when set, instead of formatting exc_info again.
-            record.exc_text = logging.Formatter().formatException(record.exc_info)
-        if record.exc_text:
-            record.exc_text = OUTPUT_REDACTOR(record.exc_text)
-        if record.stack_info:
-            record.stack_info = OUTPUT_REDACTOR(record.stack_info)
+        mask_record(record, OUTPUT_REDACTOR)
         return True
+
+
+def mask_record(record: logging.LogRecord, redact: Callable[[str], str]) -> logging.LogRecord:
+    """``record`` with credentials masked by ``redact`` in its message (``%`` args filled in), its
+    traceback and its stack: the one masking of a log record, for the CLI's record factory and for
+    :class:`CredentialFilter`."""
+    try:
+        message = record.getMessage()
+    except Exception:  # a malformed record: logging reports it itself, unchanged
+        return record
+    clean = redact(message)
+    if clean != message:
+        record.msg, record.args = clean, None
+    if record.exc_info and record.exc_info[0] is not None and not record.exc_text:
+        # Formatter.format prints exc_text when set, instead of formatting exc_info again.
+        record.exc_text = logging.Formatter().formatException(record.exc_info)
+    if record.exc_text:
+        record.exc_text = redact(record.exc_text)
+    if record.stack_info:
+        record.stack_info = redact(record.stack_info)
+    return record
 
 
 def install_log_redaction() -> list[str]:
