@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 
 import pytest
 
@@ -224,3 +225,17 @@ def _cli_process_state_is_put_back():
     os.environ.update(environ)
     if not quiet:
         ray_noise.reset_quiet()
+
+
+@pytest.fixture
+def world(tmp_path) -> Iterator[None]:
+    """A real one-process gloo ``torch.distributed`` world (rank 0 of 1) for the test, destroyed after."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a torch.distributed world is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -11,25 +11,12 @@ on its own); the real multi-learner exchange runs in tests/e2e/test_sparse_agent
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 from gradmon_ray.distributed.gradient_average import ModuleGradientAverage, Presence
-
-
-@pytest.fixture
-def world(tmp_path) -> Iterator[None]:
-    if dist.is_initialized():
-        pytest.skip("a torch.distributed world is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _param(n: int, grad: list[float] | None, dtype: torch.dtype = torch.float32) -> torch.nn.Parameter:

@@ -13,7 +13,6 @@ they produce (the real two-learner exchange: tests/e2e/test_sparse_agents_e2e.py
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -31,17 +30,6 @@ from gradmon_ray.metric_parsing import parse
 from gradmon_ray.rllib import with_gradmon
 from tests.peer.pairs import HEADS, build_pair, cartpole_config, sample_batch
 from tests.rllib.stock_oracle import stock_head_norms
-
-
-@pytest.fixture
-def world(tmp_path) -> Iterator[None]:
-    if dist.is_initialized():
-        pytest.skip("a torch.distributed world is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class _SeesGradients(with_gradmon(PPOTorchLearner)):
