@@ -9,10 +9,12 @@ Three checks, in the order a run meets them:
   store exists.  A cluster we only connect to may autoscale (Ray has no public API for the
   autoscaler's maximum), so there a request over today's total is logged and waited for.
 - ``ResourceWait``: building the algorithm blocks while Ray has no room for its learner and
-  EnvRunner actors.  It watches that wait from a timer thread: after ``report_after_s`` it logs
-  one line with what the run asks for and what the cluster has, and after ``give_up_after_s``
-  it interrupts the main thread, which the caller turns into ``ResourceWaitTimeout`` (exit 1
-  from the CLI).
+  EnvRunner actors.  A watcher thread polls what is free: when part of the request is neither
+  placed yet (free at the start minus free now) nor free now (``unplaced``), Ray really is short
+  of room; after ``report_after_s`` of that it logs one line with what the run asks for and what
+  the cluster has, and after ``give_up_after_s`` it interrupts the main thread, which the caller
+  turns into ``ResourceWaitTimeout`` (exit 1 from the CLI).  A build that is only slow (a loaded
+  machine, its actors placed or placeable) is never reported or given up on.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
 
 from gradmon_ray.config import GradmonConfig
@@ -139,55 +141,106 @@ def check_fits(request: Mapping[str, float], *, ray_started_here: bool, wait_s: 
     logger.warning("%s; waiting up to %g s for the cluster to grow", problem, wait_s)
 
 
-class ResourceWait:
-    """Context manager around the blocking build (see the module docstring)."""
+def unplaced(
+    request: Mapping[str, float], free_at_start: Mapping[str, float], free_now: Mapping[str, float]
+) -> dict[str, float]:
+    """What of ``request`` Ray cannot place now: per resource, the part not yet taken since the start
+    (``free_at_start`` minus ``free_now``, at most the request) where it is more than ``free_now``.
+    Empty: the run's actors are placed, or there is room for the rest (Ray is still starting them).
+    ``ray.available_resources()`` leaves out a resource with nothing free: it counts as 0."""
+    short = {}
+    for key, want in request.items():
+        now = free_now.get(key, 0.0)
+        placed = min(want, max(0.0, free_at_start.get(key, 0.0) - now))
+        if want - placed > now + 1e-9:
+            short[key] = want - placed
+    return short
 
-    def __init__(self, cfg: GradmonConfig, *, report_after_s: float = 30.0) -> None:
+
+def _ray_free() -> Mapping[str, float]:
+    import ray
+
+    return ray.available_resources()
+
+
+def _ray_total() -> Mapping[str, float]:
+    import ray
+
+    return ray.cluster_resources()
+
+
+class ResourceWait:
+    """Context manager around the blocking build (see the module docstring).  ``free`` and ``total``:
+    the cluster's free and total resources (default: Ray's); ``poll_s``: how often ``free`` is read."""
+
+    def __init__(
+        self,
+        cfg: GradmonConfig,
+        *,
+        report_after_s: float = 30.0,
+        poll_s: float = 2.0,
+        free: Callable[[], Mapping[str, float]] = _ray_free,
+        total: Callable[[], Mapping[str, float]] = _ray_total,
+    ) -> None:
         self._request = requested_resources(cfg)
         self._give_up_after_s = cfg.resources.wait_for_resources_s
         self._report_after_s = min(report_after_s, self._give_up_after_s / 2)
-        self._timers: list[threading.Timer] = []
+        self._poll_s = poll_s
+        self._free, self._total = free, total
+        self._watcher: threading.Thread | None = None
         self._done = threading.Event()
         self._lock = threading.Lock()  # the give-up decision and the end of the wait exclude each other
         self.gave_up = False
+        self.reported = False
         self.message = ""
 
-    def _status(self) -> str:
-        import ray
-
+    def _status(self, free: Mapping[str, float], short: Mapping[str, float]) -> str:
         keys = sorted(self._request)
         return (
-            f"this run asks for {_describe(self._request, keys)}; the cluster has "
-            f"{_describe(ray.cluster_resources(), keys)} in total, {_describe(ray.available_resources(), keys)} free"
+            f"this run asks for {_describe(self._request, keys)}, of which {_describe(short, sorted(short))} is not "
+            f"placed yet; the cluster has {_describe(self._total(), keys)} in total, {_describe(free, keys)} free"
         )
 
-    def _report(self) -> None:
-        if not self._done.is_set():
-            logger.warning(
-                "still waiting for Ray to place the learners and EnvRunners after %.0f s: %s",
-                self._report_after_s,
-                self._status(),
-            )
+    def _watch(self, free_at_start: Mapping[str, float]) -> None:
+        """Poll until the build ends: report, then give up, after that long *short* of room."""
+        short_since: float | None = None
+        while not self._done.wait(self._poll_s):
+            try:
+                free = self._free()
+            except Exception:  # Ray going away under a build that failed: nothing left to watch
+                return
+            short = unplaced(self._request, free_at_start, free)
+            if not short:
+                short_since = None
+                continue
+            short_since = time.monotonic() if short_since is None else short_since
+            waited = time.monotonic() - short_since
+            if waited >= self._give_up_after_s:
+                self._give_up(self._status(free, short))
+                return
+            if waited >= self._report_after_s and not self.reported and not self._done.is_set():
+                self.reported = True
+                logger.warning(
+                    "still waiting for Ray to place the learners and EnvRunners after %.0f s: %s",
+                    waited,
+                    self._status(free, short),
+                )
 
-    def _give_up(self) -> None:
+    def _give_up(self, status: str) -> None:
         with self._lock:
             if self._done.is_set():
                 return
             self.gave_up = True
             self.message = (
                 f"gave up after {self._give_up_after_s:g} s waiting for Ray to place the run's actors "
-                f"(resources.wait_for_resources_s): {self._status()}"
+                f"(resources.wait_for_resources_s): {status}"
             )
             _thread.interrupt_main()  # the build blocks the main thread; KeyboardInterrupt unblocks it
 
     def __enter__(self) -> ResourceWait:
-        self._timers = [
-            threading.Timer(self._report_after_s, self._report),
-            threading.Timer(self._give_up_after_s, self._give_up),
-        ]
-        for timer in self._timers:
-            timer.daemon = True
-            timer.start()
+        # Read before the build creates any actor: what the run takes from here on is its own placement.
+        self._watcher = threading.Thread(target=self._watch, args=(dict(self._free()),), daemon=True)
+        self._watcher.start()
         return self
 
     def __exit__(
@@ -195,7 +248,5 @@ class ResourceWait:
     ) -> None:
         with self._lock:
             self._done.set()
-        for timer in self._timers:
-            timer.cancel()
         if self.gave_up and exc_type is KeyboardInterrupt:
             raise ResourceWaitTimeout(self.message) from None

@@ -97,3 +97,67 @@ def test_the_request_is_rllibs_own_without_the_drivers_bundle(resources):
             rllib[key] = rllib.get(key, 0.0) + amount
     ours = {k: v for k, v in requested_resources(cfg).items() if v}
     assert ours == {k: v for k, v in rllib.items() if v}
+
+
+@pytest.mark.parametrize(
+    ("request_", "at_start", "now", "short"),
+    [
+        # The newcomer's false alarm (2 CPUs, one EnvRunner): its CPU is taken, the build is only slow.
+        ({"CPU": 1.0}, {"CPU": 2.0}, {"CPU": 1.0}, {}),
+        ({"CPU": 1.0}, {"CPU": 2.0}, {"CPU": 2.0}, {}),  # not placed yet, but there is room: Ray is starting it
+        ({"CPU": 2.0}, {"CPU": 2.0}, {}, {}),  # all placed; Ray leaves out a resource with nothing free
+        ({"CPU": 1.0}, {}, {}, {"CPU": 1.0}),  # another job holds every CPU: really waiting
+        ({"CPU": 3.0}, {"CPU": 2.0}, {}, {"CPU": 1.0}),  # two placed, the third has no room
+        ({"CPU": 1.0, "GPU": 1.0}, {"CPU": 4.0}, {"CPU": 3.0}, {"GPU": 1.0}),  # the CPU placed; the GPU is taken
+    ],
+)
+def test_what_of_a_request_ray_cannot_place_now(request_, at_start, now, short):
+    from gradmon_ray.app.resource_wait import unplaced
+
+    assert unplaced(request_, at_start, now) == short
+
+
+def _watched(free: list[dict[str, float]], build_s: float, caplog: pytest.LogCaptureFixture, wait_s: float = 30.0):
+    """A ``ResourceWait`` over a fake cluster of 2 CPUs whose free CPUs go through ``free`` (the first
+    is read at the start), around a 'build' of ``build_s`` seconds; reports after 0.2 s short."""
+    import logging
+    import time
+
+    from gradmon_ray.app.resource_wait import ResourceWait
+    from gradmon_ray.config import config_from_dict
+
+    cfg = config_from_dict({"resources": {"num_env_runners": 1, "wait_for_resources_s": wait_s}})
+    reads = iter(free)
+    last = free[-1]
+
+    def read() -> dict[str, float]:
+        return next(reads, last)
+
+    wait = ResourceWait(cfg, report_after_s=0.2, poll_s=0.02, free=read, total=lambda: {"CPU": 2.0})
+    with caplog.at_level(logging.WARNING, logger="gradmon_ray.app.resource_wait"), wait:
+        deadline = time.monotonic() + build_s
+        while time.monotonic() < deadline:  # the build: short sleeps, so an interrupt lands at once
+            time.sleep(0.01)
+    return wait
+
+
+def test_a_slow_build_whose_actor_is_placed_is_not_reported(caplog):
+    """The finding: 'still waiting ... this run asks for CPU 1; the cluster has CPU 2 in total, CPU 1
+    free' after 30 s of a slow build on a loaded 2-core box, whose EnvRunner had its CPU all along."""
+    wait = _watched([{"CPU": 2.0}, {"CPU": 1.0}], build_s=1.0, caplog=caplog, wait_s=0.5)
+    assert not wait.reported and not wait.gave_up  # past both the report and the give-up time
+    assert caplog.records == []
+
+
+def test_a_request_with_no_room_is_reported_then_given_up_on(caplog):
+    from gradmon_ray.app.resource_wait import ResourceWaitTimeout
+
+    with pytest.raises(ResourceWaitTimeout) as info:
+        _watched([{}], build_s=10.0, caplog=caplog, wait_s=0.6)
+    status = "this run asks for CPU 1, of which CPU 1 is not placed yet; the cluster has CPU 2 in total, CPU 0 free"
+    assert str(info.value) == (
+        f"gave up after 0.6 s waiting for Ray to place the run's actors (resources.wait_for_resources_s): {status}"
+    )
+    [record] = caplog.records
+    assert record.getMessage().startswith("still waiting for Ray to place the learners and EnvRunners after 0 s: ")
+    assert record.getMessage().endswith(f": {status}")
