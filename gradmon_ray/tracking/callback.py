@@ -48,6 +48,7 @@ from gradmon_ray.tracking.redact import install_log_redaction, redact_text, reda
 from gradmon_ray.tracking.result_metrics import latch_tags, result_to_metrics, run_value_heads
 from gradmon_ray.tracking.spill import default_spill_path
 from gradmon_ray.tracking.store_check import local_store_problem
+from gradmon_ray.tracking.uri_credentials import uri_for_this_process
 
 __all__ = [
     "DEFAULT_EXPERIMENT",
@@ -204,7 +205,7 @@ class GradmonMLflowCallback(RLlibCallback, metaclass=_PinnedWhenShipped):
         problem = None if self.store_checked else local_store_problem(str(s.tracking_uri), must_exist=False)
         if problem:
             raise ValueError(problem)  # on_algorithm_init logs it: training goes on without MLflow
-        uri = str(s.tracking_uri)
+        uri = uri_for_this_process(str(s.tracking_uri))
         trial = tune_trial_dir_name(algorithm)
         run_name = s.run_name or trial
         tags = {mn.TAG_STATUS: "running", **({TAG_TRIAL_DIR: trial} if trial else {}), **s.tags}

@@ -16,6 +16,7 @@ from typing import Any
 from gradmon_ray.config import MlflowSection
 from gradmon_ray.tracking.mlflow_sink import PlotFn
 from gradmon_ray.tracking.store_uri import absolute_tracking_uri
+from gradmon_ray.tracking.uri_credentials import credentials_to_environment
 
 DEFAULT_EXPERIMENT: str = MlflowSection.model_fields["experiment"].default
 """The CLI's default experiment (``gradmon-ray``): what ``gradmon-ray watch`` shows without ``--experiment``."""
@@ -64,11 +65,16 @@ class CallbackSettings:
 
 def pinned_settings(settings: CallbackSettings) -> CallbackSettings:
     """``settings`` with the store and spill paths fixed in THIS process: the tracking URI (None:
-    ``mlflow.get_tracking_uri()``) and a relative spill directory made absolute against its cwd."""
+    ``mlflow.get_tracking_uri()``) and a relative spill directory made absolute against its cwd.
+
+    The URI's ``user:password@`` moves into ``MLFLOW_TRACKING_USERNAME/PASSWORD`` here
+    (``uri_credentials``): the settings are pickled into Tune's and RLlib's files, the environment
+    is not, and the trial actors Ray starts afterwards inherit it."""
     uri = settings.tracking_uri
     if uri is None:
         import mlflow  # only to read the default (env var or sqlite:///mlflow.db); starts nothing
 
         uri = mlflow.get_tracking_uri()
     spill = os.path.abspath(settings.spill_dir) if settings.spill_dir else None
-    return dataclasses.replace(settings, tracking_uri=absolute_tracking_uri(uri), spill_dir=spill)
+    uri = credentials_to_environment(absolute_tracking_uri(uri))
+    return dataclasses.replace(settings, tracking_uri=uri, spill_dir=spill)
