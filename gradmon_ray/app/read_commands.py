@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from gradmon_ray.app.cli_common import EXIT_OK
@@ -48,8 +49,13 @@ def report_command(args: argparse.Namespace) -> int:
 
 
 def replay_command(args: argparse.Namespace) -> int:
-    from gradmon_ray.tracking.spill import replay_spill
+    from gradmon_ray.tracking.spill import REPLAYED_SUFFIX
+    from gradmon_ray.tracking.spill_replay import replay_spill
 
+    done = Path(args.spill_file + REPLAYED_SUFFIX)
+    if not Path(args.spill_file).exists() and done.is_file():  # e.g. `train --resume` delivered it first
+        print(f"gradmon-ray: {args.spill_file} was replayed already (it is now {done}); nothing to do", flush=True)
+        return EXIT_OK
     result = replay_spill(args.spill_file, args.tracking_uri)
     made = "created run" if result.created_run else "run"
     print(

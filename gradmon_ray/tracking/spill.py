@@ -17,7 +17,9 @@ after MLflow acknowledged the write; if the trainer dies between the two, the it
 replayed with its original timestamp, and MLflow's SQL stores ignore a metric point (key,
 step, timestamp, value) they already hold. A torn last line (the writer killed mid-write) is
 skipped. Replay into a store that does not have the run (another server, a fresh sqlite
-file) creates it there from the header.
+file) creates it there from the header; the replay records that run in the file
+(``replay_key``, ``replayed_into``) before it logs a metric, so a retried replay reuses it
+(``spill_replay``).
 """
 
 from __future__ import annotations
@@ -28,11 +30,10 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gradmon_ray.tracking.redact import MASK, redact_uri
+from gradmon_ray.tracking.redact import redact_uri
 
 SPILL_FORMAT_VERSION = 1
 REPLAYED_SUFFIX = ".replayed"
@@ -53,7 +54,8 @@ def _encode(value: float) -> float | str:
     return value if math.isfinite(value) else repr(value)
 
 
-def _decode(value: float | str) -> float:
+def decode_value(value: float | str) -> float:
+    """A metric value as the spill file keeps it (NaN and Inf as strings) back to a float."""
     return float(value)
 
 
@@ -67,6 +69,20 @@ def _fsync_directory(directory: Path) -> None:
         os.fsync(fd)
     except OSError:
         pass
+    finally:
+        os.close(fd)
+
+
+def append_records(path: Path, records: list[dict[str, Any]]) -> None:
+    """One ``os.write`` of whole lines to an ``O_APPEND`` descriptor, then ``fsync``: a record is
+    on disk before this returns, and a kill can tear at most the last line."""
+    data = "".join(json.dumps(r) + "\n" for r in records).encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # metrics are the user's
+    try:
+        view = memoryview(data)
+        while view:  # a regular file takes it in one write; loop for the rare partial one
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -94,22 +110,13 @@ class SpillWriter:
         return len(self._spilled - self._delivered)
 
     def _append(self, records: list[dict[str, Any]]) -> None:
-        """One ``os.write`` of whole lines to an ``O_APPEND`` descriptor, then ``fsync``: a record is
-        on disk before this returns, and a kill can tear at most the last line."""
+        """``append_records``; the first call creates the file with its header."""
         with self._lock:
             new = not self.path.exists()
             if new:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 records = [{"gradmon_spill": SPILL_FORMAT_VERSION, **self._header}, *records]
-            data = "".join(json.dumps(r) + "\n" for r in records).encode("utf-8")
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # metrics are the user's
-            try:
-                view = memoryview(data)
-                while view:  # a regular file takes it in one write; loop for the rare partial one
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            append_records(self.path, records)
             if new:
                 _fsync_directory(self.path.parent)
 
@@ -166,28 +173,17 @@ class SpillWriter:
             self._append([{"final": True, "run_id": run_id, "status": status}])
 
 
-@dataclass
-class ReplayResult:
-    """What ``replay_spill`` did."""
-
-    run_id: str
-    iterations: int
-    """Training iterations replayed (distinct steps with metrics, see ``replayed_iterations``)."""
-    metrics: int
-    created_run: bool
-    status: str | None
-
-
 class SpillFormatError(ValueError):
     """The file is not a gradmon-ray spill file (or is damaged), or cannot be replayed as given."""
 
 
-def read_spill(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
-    """Header, the iteration records still to replay (those without a delivery mark, in the
-    order the sink counted them) and the trailer (None when the writer never closed)."""
+def spill_records(path: str | Path) -> list[dict[str, Any]]:
+    """Every record of a spill file, header first (``SpillFormatError`` when it is not one); a torn
+    last line is left out."""
     p = Path(path)
     if not p.is_file():
-        raise SpillFormatError(f"{p}: no such file")
+        done = p.with_name(p.name + REPLAYED_SUFFIX)
+        raise SpillFormatError(f"{p}: no such file" + (f" ({done} exists: it was replayed)" if done.exists() else ""))
     text = p.read_text(encoding="utf-8")
     lines = text.splitlines()
     records = []
@@ -202,6 +198,13 @@ def read_spill(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]], 
             raise SpillFormatError(f"{p}: line {number}: not JSON ({exc.msg})") from None
     if not records or records[0].get("gradmon_spill") != SPILL_FORMAT_VERSION:
         raise SpillFormatError(f"{p}: not a gradmon-ray spill file (version {SPILL_FORMAT_VERSION})")
+    return records
+
+
+def read_spill(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
+    """Header, the iteration records still to replay (those without a delivery mark, in the
+    order the sink counted them) and the trailer (None when the writer never closed)."""
+    records = spill_records(path)
     header, body = records[0], records[1:]
     trailers = [r for r in body if r.get("final")]
     delivered = {int(seq) for r in body if "delivered" in r for seq in r["delivered"]}
@@ -218,75 +221,3 @@ def replayed_iterations(records: Iterable[Mapping[str, Any]]) -> int:
     is another iteration.
     """
     return len({int(r["step"]) for r in records if r.get("metrics")})
-
-
-def _replay_uri(path: Path, header: Mapping[str, Any], tracking_uri: str | None) -> str:
-    if tracking_uri:
-        return tracking_uri
-    uri = str(header.get("tracking_uri") or "")
-    if MASK in uri:  # the header never keeps a password: it cannot log in with what it holds
-        raise SpillFormatError(
-            f"{path}: its tracking URI {uri} had credentials, which spill files never keep; give --tracking-uri"
-        )
-    if not uri:
-        raise SpillFormatError(f"{path}: the header names no tracking URI; give --tracking-uri")
-    return uri
-
-
-def _existing_run(client: Any, run_id: str | None) -> str | None:
-    """``run_id`` if the store has that run, else None (another store than the run's own)."""
-    if run_id is None:
-        return None
-    from mlflow.exceptions import MlflowException
-
-    try:
-        client.get_run(run_id)
-    except MlflowException as exc:
-        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
-            return None
-        raise
-    return run_id
-
-
-def replay_spill(path: str | Path, tracking_uri: str | None = None, *, mark_done: bool = True) -> ReplayResult:
-    """Write a spill file's undelivered iterations into MLflow (the header's URI unless ``tracking_uri``).
-
-    Into the run they belong to when that store has it, else into a run created from the header.
-    Metrics go through the live sink's conversion (``mlflow_io.to_mlflow_metrics``), so they
-    land exactly as the sink would have written them. ``mark_done`` renames the file to
-    ``<file>.replayed`` afterwards.
-    """
-    from mlflow.tracking import MlflowClient
-
-    from gradmon_ray.tracking.mlflow_io import log_in_batches, to_mlflow_metrics
-    from gradmon_ray.tracking.store_uri import absolute_tracking_uri
-
-    header, iterations, trailer = read_spill(path)
-    client = MlflowClient(tracking_uri=absolute_tracking_uri(_replay_uri(Path(path), header, tracking_uri)))
-    known = [r.get("run_id") for r in ([*iterations, trailer] if trailer else iterations) if r and r.get("run_id")]
-    named = (trailer or {}).get("run_id") or header.get("run_id") or (known[-1] if known else None)
-    run_id = _existing_run(client, named)
-    created = False
-    if run_id is None:
-        exp = client.get_experiment_by_name(header["experiment"])
-        exp_id = exp.experiment_id if exp is not None else client.create_experiment(header["experiment"])
-        run = client.create_run(exp_id, run_name=header.get("run_name"), tags=header.get("tags") or {})
-        run_id, created = run.info.run_id, True
-        log_in_batches(client, run_id, params=header.get("params") or {})
-    metrics = [
-        metric
-        for r in iterations
-        for metric in to_mlflow_metrics(
-            {k: _decode(v) for k, v in r["metrics"].items()}, int(r["step"]), int(r["timestamp_ms"])
-        )
-    ]
-    tags: dict[str, str] = {}
-    for r in iterations:
-        tags.update(r.get("tags") or {})
-    log_in_batches(client, run_id, metrics=metrics, tags=tags)
-    status = (trailer or {}).get("status")
-    if status:
-        client.set_terminated(run_id, status=status)
-    if mark_done:
-        Path(path).rename(str(path) + REPLAYED_SUFFIX)
-    return ReplayResult(run_id, replayed_iterations(iterations), len(metrics), created, status)

@@ -21,7 +21,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.tracking.spill import read_spill, replay_spill
+from gradmon_ray.tracking.spill import read_spill
+from gradmon_ray.tracking.spill_replay import replay_spill
 from tests.e2e.in_process import run_cli
 from tests.e2e.processes import BIN, SMALL_TRAIN_ARGS, MlflowServer, alive, clean_env, free_port
 

@@ -34,7 +34,8 @@ from gradmon_ray.tracking import GradmonMLflowCallback
 from gradmon_ray.tracking.callback import TAG_TRIAL_DIR, CallbackSettings, absolute_tracking_uri
 from gradmon_ray.tracking.mlflow_io import mlflow_value
 from gradmon_ray.tracking.result_metrics import result_to_metrics
-from gradmon_ray.tracking.spill import read_spill, replay_spill
+from gradmon_ray.tracking.spill import read_spill
+from gradmon_ray.tracking.spill_replay import replay_spill
 from gradmon_ray.tracking.store_check import local_store_problem
 from gradmon_ray.viz.report import log_plots
 from tests.fixtures.user_envs import MatchTwoEnv

@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.tracking import MlflowSink
-from gradmon_ray.tracking.spill import replay_spill
+from gradmon_ray.tracking.spill_replay import replay_spill
 
 
 def _log_a_run(sink: MlflowSink, iterations: int, end_metrics: dict[str, float]) -> None:

@@ -19,11 +19,11 @@ from gradmon_ray.tracking.spill import (
     REPLAYED_SUFFIX,
     SpillFormatError,
     SpillWriter,
-    _decode,
+    decode_value,
     read_spill,
-    replay_spill,
     replayed_iterations,
 )
+from gradmon_ray.tracking.spill_replay import replay_spill
 
 
 def test_overflow_and_close_leftovers_are_spilled_then_replayed_into_a_new_run(tmp_path, dead_uri):
@@ -344,9 +344,13 @@ def test_a_torn_last_line_is_skipped_and_the_fsynced_lines_replay(tmp_path, dead
     assert [r["step"] for r in iterations] == [1, 2] and trailer is None
     result = replay_spill(spill, f"sqlite:///{tmp_path / 'm.db'}", mark_done=False)
     assert result.iterations == 2
+    # The replay cut the torn line off before recording its run: the file is whole lines again.
+    lines = spill.read_text().splitlines()
+    assert [json.loads(line) for line in lines[-1:]] == [{"replayed_into": result.run_id}]
+    assert all(json.loads(line) for line in lines) and spill.read_text().endswith("\n")
     with spill.open("a") as handle:
-        handle.write("\n" + json.dumps({"seq": 4, "step": 4, "timestamp_ms": 1, "metrics": {}, "tags": {}}) + "\n")
-    with pytest.raises(SpillFormatError, match=r"line 4: not JSON"):
+        handle.write('{"seq": 3, "step": 3, "metr\n' + json.dumps({"seq": 4, "step": 4, "metrics": {}}) + "\n")
+    with pytest.raises(SpillFormatError, match=rf"line {len(lines) + 1}: not JSON"):
         read_spill(spill)
     sink.close(timeout_s=0.5)
 
@@ -391,7 +395,7 @@ def test_spill_lines_are_strict_json_and_non_finite_values_round_trip(tmp_path):
     assert header["experiment"] == "e" and trailer == {"final": True, "run_id": "rid", "status": "FINISHED"}
     (record,) = iterations
     assert record["step"] == 3 and record["tags"] == {"t": "a"}
-    decoded = {k: _decode(v) for k, v in record["metrics"].items()}
+    decoded = {k: decode_value(v) for k, v in record["metrics"].items()}
     assert decoded["pos"] == math.inf and decoded["neg"] == -math.inf and math.isnan(decoded["nan"])
     assert decoded["x"] == 1.25
 
