@@ -7,7 +7,8 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -16,6 +17,51 @@ from gradmon_ray.config import ConfigError, GradmonConfig, config_advisories, lo
 from gradmon_ray.tracking.redact import OUTPUT_REDACTOR, uri_secrets
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+MAX_ERROR_CHARS = 300
+"""The longest error line the CLI prints (``--debug``: whole): a list of problems shows the first
+few that fit and how many more; any other over-long line keeps its start and its end."""
+
+
+def error_line(
+    prefix: str, error: BaseException | str, limit: int = MAX_ERROR_CHARS, mask: Callable[[str], str] = str
+) -> str:
+    """``prefix`` and ``error`` as one line of at most ``limit`` characters (see ``MAX_ERROR_CHARS``),
+    ``mask`` (credentials) applied before anything is cut, so that no secret is cut in half."""
+    problems = [mask(p) for p in getattr(error, "problems", [])]
+    if len(problems) > 1:
+        field = getattr(error, "field_path", "config")
+        return _first_problems(mask(f"{prefix}{field}: {len(problems)} problems: "), problems, limit)
+    return clip_line(mask(f"{prefix}{error}"), limit)
+
+
+def _first_problems(head: str, problems: list[str], limit: int) -> str:
+    """``head``, then as many of ``problems`` as fit with the count of the rest (the first always)."""
+    shown: list[str] = []
+    for problem in problems:
+        rest = len(problems) - len(shown) - 1
+        more = f"; ... and {rest} more" if rest else ""
+        if shown and len(head + "; ".join([*shown, problem]) + more) > limit:
+            break
+        shown.append(problem)
+    rest = len(problems) - len(shown)
+    more = f"; ... and {rest} more" if rest else ""
+    if len(shown) == 1:  # the first is shown even when it does not fit whole
+        shown = [clip_line(shown[0], max(limit - len(head) - len(more), 40))]
+    return head + "; ".join(shown) + more
+
+
+def clip_line(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text`` on one line; over ``limit``, its middle cut at spaces: the start names the problem,
+    the end usually says what to do."""
+    line = " ".join(text.split())
+    if len(line) <= limit:
+        return line
+    gap = " ... "
+    head = line[: (limit - len(gap)) * 2 // 3].rsplit(" ", 1)[0]
+    tail_room = limit - len(gap) - len(head)
+    tail = line[-tail_room:].split(" ", 1)[-1] if tail_room > 0 else ""
+    return f"{head}{gap}{tail}"
 
 
 def add_set_flag(parser: argparse.ArgumentParser, help_text: str) -> None:
@@ -111,3 +157,46 @@ def filter_startup_noise() -> None:
 def print_advisories(cfg: Any) -> None:
     for line in config_advisories(cfg):
         print(f"gradmon-ray: warning: {line}", file=sys.stderr, flush=True)
+
+
+def check_read_server(given: str | None) -> None:
+    """``watch``/``report``: a tracking server that does not answer (or refuses the credentials) is
+    refused at once, in one line naming the URI (masked), before MLflow's client retries or cuts it."""
+    from gradmon_ray.config import default_tracking_uri
+    from gradmon_ray.tracking.store_check import tracking_server_problem
+
+    field = "--tracking-uri" if given else "MLFLOW_TRACKING_URI"
+    uri = given or default_tracking_uri()
+    problem = tracking_server_problem(
+        uri, advice=f"check that the server is running and that {field} names its host and port"
+    )
+    if problem:
+        raise ConfigError(field, problem)
+
+
+def writable_dir_problem(path: Path) -> str | None:
+    """Why directory ``path`` cannot be created (where missing, with its parents) and written to, in
+    one line (None: it can).  Tried in a temporary directory removed at once: nothing is left behind."""
+    from gradmon_ray.tracking.store_check import _can_create_in, _existing_ancestor
+
+    if path.exists() and not path.is_dir():
+        return f"{path} is a file, not a directory"
+    where = path if path.exists() else _existing_ancestor(path)
+    if where == path:
+        return None if _can_create_in(path) else f"{path} is a directory nothing can be written to"
+    if not where.is_dir():
+        return f"{path} can never be created: {where} is a file, not a directory"
+    return None if _can_create_in(where) else f"{path} can never be created: nothing can be created in {where}"
+
+
+def check_checkpoint_dir(cfg: GradmonConfig, root: str | Path | None = None) -> None:
+    """The checkpoint root a run writes to (``root``, else ``checkpoint_root(cfg)``), checked before
+    Ray or MLflow start: else the first checkpoint fails after a whole iteration, leaving a FAILED run."""
+    from gradmon_ray.app.checkpointing import checkpoint_root
+
+    if cfg.checkpoint_every == 0 and not cfg.checkpoint_dir:  # no checkpoint is ever written
+        return
+    problem = writable_dir_problem(Path(root).absolute() if root is not None else checkpoint_root(cfg))
+    if problem:
+        off = "" if cfg.checkpoint_dir else ", or --set checkpoint_every=0 for no resumable checkpoints"
+        raise ConfigError("checkpoint_dir", f"{problem}; give --checkpoint-dir a directory you can write to{off}")

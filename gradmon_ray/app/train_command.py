@@ -8,6 +8,7 @@ from typing import Any
 from gradmon_ray.app.cli_common import (
     EXIT_OK,
     add_set_flag,
+    check_checkpoint_dir,
     check_tracking_server,
     filter_startup_noise,
     print_advisories,
@@ -100,13 +101,15 @@ def resumed_config(args: argparse.Namespace) -> tuple[GradmonConfig, Any]:
     return cfg, point
 
 
-def check_up_front(cfg: GradmonConfig, debug: bool) -> None:
+def check_up_front(cfg: GradmonConfig, debug: bool, checkpoint_root: str | None = None) -> None:
     """What ``train`` and ``--resume`` check and set up before their banner, Ray or MLflow: Ray's
-    and MLflow's start-up noise filtered, ``preflight``, the tracking server, the advisories."""
+    and MLflow's start-up noise filtered, the checkpoint root (``checkpoint_root``, default the
+    config's), ``preflight``, the tracking server, the advisories."""
     from gradmon_ray.rllib.preflight import preflight
 
     if not debug:
         filter_startup_noise()
+    check_checkpoint_dir(cfg, checkpoint_root)
     preflight(cfg)  # store, GPUs, env, model, restore point: before the banner, Ray or MLflow
     check_tracking_server(cfg)
     print_advisories(cfg)
@@ -120,7 +123,8 @@ def resume_command(args: argparse.Namespace) -> int:
     from gradmon_ray.tracking.spill import default_spill_path
 
     cfg, point = resumed_config(args)
-    check_up_front(cfg.model_copy(update={"restore_from": None}), args.debug)  # the resume point replaces it
+    own = cfg.model_copy(update={"restore_from": None})  # the resume point replaces restore_from
+    check_up_front(own, args.debug, point.checkpoint_root)  # its checkpoints go on into the run's root
     # train finds an unreachable Ray before it opens its run; a resumed run's sink opens before Ray
     problem = ray_address_problem(ray_address_of(cfg))
     if problem:

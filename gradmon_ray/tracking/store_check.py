@@ -150,8 +150,17 @@ SERVER_PROBE_ENDPOINT = "/api/2.0/mlflow/experiments/search"
 credentials, so a wrong password would only show up mid-run)."""
 
 
+TRAIN_ADVICE = "start it, fix the URI, or set mlflow.offline_ok: true to train now and replay the metrics later"
+"""What to do about a tracking server that does not answer, for a run (``watch``/``report`` have their own)."""
+
+
 def tracking_server_problem(
-    uri: str, timeout_s: float = 5.0, *, offline_ok: bool = False, answer_timeout_s: float = 30.0
+    uri: str,
+    timeout_s: float = 5.0,
+    *,
+    offline_ok: bool = False,
+    answer_timeout_s: float = 30.0,
+    advice: str = TRAIN_ADVICE,
 ) -> str | None:
     """Why the tracking server at an ``http(s)://`` ``uri`` cannot take this run now, in one line
     (None: it answered, or ``uri`` is not an HTTP server).  ``offline_ok`` (``mlflow.offline_ok``):
@@ -162,6 +171,7 @@ def tracking_server_problem(
     or ``MLFLOW_TRACKING_USERNAME``/``_PASSWORD``/``_TOKEN``) and TLS settings are exactly the ones
     the run will use.  ``timeout_s`` bounds the connection; a server that accepted it gets
     ``answer_timeout_s`` to reply (its first authenticated request after a start can take seconds).
+    ``advice``: what to do about a server that does not answer.
     """
     if tracking_scheme(uri) not in ("http", "https"):
         return None
@@ -189,10 +199,7 @@ def tracking_server_problem(
                 reason,
             )
             return None
-        return (
-            f"no MLflow tracking server answers at {shown} within {timeout_s:g} s ({reason}); start it, fix the URI, "
-            "or set mlflow.offline_ok: true to train now and deliver the metrics later (gradmon-ray replay)"
-        )
+        return f"no MLflow tracking server answers at {shown} within {timeout_s:g} s ({reason}); {advice}"
     if response.status_code in (401, 403):
         return (
             f"the MLflow server at {shown} refused the credentials (HTTP {response.status_code}); give them in the URI "
