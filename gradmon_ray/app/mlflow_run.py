@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from gradmon_ray import metric_names as mn
@@ -14,8 +13,8 @@ from gradmon_ray.app.run_names import default_run_name
 from gradmon_ray.config import GradmonConfig
 from gradmon_ray.tracking import MlflowSink
 from gradmon_ray.tracking.mlflow_sink import PlotFn
-from gradmon_ray.tracking.redact import redact_text, redact_uri
-from gradmon_ray.tracking.spill import SpillFormatError, default_spill_path, read_spill, replayed_iterations
+from gradmon_ray.tracking.redact import redact_text
+from gradmon_ray.tracking.spill import default_spill_path
 from gradmon_ray.tracking.store_uri import absolute_tracking_uri
 
 logger = logging.getLogger(__name__)
@@ -89,26 +88,6 @@ def last_logged_iteration(tracking_uri: str, run_id: str) -> int:
     return max((point.step for point in history), default=0)
 
 
-def iterations_to_replay(spill_path: str | Path | None) -> int:
-    """The training iterations ``gradmon-ray replay`` will write from ``spill_path``: the distinct
-    steps with metrics it holds undelivered (the end-of-run record at the last step is not one more).
-    Counted by the replay's own reader, so ``train`` and ``replay`` give the same number."""
-    if spill_path is None:
-        return 0
-    try:
-        return replayed_iterations(read_spill(spill_path)[1])
-    except (OSError, SpillFormatError):
-        return 0
-
-
-def warn_undelivered(sink: MlflowSink, spill_path: str | None) -> None:
+def warn_undelivered(sink: MlflowSink) -> None:
     """The warning at the end of a run MLflow did not get all of: iterations kept for ``replay``, lost, why."""
-    logger.warning(
-        "MLflow at %s did not receive everything (%d iterations kept in %s, %d lost; last error: %s)%s",
-        redact_uri(sink.tracking_uri),
-        iterations_to_replay(spill_path),
-        spill_path,
-        sink.dropped_iterations,
-        redact_text(sink.last_error or ""),
-        f"; replay with: gradmon-ray replay {spill_path}" if spill_path else "",
-    )
+    logger.warning("%s", sink.undelivered_summary())

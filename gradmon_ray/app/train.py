@@ -259,6 +259,6 @@ def run_training(
             outcome.checkpointed_iteration = checkpoints.last_iteration
         outcome.spill_path = str(sink.spill_path) if sink.spill_path is not None else None
         if not outcome.mlflow_complete:
-            warn_undelivered(sink, outcome.spill_path)
+            warn_undelivered(sink)
         if started_ray:
             ray.shutdown()

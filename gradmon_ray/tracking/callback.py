@@ -43,7 +43,7 @@ from gradmon_ray.tracking.callback_settings import (  # re-exported: their docum
     absolute_tracking_uri,
     pinned_settings,
 )
-from gradmon_ray.tracking.mlflow_sink import MlflowSink
+from gradmon_ray.tracking.mlflow_sink import END_PLOTS_S, MlflowSink
 from gradmon_ray.tracking.redact import install_log_redaction, redact_text, redact_uri
 from gradmon_ray.tracking.result_metrics import latch_tags, result_to_metrics, run_value_heads
 from gradmon_ray.tracking.spill import default_spill_path
@@ -64,6 +64,12 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+TUNE_CLOSE_S = 5.0
+TUNE_END_PLOTS_S = 3.0
+"""In a Tune trial, ``close``'s budget for MLflow and for the end-of-run plots (seconds): Tune kills
+a trial's actor 10 s after asking it to stop at the end of an experiment (its
+``_actor_force_cleanup_timeout``), and what MLflow has not taken by then must already be on disk."""
 
 
 def _subclass(
@@ -90,7 +96,17 @@ def _reduce_callback_class(cls: type[GradmonMLflowCallback]) -> Any:
     pinned = pinned_settings(cls.settings)
     if pinned == cls.settings:
         return cls.__qualname__  # a str: pickle's own lookup by module and name
+    _create_store_once(str(pinned.tracking_uri))
     return _pinned_class, (cls.__module__, cls.__qualname__, pinned.tracking_uri, pinned.spill_dir)
+
+
+@functools.cache
+def _create_store_once(uri: str) -> None:
+    """The driver creates a ``sqlite:`` store's tables, as ``configured`` does: trials would otherwise
+    race to migrate one file, and spend seconds of Tune's 10 s stop budget on it (a store the CLI
+    would refuse is left to the trial, which says why and trains without MLflow)."""
+    if not local_store_problem(uri, must_exist=False):
+        create_sqlite_store(uri)
 
 
 @functools.cache
@@ -145,6 +161,7 @@ class GradmonMLflowCallback(RLlibCallback, metaclass=_PinnedWhenShipped):
         self._closed = False
         self._announced = False
         self._failed = False
+        self._in_tune_trial = False
         self._last_step = 0
         self._heads_named = False
         self._head_order: tuple[str, ...] = ()
@@ -184,20 +201,13 @@ class GradmonMLflowCallback(RLlibCallback, metaclass=_PinnedWhenShipped):
             self._closed = True
         status = "FAILED" if self._failed else "FINISHED"
         self.sink.log_iteration(self._last_step, {}, {mn.TAG_STATUS: status.lower()})
-        complete = self.sink.close(status=status, timeout_s=self.settings.close_timeout_s)
+        timeout_s, plots_s = self.settings.close_timeout_s, END_PLOTS_S
+        if self._in_tune_trial:
+            timeout_s, plots_s = min(timeout_s, TUNE_CLOSE_S), TUNE_END_PLOTS_S
+        complete = self.sink.close(status=status, timeout_s=timeout_s, plots_timeout_s=plots_s)
         self._announce()  # a short run can end before MLflow has created its run
         if not complete:
-            # Iterations as ``gradmon-ray replay`` counts them: the end record above is not one more.
-            spill = self.sink.spill_path
-            logger.warning(
-                "gradmon callback: MLflow at %s did not receive everything (%d iterations kept in %s, %d lost; %s)%s",
-                redact_uri(self.sink.tracking_uri),
-                self.sink.spilled_iterations,
-                spill,
-                self.sink.dropped_iterations,
-                self.sink.last_error,
-                f"; replay with: gradmon-ray replay {spill}" if spill else "",
-            )
+            logger.warning("gradmon callback: %s", self.sink.undelivered_summary())
         return complete
 
     def _open_sink(self, algorithm: Any) -> MlflowSink:
@@ -207,6 +217,7 @@ class GradmonMLflowCallback(RLlibCallback, metaclass=_PinnedWhenShipped):
             raise ValueError(problem)  # on_algorithm_init logs it: training goes on without MLflow
         uri = uri_for_this_process(str(s.tracking_uri))
         trial = tune_trial_dir_name(algorithm)
+        self._in_tune_trial = trial is not None
         run_name = s.run_name or trial
         tags = {mn.TAG_STATUS: "running", **({TAG_TRIAL_DIR: trial} if trial else {}), **s.tags}
         params = {**(config_params(algorithm.config) if s.log_config else {}), **s.params}

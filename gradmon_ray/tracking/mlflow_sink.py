@@ -6,11 +6,14 @@ call, MLflow's limit).  A slow or dead tracking server only delays that thread: 
 iterations wait in a bounded buffer, failed writes are retried with backoff, and nothing is
 ever raised into the caller.
 
-**Spill ahead.** From the first failed write to the end of the run, ``log_iteration`` also
-appends each iteration to the spill file (fsynced) before it returns; what was pending at that
-failure is spilled at once.  A SIGKILL then loses at most what was logged while the failing
-write was in flight, never an outage.  Delivery goes on when the server is back, each spilled
-iteration delivered is marked in the file, and replay writes the rest exactly once (``spill``).
+**Spill ahead.** Whenever MLflow is behind (a failed write, an iteration or the run's creation not
+taken within ``sink_spill.LAG_S``, or ``close`` still waiting after ``CLOSE_GRACE_S``),
+``log_iteration`` also appends each iteration to the spill file (fsynced) before it returns, and
+``close`` puts what is pending and the run's end status there.  A SIGKILL (Tune stopping a trial,
+Ray's workers at the driver's exit) then loses nothing MLflow has not acknowledged, except
+iterations logged less than ``LAG_S`` before it while MLflow seemed healthy.  Delivery goes on
+when the server is back, each spilled iteration delivered is marked in the file, and replay
+writes the rest exactly once (``spill``).
 We write through ``MlflowClient`` rather than ``mlflow.log_*`` because the fluent API keeps
 a process-global active run, which a background writer must not share with user code.
 The writer thread itself (run creation, writes, retries, plots) is ``sink_writer.SinkWriter``.
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from gradmon_ray.tracking.redact import install_log_redaction
+from gradmon_ray.tracking.sink_spill import CLOSE_GRACE_S, SpillAhead
 from gradmon_ray.tracking.sink_writer import PendingIteration, PlotFn, SinkWriter
 from gradmon_ray.tracking.spill import SpillWriter
 from gradmon_ray.tracking.store_uri import absolute_tracking_uri
@@ -38,9 +42,12 @@ logger = logging.getLogger(__name__)
 MAX_PARAM_VALUE_LEN = 6000
 NEVER_CREATED_CLOSE_S = 5.0
 """``close``'s last chance for a server that never took the run (seconds): one or more quick retries."""
+END_PLOTS_S = 60.0
+"""How long ``close`` waits for the end-of-run plots, after the run has ended (its own budget:
+slow plots never turn a run whose metrics all arrived into an incomplete one)."""
 
 
-class MlflowSink(SinkWriter):
+class MlflowSink(SpillAhead, SinkWriter):
     """Asynchronous, batched MLflow writer for one run.
 
     Args:
@@ -102,6 +109,8 @@ class MlflowSink(SinkWriter):
         self._terminated = False
         self._seq = 0
         self._spill_ahead = False  # an MLflow write has failed: every iteration goes to the spill too
+        self._opened_at = time.time()
+        self._lag_noticed = False  # the one warning that MLflow lags (sink_spill.LAG_S) was given
         self._spill = (
             SpillWriter(
                 spill_path,
@@ -136,6 +145,7 @@ class MlflowSink(SinkWriter):
         self._creates_run = run_id is None
         self._run_ready = threading.Event()
         self._run_attempted = threading.Event()  # the writer's first try at the run ended (either way)
+        self._ended = threading.Event()  # closing: everything written and the run ended (plots may follow)
         self._waited_for_run = False  # run_id_waiting_once has waited already
         install_log_redaction()  # before the writer logs: MLflow's errors quote the URL, password and all
         self._thread = threading.Thread(target=self._worker, name="gradmon-mlflow-sink", daemon=True)
@@ -154,8 +164,8 @@ class MlflowSink(SinkWriter):
             item = PendingIteration(self._seq, int(step), int(time.time() * 1000), metrics_, dict(tags or {}))
             # Under the lock: the worker cannot take the item before it is spilled, nor switch to
             # spilling ahead between this check and the append (it spills what is pending then).
-            if self._spill_ahead:
-                self._spill_or_drop([item], leaving=False)
+            if self._must_spill_now():  # after a failure, or while MLflow lags: on disk before we return
+                self._spill_or_drop([*(i for i in self._pending if not i.spilled), item], leaving=False)
             self._pending.append(item)
             overflow = []
             while len(self._pending) > self._max_pending:
@@ -192,13 +202,15 @@ class MlflowSink(SinkWriter):
                 self._cond.wait(min(remaining, 0.05))
             return not self._pending
 
-    def close(self, *, status: str = "FINISHED", timeout_s: float = 30.0) -> bool:
+    def close(self, *, status: str = "FINISHED", timeout_s: float = 30.0, plots_timeout_s: float = END_PLOTS_S) -> bool:
         """Flush what is pending, end the run with ``status``; True if everything was written.
 
-        Waits at most ``timeout_s``: a dead server cannot hold the process hostage.  A server that
-        never took the run (every try failed) gets ``NEVER_CREATED_CLOSE_S`` at most: what it would
-        have held is in the spill file already, and a user waiting at the end of an offline run
-        gains nothing from more retries.
+        Waits at most ``timeout_s`` for the metrics and the run's end: a dead server cannot hold the
+        process hostage.  After ``CLOSE_GRACE_S`` of waiting, what MLflow has not taken (and the
+        status) is put in the spill file, so a kill while waiting loses nothing.  A server that never
+        took the run (every try failed) gets ``NEVER_CREATED_CLOSE_S`` at most: what it would have
+        held is in the spill file already.  The end-of-run plots come after the run's end, within
+        ``plots_timeout_s`` of their own, and never make a complete run incomplete.
         """
         if self.run_id is None and self._run_attempted.is_set():
             timeout_s = min(timeout_s, NEVER_CREATED_CLOSE_S)
@@ -206,84 +218,29 @@ class MlflowSink(SinkWriter):
             self._closing = True
             self._final_status = status
             self._cond.notify()
-        self._thread.join(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        if not self._ended.wait(min(CLOSE_GRACE_S, timeout_s)):
+            self._keep_on_disk_while_closing(status, timeout_s)
+            self._ended.wait(max(0.0, deadline - time.monotonic()))
         with self._cond:
-            leftover = list(self._pending) if self._thread.is_alive() or self._pending else []
-            if self._thread.is_alive():
+            ended = self._ended.is_set()
+            leftover = [] if ended else list(self._pending)
+            if not ended:  # the writer is given up on; what it held goes to the spill file below
                 self._abandoned = True
                 self._pending.clear()
                 self._cond.notify()
-        with self._cond:
             self._spill_or_drop([i for i in leftover if not i.spilled])
+        if ended and self._plots_every:
+            self._thread.join(plots_timeout_s)
+            if self._thread.is_alive():
+                logger.warning("gradmon MLflow sink: end-of-run plots not done after %.0f s", plots_timeout_s)
         if self._spill is not None:
             try:
                 end = None if self._terminated or not self._owns_run else status
                 self._spill.finish(self.run_id, end, run_done=self._terminated_or_attached())
             except OSError as exc:
                 logger.warning("gradmon MLflow sink: cannot finish spill file %s (%s)", self._spill.path, exc)
-        return (
-            not leftover
-            and self._terminated_or_attached()
-            and (self._spill is None or self._spill.undelivered == 0)
-            and not self._dropped_records
-        )
-
-    @property
-    def spilled_iterations(self) -> int:
-        """Training iterations in the spill file that MLflow has not taken: what ``gradmon-ray replay``
-        writes, counted as it counts them (``spill.replayed_iterations``: the distinct steps with metrics
-        among the undelivered records, so the run's end record at the last step is not one more)."""
-        with self._cond:
-            return len({step for seq, step in self._spilled_steps.items() if seq not in self._delivered_seqs})
-
-    @property
-    def dropped_iterations(self) -> int:
-        """Training iterations lost (no spill file, or the disk refused it), counted as
-        ``spilled_iterations`` is: the distinct steps with metrics among the dropped records."""
-        with self._cond:
-            return len(self._dropped_steps)
-
-    @property
-    def spilling_ahead(self) -> bool:
-        """True once an MLflow write failed: from then on every iteration is spilled as it is logged."""
-        return self._spill_ahead
-
-    @property
-    def spill_path(self) -> Path | None:
-        """The spill file, if it holds anything (None also when MLflow got all of it in the end)."""
-        return self._spill.path if self._spill is not None and self._spill.lines_written else None
+        return ended and (self._spill is None or self._spill.undelivered == 0) and not self._dropped_records
 
     def _terminated_or_attached(self) -> bool:
         return self.run_id is not None and (self._terminated or not self._owns_run)
-
-    def _spill_or_drop(self, items: list[PendingIteration], *, leaving: bool = True) -> None:
-        """Append ``items`` to the spill file (caller holds ``_cond``); without one, or when the
-        disk refuses, items ``leaving`` memory are dropped and counted (the others stay queued)."""
-        if not items:
-            return
-        if self._spill is not None:
-            try:
-                self._spill.write_iterations(
-                    ((i.step, i.timestamp_ms, i.metrics, i.tags) for i in items), self.run_id, [i.seq for i in items]
-                )
-                for item in items:
-                    item.spilled = True
-                self._spilled_steps.update((i.seq, i.step) for i in items if i.metrics)
-                return
-            except OSError as exc:
-                logger.warning("gradmon MLflow sink: cannot write spill file %s (%s)", self._spill.path, exc)
-        if leaving:
-            self._dropped_records += len(items)
-            self._dropped_steps.update(i.step for i in items if i.metrics)
-
-    def _start_spilling_ahead(self) -> None:
-        """After a failed write: spill everything pending now, and every later iteration as it comes."""
-        with self._cond:
-            if self._spill_ahead or self._spill is None:
-                return
-            self._spill_ahead = True
-            self._spill_or_drop([i for i in self._pending if not i.spilled], leaving=False)
-        logger.warning(
-            "gradmon MLflow sink: MLflow write failed; every iteration is also kept in %s until the run ends",
-            self._spill.path,
-        )

@@ -60,6 +60,7 @@ class SinkWriter:
     _store_uri: str
     _run_ready: threading.Event
     _run_attempted: threading.Event
+    _ended: threading.Event
     _backoff0: float
     _params: dict[str, str]
     _start_tags: dict[str, str]
@@ -104,11 +105,12 @@ class SinkWriter:
                         self._draw_plots(client)
                     continue
                 if closing:
-                    if self._plots_every:
-                        self._draw_plots(client)
                     if self._owns_run:
                         client.set_terminated(self.run_id, status=self._final_status)
                         self._terminated = True
+                    self._ended.set()
+                    if self._plots_every:  # after the run's end: slow plots never cost it its status
+                        self._draw_plots(client)
                     return
             except Exception as exc:  # never let the writer die; training must not notice
                 self.failed_writes += 1

@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.app.cli import main
-from gradmon_ray.app.mlflow_run import iterations_to_replay, warn_undelivered
+from gradmon_ray.app.mlflow_run import warn_undelivered
 from gradmon_ray.tracking import MlflowSink
 from tests.e2e.processes import free_port
 
@@ -40,7 +40,7 @@ def test_train_counts_the_iterations_replay_writes(dead_uri, tmp_path, caplog, c
     sink.log_iteration(iterations, probe_counters, {mn.TAG_STATUS: "finished"})  # ... and the run's end
     assert sink.close(status="FINISHED", timeout_s=1.0) is False
     with caplog.at_level(logging.WARNING, logger="gradmon_ray.app.mlflow_run"):
-        warn_undelivered(sink, str(spill))
+        warn_undelivered(sink)
     (kept,) = re.findall(r"\((\d+) iterations kept in ", caplog.text)
 
     store = f"sqlite:///{tmp_path / 'later.db'}"
@@ -53,10 +53,3 @@ def test_train_counts_the_iterations_replay_writes(dead_uri, tmp_path, caplog, c
     assert sorted(steps) == list(range(1, iterations + 1))  # the premise: MLflow has each iteration once
     assert int(kept) == int(replayed) == len(steps) == iterations
     assert run.data.tags[mn.TAG_STATUS] == "finished"  # the end record was replayed too, as no extra iteration
-
-
-def test_nothing_to_replay_counts_zero(tmp_path):
-    assert iterations_to_replay(None) == 0
-    assert iterations_to_replay(tmp_path / "missing.jsonl") == 0
-    (tmp_path / "bad.jsonl").write_text("not json\n")
-    assert iterations_to_replay(tmp_path / "bad.jsonl") == 0

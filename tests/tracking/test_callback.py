@@ -14,6 +14,7 @@ import copy
 import math
 import pickle
 import re
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -154,7 +155,11 @@ def test_the_plain_class_is_pinned_to_the_drivers_cwd_when_shipped(pickler, tmp_
     assert shipped.settings.experiment == "gradmon-ray"
     assert pickle.loads(blob) is shipped  # one class per store, however often it is unpickled
     assert GradmonMLflowCallback.settings.tracking_uri is None  # the class itself is untouched
-    assert _tree(driver) == [] and _tree(trial) == []  # pinning creates nothing
+    # Pinning creates the driver's sqlite store, as ``configured`` does (the trials must not race to
+    # migrate it), and nothing in the trial's directory.
+    assert _tree(driver) == ["mlflow.db"] and _tree(trial) == []
+    tables = sqlite3.connect(driver / "mlflow.db").execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+    assert {"experiments", "runs", "metrics"} <= {name for (name,) in tables}
 
 
 def test_pinning_honours_mlflow_tracking_uri_and_leaves_configured_classes_alone(tmp_path, monkeypatch):
