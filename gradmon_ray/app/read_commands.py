@@ -41,9 +41,12 @@ def watch_command(args: argparse.Namespace) -> int:
 
 def report_command(args: argparse.Namespace) -> int:
     from gradmon_ray.viz.report import write_report
+    from gradmon_ray.viz.runs import resolve_run
 
-    out = args.out or f"gradmon-report-{args.run_id}"
-    files = write_report(read_client(args), args.run_id, out)
+    client = read_client(args)
+    run_id = resolve_run(client, run_id=args.run_id).info.run_id  # a run name only one run has is taken too
+    out = args.out or f"gradmon-report-{run_id}"
+    files = write_report(client, run_id, out)
     print(f"gradmon-ray: wrote {len(files)} files to {out}: " + ", ".join(f.name for f in files), flush=True)
     return EXIT_OK
 

@@ -5,7 +5,16 @@ With ``checkpoint_every: N``, ``train`` saves resumable checkpoints into
 (``gradmon.checkpoint_dir``).  ``--resume RUN_ID`` finds the run's newest complete checkpoint,
 restores it (the learner-state digest is checked, as for Tune trial restarts), reopens the same
 MLflow run and trains the remaining iterations; iterations the interrupted attempt had already
-logged after its last checkpoint are trained again but not logged twice.
+logged after its last checkpoint are trained again but not logged twice.  ``RUN_ID`` may also
+be the run's name, when only one run has it (``resume_run_id``).
+
+**The outage first.** Iterations the interrupted attempt spilled (its MLflow server was down) are
+delivered into the run before anything else (``deliver_spill``: ``spill_replay.replay_spill``, which
+renames each file ``.replayed``), and only then is "logged through" read from MLflow: a recomputed
+iteration is never logged beside its spilled value, and a later ``gradmon-ray replay`` of the file
+finds nothing to do.  A spill file that cannot be delivered refuses the resume, naming the replay
+command.  The files are found in the run's ``mlflow.spill_dir`` (relative: here, and where the run
+was started when its checkpoint root says so), by the run id in their records.
 
 **Only under the checkpoint root.** A checkpoint is a pickle, and anyone who can write a tag on
 the tracking server can point ``gradmon.checkpoint_dir`` anywhere: the tag alone never decides
@@ -57,27 +66,85 @@ def find_checkpoint(where: Path, run_id: str) -> tuple[Path, dict[str, Any]]:
     raise ConfigError("--resume", f"no complete checkpoint of run {run_id} in {where}")
 
 
-def resume_point(
-    tracking_uri: str, run_id: str, checkpoint_dir: str | Path | None = None
-) -> tuple[GradmonConfig, ResumePoint]:
-    """The config and checkpoint ``run_id`` can continue from (``ConfigError`` when it cannot).
-
-    ``checkpoint_dir``: the checkpoint root (or the run's directory in it) to load from; default
-    ``$GRADMON_CHECKPOINT_DIR``, else where the run's tag points if that is inside
-    ``./gradmon-checkpoints``.
-    """
+def resume_run_id(tracking_uri: str, ref: str) -> str:
+    """The id of the run ``ref`` names: its id, or a name only one run has (``ConfigError`` otherwise)."""
     from mlflow.tracking import MlflowClient
 
     from gradmon_ray.tracking.redact import redact_uri
     from gradmon_ray.tracking.store_uri import absolute_tracking_uri
+    from gradmon_ray.viz.runs import RunLookupError, resolve_run
 
+    shown = redact_uri(tracking_uri)
     try:
-        run = MlflowClient(absolute_tracking_uri(tracking_uri)).get_run(run_id)
-    except Exception as exc:
-        raise ConfigError(
-            "--resume", f"no run {run_id!r} at {redact_uri(tracking_uri)}: {str(exc).splitlines()[0][:200]}"
-        ) from None
-    tag = run.data.tags.get(mn.TAG_CHECKPOINT_DIR)
+        return resolve_run(MlflowClient(absolute_tracking_uri(tracking_uri)), run_id=ref).info.run_id
+    except RunLookupError as exc:
+        if exc.ambiguous:
+            raise ConfigError("--resume", str(exc).replace(absolute_tracking_uri(tracking_uri), shown)) from None
+        why = "no run has that id or name" if not exc.unreachable else str(exc).split(": ", 1)[-1]
+        raise ConfigError("--resume", f"no run {ref!r} at {shown}: {why}") from None
+
+
+def spill_directories(spill_dir: str, checkpoint_dir: str | None, root: Path) -> list[Path]:
+    """Where a run's spill files can be: ``spill_dir`` (the run's ``mlflow.spill_dir``); relative, both
+    here and in the directory the run was started in, which a relative ``checkpoint_dir`` (the run's
+    own setting, None: the default) tells from its checkpoint ``root``."""
+    spill = Path(spill_dir).expanduser()
+    if spill.is_absolute():
+        return [spill]
+    places = [spill.absolute()]
+    relative = Path(checkpoint_dir or DEFAULT_CHECKPOINT_DIR)
+    if not relative.is_absolute() and ".." not in relative.parts:
+        started_in = root.absolute()
+        for _ in relative.parts:
+            started_in = started_in.parent
+        places += [started_in / spill] if started_in / spill not in places else []
+    return places
+
+
+def run_spill_files(run_id: str, directories: list[Path]) -> list[Path]:
+    """The spill files (not yet replayed) in ``directories`` whose records name ``run_id``, oldest first."""
+    from gradmon_ray.tracking.spill import SpillFormatError, spill_records
+
+    found: dict[Path, float] = {}
+    for path in sorted(p for d in directories if d.is_dir() for p in d.glob("*.jsonl")):
+        try:
+            if run_id not in path.read_text(encoding="utf-8", errors="replace"):
+                continue  # another run's file: cheap to tell before parsing it
+            records = spill_records(path)
+        except (OSError, SpillFormatError) as exc:
+            raise ConfigError("--resume", f"cannot read {path}, which names run {run_id}: {exc}") from None
+        named = {r.get(k) for r in records for k in ("run_id", "replayed_into")}
+        if run_id in named:
+            stamps = [int(r["timestamp_ms"]) for r in records if "timestamp_ms" in r]
+            found[path.resolve()] = min(stamps) if stamps else path.stat().st_mtime * 1000
+    return sorted(found, key=lambda p: found[p])  # the newest file's tags and status are the run's last
+
+
+def deliver_spill(tracking_uri: str, run_id: str, files: list[Path]) -> None:
+    """Replay ``files`` into ``run_id`` at ``tracking_uri``, each exactly once (``replay_spill``);
+    ``ConfigError`` naming the file and the replay command when one cannot be delivered."""
+    from gradmon_ray.tracking.redact import redact_uri
+    from gradmon_ray.tracking.spill_replay import replay_spill
+
+    shown = redact_uri(tracking_uri)
+    for path in files:
+        try:
+            result = replay_spill(path, tracking_uri)
+        except Exception as exc:
+            why = (str(exc).splitlines() or [type(exc).__name__])[0][:120]
+            raise ConfigError(
+                "--resume",
+                f"run {run_id}'s outage spill file {path} could not be delivered to {shown} first ({why}); "
+                f"deliver it with: gradmon-ray replay {path} --tracking-uri {shown}, then resume",
+            ) from None
+        print(
+            f"gradmon-ray: delivered {result.iterations} iterations of run {run_id} that {path} kept during an outage",
+            flush=True,
+        )
+
+
+def _checkpoint_of(run_id: str, tag: str | None, checkpoint_dir: str | Path | None) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint ``run_id`` resumes from, under the allowed root (module docstring)."""
     if not tag:
         raise ConfigError("--resume", f"run {run_id} has no resumable checkpoint (train with checkpoint_every > 0)")
     given = checkpoint_dir or os.environ.get(CHECKPOINT_ROOT_ENV)
@@ -104,9 +171,37 @@ def resume_point(
         raise ConfigError("--resume", f"checkpoint {version} resolves to {version.resolve()}, outside {root}")
     if not state.get("state_digest"):
         raise ConfigError("--resume", f"checkpoint {version} records no learner state digest; it cannot be checked")
+    return version, state
+
+
+def resume_point(
+    tracking_uri: str, run_id: str, checkpoint_dir: str | Path | None = None, iterations: int | None = None
+) -> tuple[GradmonConfig, ResumePoint]:
+    """The config and checkpoint ``run_id`` can continue from (``ConfigError`` when it cannot).
+
+    ``checkpoint_dir``: the checkpoint root (or the run's directory in it) to load from; default
+    ``$GRADMON_CHECKPOINT_DIR``, else where the run's tag points if that is inside
+    ``./gradmon-checkpoints``.  The run's spill files are delivered first (``deliver_spill``).  A run
+    that has all its iterations (``iterations``: the ``--iterations`` given, else its own) is refused.
+    """
+    from mlflow.tracking import MlflowClient
+
+    from gradmon_ray.tracking.redact import redact_uri
+    from gradmon_ray.tracking.store_uri import absolute_tracking_uri
+
+    client = MlflowClient(absolute_tracking_uri(tracking_uri))
+    try:
+        run = client.get_run(run_id)
+    except Exception as exc:
+        raise ConfigError(
+            "--resume", f"no run {run_id!r} at {redact_uri(tracking_uri)}: {str(exc).splitlines()[0][:200]}"
+        ) from None
+    version, state = _checkpoint_of(run_id, run.data.tags.get(mn.TAG_CHECKPOINT_DIR), checkpoint_dir)
     cfg = config_from_dict(state["config"])
     # <root>/<run id>/ckpt-*, or <root>/latest from before per-run directories
     run_root = (version.parent.parent if version.parent.name == run_id else version.parent).absolute()
+    spill_dirs = spill_directories(cfg.mlflow.spill_dir, cfg.checkpoint_dir, run_root)
+    deliver_spill(tracking_uri, run_id, run_spill_files(run_id, spill_dirs))  # before "logged through" is read
     if cfg.checkpoint_dir:  # may be relative to the interrupted run's working directory
         cfg.checkpoint_dir = str(run_root)
     point = ResumePoint(
@@ -117,4 +212,19 @@ def resume_point(
         logged_through=last_logged_iteration(tracking_uri, run_id),
         checkpoint_root=str(run_root),
     )
+    _refuse_complete(run_id, client.get_run(run_id).info.status, point, cfg.iterations, iterations)
     return cfg, point
+
+
+def _refuse_complete(run_id: str, status: str, point: ResumePoint, own: int, iterations: int | None) -> None:
+    """``ConfigError`` when the run has every iteration asked for (``iterations``, else its ``own``):
+    all trained (the checkpoint says so), or FINISHED with all of them in MLflow."""
+    target = own if iterations is None else iterations
+    if (iterations is None and point.iterations_done >= target) or (
+        status == "FINISHED" and point.logged_through >= target
+    ):
+        raise ConfigError(
+            "--resume",
+            f"run {run_id} is complete: it has all {target} iterations ({status}); to train it further, "
+            f"give --iterations N with N > {max(target, point.logged_through)}",
+        )

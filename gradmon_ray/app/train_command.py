@@ -44,8 +44,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--resume",
         metavar="RUN_ID",
-        help="continue this interrupted MLflow run (same run id and name) from its last checkpoint, with its own "
-        "config; --iterations may extend it",
+        help="continue this interrupted MLflow run (its id, or a name only it has) from its last checkpoint, with its "
+        "own config, after delivering what it spilled during an outage; --iterations may extend it",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks and Ray's logs")
 
@@ -72,7 +72,7 @@ RESUME_FLAGS = ("--iterations", "--mlflow-uri", "--checkpoint-dir", "--ray-addre
 def resumed_config(args: argparse.Namespace) -> tuple[GradmonConfig, Any]:
     """The run's own config with ``--resume``'s flags applied, and its resume point; checked before
     Ray or MLflow start (``ConfigError``), a local store is never created."""
-    from gradmon_ray.app.resume import resume_point
+    from gradmon_ray.app.resume import resume_point, resume_run_id
     from gradmon_ray.config import default_tracking_uri
     from gradmon_ray.tracking.store_check import local_store_problem
 
@@ -85,7 +85,8 @@ def resumed_config(args: argparse.Namespace) -> tuple[GradmonConfig, Any]:
     problem = local_store_problem(uri, must_exist=True)  # the run is read from it: never create one
     if problem:
         raise ConfigError("--mlflow-uri", problem)
-    cfg, point = resume_point(uri, args.resume, args.checkpoint_dir)
+    args.resume = resume_run_id(uri, args.resume)  # a run name only one run has is taken too; the id from here on
+    cfg, point = resume_point(uri, args.resume, args.checkpoint_dir, iterations=args.iterations)
     done = point.iterations_done
     if args.iterations is not None and args.iterations <= done:
         raise ConfigError(

@@ -18,15 +18,17 @@ from gradmon_ray.head_labels import POLICY_LATCH
 from gradmon_ray.telemetry.bands import DEFAULT_BANDS, BandSet
 from gradmon_ray.viz.layout import modules_of, run_bands
 from gradmon_ray.viz.probe_view import ProbeView
+from gradmon_ray.viz.run_names import candidates, runs_named
 
 
 class RunLookupError(Exception):
     """A run or experiment that does not exist (``unreachable`` False), or a tracking server
-    that does not answer (``unreachable`` True)."""
+    that does not answer (``unreachable`` True); ``ambiguous``: a run name that several runs have."""
 
-    def __init__(self, message: str, *, unreachable: bool = False) -> None:
+    def __init__(self, message: str, *, unreachable: bool = False, ambiguous: bool = False) -> None:
         super().__init__(message)
         self.unreachable = unreachable
+        self.ambiguous = ambiguous
 
 
 def _unreachable(tracking_uri: str, exc: Exception) -> RunLookupError:
@@ -34,19 +36,32 @@ def _unreachable(tracking_uri: str, exc: Exception) -> RunLookupError:
     return RunLookupError(f"cannot read MLflow at {tracking_uri}: {first[:200]}", unreachable=True)
 
 
-def resolve_run(client: Any, *, run_id: str | None = None, experiment: str | None = None) -> Any:
-    """The MLflow run to show: ``run_id``, else the newest run of ``experiment``."""
+def run_by_id_or_name(client: Any, ref: str, uri: str) -> Any:
+    """The run whose id is ``ref``, else the one run named ``ref`` (``RunLookupError`` when none is,
+    or several are: the error lists them)."""
     from mlflow.exceptions import MlflowException
 
+    try:
+        return client.get_run(ref)
+    except MlflowException as exc:
+        if exc.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            raise
+    named = runs_named(client, ref)
+    if len(named) == 1:
+        return named[0]
+    if not named:
+        raise RunLookupError(f"no run with id or name {ref!r} at {uri}")
+    listed = candidates(named)
+    raise RunLookupError(f"{len(named)} runs are named {ref!r} at {uri}: {listed}; give the run id", ambiguous=True)
+
+
+def resolve_run(client: Any, *, run_id: str | None = None, experiment: str | None = None) -> Any:
+    """The MLflow run to show: ``run_id`` (a run id, or a name only one run has), else the newest
+    run of ``experiment``."""
     uri = client.tracking_uri if hasattr(client, "tracking_uri") else "the tracking server"
     try:
         if run_id is not None:
-            try:
-                return client.get_run(run_id)
-            except MlflowException as exc:
-                if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
-                    raise RunLookupError(f"no run with id {run_id!r} at {uri}") from None
-                raise
+            return run_by_id_or_name(client, run_id, uri)
         name = experiment or "gradmon-ray"
         exp = client.get_experiment_by_name(name)
         if exp is None:
