@@ -18,6 +18,8 @@ from gradmon_ray.app.cli_common import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
+    check_read_server,
+    error_line,
     fail_fast_mlflow_http,
 )
 from gradmon_ray.app.read_commands import add_tracking_uri_flag, replay_command, report_command, watch_command
@@ -90,6 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return train_command(args)
         if args.command == "tune":
             return tune_command(args)
+        if args.command in ("watch", "report"):  # a server that is not there: one line, before MLflow's client
+            check_read_server(args.tracking_uri)
         if args.command == "watch":
             return watch_command(args)
         if args.command == "report":
@@ -98,33 +102,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             return replay_command(args)
         raise AssertionError(args.command)
     except ConfigError as exc:
-        _error(f"gradmon-ray: config error: {exc}")
+        _error("gradmon-ray: config error: ", exc, args.debug)
         return EXIT_USAGE
     except SpillFormatError as exc:
-        _error(f"gradmon-ray: {exc}")
+        _error("gradmon-ray: ", exc, args.debug)
         return EXIT_USAGE
     except RunLookupError as exc:
-        _error(f"gradmon-ray: {exc}")
+        _error("gradmon-ray: ", exc, args.debug)
         return EXIT_FAILED if exc.unreachable else EXIT_USAGE
     except KeyboardInterrupt:
-        _error("gradmon-ray: interrupted")
+        _error("gradmon-ray: interrupted", "", args.debug)
         return EXIT_INTERRUPTED
     except Exception as exc:
         if args.debug:  # the traceback, masked like everything else
-            _error(traceback.format_exc().rstrip())
-        _error(
-            f"gradmon-ray: run failed: {type(exc).__name__}: {exc}"
-            + ("" if args.debug else " (rerun with --debug for the traceback)")
-        )
+            print(OUTPUT_REDACTOR(traceback.format_exc().rstrip()), file=sys.stderr)
+        hint = "" if args.debug else " (rerun with --debug for the traceback)"
+        _error("gradmon-ray: run failed: ", f"{type(exc).__name__}: {exc}{hint}", args.debug)
         return EXIT_FAILED
 
 
 URI_ENV = "MLFLOW_TRACKING_URI"
 
 
-def _error(text: str) -> None:
-    """One message on stderr, credentials masked (an error may quote the URI it failed on)."""
-    print(OUTPUT_REDACTOR(text), file=sys.stderr)
+def _error(prefix: str, error: BaseException | str, debug: bool) -> None:
+    """One line on stderr, credentials masked (an error may quote the URI it failed on), at most
+    ``MAX_ERROR_CHARS`` long unless ``--debug`` (then whole)."""
+    if debug:
+        print(OUTPUT_REDACTOR(f"{prefix}{error}"), file=sys.stderr)
+    else:
+        print(error_line(prefix, error, mask=OUTPUT_REDACTOR), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -19,49 +19,69 @@ from gradmon_ray.tracking.redact import OUTPUT_REDACTOR, uri_secrets
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 MAX_ERROR_CHARS = 300
-"""The longest error line the CLI prints (``--debug``: whole): a list of problems shows the first
-few that fit and how many more; any other over-long line keeps its start and its end."""
+"""The longest error line the CLI prints (``--debug``: whole) for a list of problems (the first few
+that fit and how many more) and for text from elsewhere (an exception's; cut in the middle)."""
+
+MAX_OWN_ERROR_CHARS = 1000
+"""The same for one ``ConfigError``: ours are under 300 characters but for the paths and URIs they
+quote, which must stay whole to be fixed or copied; this is the net for anything unforeseen."""
 
 
 def error_line(
     prefix: str, error: BaseException | str, limit: int = MAX_ERROR_CHARS, mask: Callable[[str], str] = str
 ) -> str:
-    """``prefix`` and ``error`` as one line of at most ``limit`` characters (see ``MAX_ERROR_CHARS``),
-    ``mask`` (credentials) applied before anything is cut, so that no secret is cut in half."""
+    """``prefix`` and ``error`` as one line (see ``MAX_ERROR_CHARS``), ``mask`` (credentials) applied
+    before anything is cut, so that no secret is cut in half."""
     problems = [mask(p) for p in getattr(error, "problems", [])]
     if len(problems) > 1:
         field = getattr(error, "field_path", "config")
         return _first_problems(mask(f"{prefix}{field}: {len(problems)} problems: "), problems, limit)
-    return clip_line(mask(f"{prefix}{error}"), limit)
+    return clip_line(
+        mask(f"{prefix}{error}"), max(limit, MAX_OWN_ERROR_CHARS) if isinstance(error, ConfigError) else limit
+    )
 
 
-def _first_problems(head: str, problems: list[str], limit: int) -> str:
-    """``head``, then as many of ``problems`` as fit with the count of the rest (the first always)."""
+def _first_problems(head: str, problems: list[str], limit: int, few: int = 3) -> str:
+    """``head``, the first problems and the count of the rest: as many whole problems as fit, else
+    the first ``few`` each cut to a share of the room (so that a long one does not hide the next)."""
     shown: list[str] = []
     for problem in problems:
         rest = len(problems) - len(shown) - 1
-        more = f"; ... and {rest} more" if rest else ""
-        if shown and len(head + "; ".join([*shown, problem]) + more) > limit:
+        if len(head + "; ".join([*shown, problem]) + _more(rest)) > limit:
             break
         shown.append(problem)
-    rest = len(problems) - len(shown)
-    more = f"; ... and {rest} more" if rest else ""
-    if len(shown) == 1:  # the first is shown even when it does not fit whole
-        shown = [clip_line(shown[0], max(limit - len(head) - len(more), 40))]
-    return head + "; ".join(shown) + more
+    if len(shown) < min(few, len(problems)):
+        shown = _shares(problems[:few], limit - len(head) - len(_more(len(problems) - few)) - 2 * (few - 1))
+    return head + "; ".join(shown) + _more(len(problems) - len(shown))
 
 
-def clip_line(text: str, limit: int = MAX_ERROR_CHARS) -> str:
-    """``text`` on one line; over ``limit``, its middle cut at spaces: the start names the problem,
-    the end usually says what to do."""
+def _more(rest: int) -> str:
+    return f"; ... and {rest} more (--debug lists all)" if rest > 0 else ""
+
+
+def _shares(problems: list[str], room: int) -> list[str]:
+    """``problems`` cut to fit ``room`` together: the shorter ones whole, the rest an even share each."""
+    out = list(problems)
+    for n, i in enumerate(sorted(range(len(problems)), key=lambda j: len(problems[j]))):
+        share = max(room // (len(problems) - n), 40)
+        out[i] = clip_line(problems[i], share, keep_end=False)  # an item's start names the field and the problem
+        room -= len(out[i])
+    return out
+
+
+def clip_line(text: str, limit: int = MAX_ERROR_CHARS, keep_end: bool = True) -> str:
+    """``text`` on one line; over ``limit``, cut at spaces: its middle (the start names the problem,
+    the end usually says what to do), or with ``keep_end`` False its end."""
     line = " ".join(text.split())
     if len(line) <= limit:
         return line
-    gap = " ... "
-    head = line[: (limit - len(gap)) * 2 // 3].rsplit(" ", 1)[0]
-    tail_room = limit - len(gap) - len(head)
+    gap = " ..."
+    if not keep_end:
+        return line[: limit - len(gap)].rsplit(" ", 1)[0].rstrip(",;") + gap
+    head = line[: (limit - len(gap) - 1) * 2 // 3].rsplit(" ", 1)[0]
+    tail_room = limit - len(gap) - 1 - len(head)
     tail = line[-tail_room:].split(" ", 1)[-1] if tail_room > 0 else ""
-    return f"{head}{gap}{tail}"
+    return f"{head}{gap} {tail}"
 
 
 def add_set_flag(parser: argparse.ArgumentParser, help_text: str) -> None:
@@ -200,3 +220,10 @@ def check_checkpoint_dir(cfg: GradmonConfig, root: str | Path | None = None) -> 
     if problem:
         off = "" if cfg.checkpoint_dir else ", or --set checkpoint_every=0 for no resumable checkpoints"
         raise ConfigError("checkpoint_dir", f"{problem}; give --checkpoint-dir a directory you can write to{off}")
+
+
+def check_storage_path(storage_path: str | None) -> None:
+    """A sweep's Tune storage (``storage_path``, null: ``./tune_results``), checked like the checkpoint root."""
+    problem = writable_dir_problem(Path(os.path.abspath(storage_path or "tune_results")))
+    if problem:
+        raise ConfigError("storage_path", f"{problem}; give the sweep file's storage_path a directory you can write to")

@@ -113,11 +113,7 @@ def over_total_problem(request: Mapping[str, float], total: Mapping[str, float])
     short = sorted(k for k, v in request.items() if v > total.get(k, 0.0) + 1e-9)
     if not short:
         return None
-    hint = (
-        " (resources.num_cpus sets a local Ray's logical CPUs; Ray may be given more than the machine has)"
-        if "CPU" in short
-        else ""
-    )
+    hint = ", or raise resources.num_cpus (a local Ray's CPUs; may exceed the machine's)" if "CPU" in short else ""
     return (
         f"this run asks for {_describe(request, sorted(request))} but this Ray has {_describe(total, sorted(request))} "
         f"in total, so it can never start; lower resources.num_env_runners / num_learners / num_gpus_per_learner "

@@ -61,6 +61,10 @@ class SweepConfig(ConfigModel):
     storage_path: Union[Text, None] = Field(None, description="Where Tune keeps trial state (null: ./tune_results).")
 
 
+_RUN_CONFIG_ONLY = set(GradmonConfig.model_fields) - set(SweepConfig.model_fields)
+"""Top-level keys of a run config that no sweep file has."""
+
+
 def load_sweep(path: str | Path) -> tuple[SweepConfig, dict[str, Any]]:
     """Parse and validate a sweep file; returns it and the resolved base run config (as data).
 
@@ -71,6 +75,12 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, dict[str, Any]]:
     """
     p = Path(path)
     data = read_yaml_mapping(p, "sweep")
+    if "search_space" not in data and set(data) & _RUN_CONFIG_ONLY:  # the mix-up load_config refuses the other way
+        raise ConfigError(
+            "sweep",
+            f"{path} is a run config (it has no search_space), not a sweep file; train it with: "
+            f"gradmon-ray train --config {path}, or name it in a sweep file's base_config",
+        )
     problems: list[ConfigError] = []
     try:
         sweep: SweepConfig | None = SweepConfig.model_validate(data)
@@ -134,10 +144,8 @@ def _search_space_problems(space: dict[str, Any], base: dict[str, Any], *, check
 
 
 def _all_of(problems: list[ConfigError]) -> ConfigError:
-    """One error: the problem itself when there is one, else all of them on one line."""
-    if len(problems) == 1:
-        return problems[0]
-    return ConfigError("sweep", f"{len(problems)} problems: " + "; ".join(str(p) for p in problems))
+    """One error: the problem itself when there is one, else all of them (the CLI shows the first few)."""
+    return ConfigError.of_all("sweep", problems)
 
 
 def _candidate_values(key: str, spec: Any) -> list[Any]:

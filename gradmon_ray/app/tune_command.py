@@ -10,6 +10,7 @@ from gradmon_ray.app.cli_common import (
     EXIT_FAILED,
     EXIT_OK,
     add_set_flag,
+    check_storage_path,
     check_tracking_server,
     filter_startup_noise,
     print_advisories,
@@ -52,6 +53,7 @@ def tune_command(args: argparse.Namespace) -> int:
 
     num_samples = num_samples_flag(args.num_samples)  # before the sweep file is even read
     sweep, base = load_sweep(args.sweep_file)
+    check_storage_path(sweep.storage_path)  # Tune creates it after the parent MLflow run: a FAILED run
     if num_samples is not None:
         sweep.num_samples = num_samples
     flags = {

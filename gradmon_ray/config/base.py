@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import types
 import typing
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar, Union
 
 import annotated_types as at
@@ -25,12 +26,23 @@ PLAIN_DATA = "plain data (strings, finite numbers, true/false, null, lists, and 
 
 
 class ConfigError(ValueError):
-    """A config value is not allowed; ``str()`` names the field and what is allowed."""
+    """A config value is not allowed; ``str()`` names the field and what is allowed.  ``problems``:
+    the problems one error stands for (``of_all``), each a whole line, for a shortened display."""
 
-    def __init__(self, field_path: str, message: str) -> None:
+    def __init__(self, field_path: str, message: str, problems: Sequence[str] = ()) -> None:
         self.field_path = field_path
         self.message = " ".join(part.strip() for part in message.splitlines() if part.strip())  # one line
+        self.problems = list(problems)
         super().__init__(f"{field_path}: {self.message}")
+
+    @classmethod
+    def of_all(cls, field_path: str, problems: Sequence[ConfigError]) -> ConfigError:
+        """One error for ``problems``: the problem itself when there is one, else all of them on one
+        line (``N problems: a; b; ...``; the CLI shows the first few and a count)."""
+        if len(problems) == 1:
+            return problems[0]
+        texts = [str(p) for p in problems]
+        return cls(field_path, f"{len(texts)} problems: " + "; ".join(texts), texts)
 
 
 class ConfigModel(BaseModel):

@@ -249,6 +249,28 @@ CASES = [
         ["--mlflow-uri", "sqlite:////proc/version/mlflow.db"],
         "mlflow.tracking_uri: sqlite:////proc/version/mlflow.db: /proc/version is not a directory",
     ),
+    # The checkpoint root is written after a whole iteration: checked up front, never created (issue #37 item 8).
+    (
+        "checkpoint-dir-under-a-file",
+        {"checkpoint_dir": "/proc/version/ckpt"},
+        [],
+        "config error: checkpoint_dir: /proc/version/ckpt can never be created: /proc/version is a file, not a "
+        "directory; give --checkpoint-dir a directory you can write to",
+    ),
+    (
+        "cli-checkpoint-dir-is-a-file",
+        {},
+        ["--checkpoint-dir", "/proc/version"],
+        "config error: checkpoint_dir: /proc/version is a file, not a directory; give --checkpoint-dir a directory "
+        "you can write to",
+    ),
+    (
+        "checkpoint-dir-nothing-can-be-made-in",  # /proc: not even root creates a directory there
+        {"checkpoint_dir": "/proc/gradmon-ckpt/runs"},
+        [],
+        "config error: checkpoint_dir: /proc/gradmon-ckpt/runs can never be created: nothing can be created in "
+        "/proc; give --checkpoint-dir a directory you can write to",
+    ),
     (
         "learners-sharing-a-gpu",
         {"resources": {"num_learners": 2, "num_gpus_per_learner": 0.5}},

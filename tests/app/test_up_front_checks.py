@@ -155,11 +155,89 @@ def test_search_space_values_are_each_checked_against_a_valid_base(tmp_path, emp
 
 
 @pytest.mark.parametrize("command", [["report", "0123abcd"], ["watch", "--once", "--run-id", "0123abcd"]])
-def test_read_only_commands_mask_the_password_in_their_errors(command, empty_cwd, capsys):
-    """watch/report build their messages in viz with the URI as given; the CLI masks them on the way out."""
-    uri = f"http://alice:Zq9-not-shown@127.0.0.1:{free_port()}"
-    assert main([*command, "--tracking-uri", uri]) == 1  # unreachable: exit 1, as before
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("gradmon-ray: cannot read MLflow at http://alice:***@127.0.0.1:"), err
-    assert "Zq9-not-shown" not in err and len(err.splitlines()) == 1
-    assert list(empty_cwd.iterdir()) == []
+def test_read_only_commands_refuse_a_server_that_is_not_there(command, empty_cwd, capsys):
+    """Issue #37 item 8: was exit 1 with MLflow's message cut at 200 characters, mid-sentence."""
+    port = free_port()
+    uri = f"http://alice:Zq9-not-shown@127.0.0.1:{port}"
+    err = _refused([*command, "--tracking-uri", uri], capsys, empty_cwd)
+    assert err == (
+        f"gradmon-ray: config error: --tracking-uri: no MLflow tracking server answers at http://alice:***@127.0.0.1:"
+        f"{port} within 5 s (ConnectionRefusedError: [Errno 111] Connection refused); check that the server is "
+        "running and that --tracking-uri names its host and port"
+    )
+
+
+def test_tune_given_a_run_config_says_to_use_train(empty_cwd, capsys):
+    """Issue #37 item 8: was one 3,355-character line, every run config key refused one by one."""
+    run_config = str(Path(SWEEP).parent / "default.yaml")
+    err = _refused(["tune", run_config], capsys, empty_cwd)
+    assert err == (
+        f"gradmon-ray: config error: sweep: {run_config} is a run config (it has no search_space), not a sweep file; "
+        f"train it with: gradmon-ray train --config {run_config}, or name it in a sweep file's base_config"
+    )
+
+
+def test_many_problems_show_the_first_few_and_a_count(tmp_path, empty_cwd, capsys):
+    """Every error line is at most 300 characters: a list shows the problems that fit and how many
+    more there are; --debug shows them all."""
+    sweep = tmp_path / "twelve.yaml"
+    sweep.write_text("search_space:\n" + "".join(f"  ppo.x{i:02d}: {{uniform: [1]}}\n" for i in range(12)))
+    err = _refused(["tune", str(sweep)], capsys, empty_cwd)
+    problem = "search_space.ppo.x{:02d}: uniform needs [low, high] numbers, got [1]"  # 64 characters each
+    assert err == (
+        "gradmon-ray: config error: sweep: 12 problems: "  # 47
+        + "; ".join(problem.format(i) for i in range(3))  # + 3 x 64 + 2 x 2 = 243; a 4th: 309 before the count
+        + "; ... and 9 more (--debug lists all)"  # = 279
+    )
+    assert main(["tune", str(sweep), "--debug"]) == 2
+    full = capsys.readouterr().err.strip()
+    assert full == "gradmon-ray: config error: sweep: 12 problems: " + "; ".join(problem.format(i) for i in range(12))
+
+
+def test_a_sweep_storage_path_that_can_never_be_written(tmp_path, empty_cwd, capsys):
+    sweep = tmp_path / "stored.yaml"
+    sweep.write_text("storage_path: /proc/version/tune\nsearch_space: {ppo.lr: 0.001}\n")
+    err = _refused(["tune", str(sweep)], capsys, empty_cwd)
+    assert err == (
+        "gradmon-ray: config error: storage_path: /proc/version/tune can never be created: /proc/version is a file, "
+        "not a directory; give the sweep file's storage_path a directory you can write to"
+    )
+
+
+def test_the_default_checkpoint_root_is_checked_unless_no_checkpoint_is_kept(monkeypatch, tmp_path):
+    from gradmon_ray.app.cli_common import check_checkpoint_dir, writable_dir_problem
+    from gradmon_ray.config import ConfigError, config_from_dict
+
+    monkeypatch.chdir("/proc")  # the default ./gradmon-checkpoints can never be made here
+    with pytest.raises(ConfigError) as info:
+        check_checkpoint_dir(config_from_dict({}))
+    assert str(info.value) == (
+        "checkpoint_dir: /proc/gradmon-checkpoints can never be created: nothing can be created in /proc; give "
+        "--checkpoint-dir a directory you can write to, or --set checkpoint_every=0 for no resumable checkpoints"
+    )
+    check_checkpoint_dir(config_from_dict({"checkpoint_every": 0}))  # nothing is ever written: not checked
+    check_checkpoint_dir(config_from_dict({}), root=tmp_path)  # --resume's own root, which is writable
+    assert writable_dir_problem(tmp_path / "a" / "b") is None
+    assert list(tmp_path.iterdir()) == []  # tried, not created
+
+
+@pytest.mark.parametrize(
+    ("text", "limit", "line"),
+    [
+        ("short\nenough", 300, "short enough"),  # one line, whatever the exception held
+        ("aaa bbb ccc ddd eee fff ggg hhh", 20, "aaa bbb ... ggg hhh"),  # the start and the end kept
+    ],
+)
+def test_an_over_long_line_keeps_its_start_and_end(text, limit, line):
+    from gradmon_ray.app.cli_common import clip_line
+
+    assert clip_line(text, limit) == line and len(line) <= limit
+
+
+def test_credentials_are_masked_before_a_line_is_cut():
+    from gradmon_ray.app.cli_common import error_line
+
+    secret = "s3cr3t-" + "x" * 40
+    text = f"cannot reach {'y' * 100} http://u:{secret}@host {'z' * 100}"
+    line = error_line("gradmon-ray: ", text, limit=140, mask=lambda t: t.replace(secret, "***"))
+    assert "s3cr3t" not in line and len(line) <= 140 and line.endswith("z" * 60)
