@@ -79,7 +79,7 @@ def resume_run_id(tracking_uri: str, ref: str) -> str:
         return resolve_run(MlflowClient(absolute_tracking_uri(tracking_uri)), run_id=ref).info.run_id
     except RunLookupError as exc:
         if exc.ambiguous:
-            raise ConfigError("--resume", str(exc).replace(absolute_tracking_uri(tracking_uri), shown)) from None
+            raise ConfigError("--resume", str(exc)) from None
         why = "no run has that id or name" if not exc.unreachable else str(exc).split(": ", 1)[-1]
         raise ConfigError("--resume", f"no run {ref!r} at {shown}: {why}") from None
 
@@ -131,11 +131,11 @@ def deliver_spill(tracking_uri: str, run_id: str, files: list[Path]) -> None:
         try:
             result = replay_spill(path, tracking_uri)
         except Exception as exc:
-            why = (str(exc).splitlines() or [type(exc).__name__])[0][:120]
+            why = (str(exc).splitlines() or [type(exc).__name__])[0][:80]
             raise ConfigError(
                 "--resume",
-                f"run {run_id}'s outage spill file {path} could not be delivered to {shown} first ({why}); "
-                f"deliver it with: gradmon-ray replay {path} --tracking-uri {shown}, then resume",
+                f"could not deliver run {run_id}'s outage spill first ({why}); deliver it with: "
+                f"gradmon-ray replay {path} --tracking-uri {shown}, then resume",
             ) from None
         print(
             f"gradmon-ray: delivered {result.iterations} iterations of run {run_id} that {path} kept during an outage",

@@ -50,7 +50,8 @@ def interrupted_lines(outcome: Any, tracking_uri: str, iterations: int) -> list[
     """What to print after Ctrl-C ended a run (``outcome``: a ``TrainingOutcome``): the run id and
     how it ended, and either the command that resumes it or why it cannot be resumed.  The command
     is given only when ``--resume`` will find a complete checkpoint of the run (looked up on disk
-    the way ``--resume`` does)."""
+    the way ``--resume`` does); with it, where the iterations an outage kept are, which the resume
+    delivers first (``resume.deliver_spill``)."""
     run_id, done = outcome.run_id, outcome.iterations_done
     if run_id is None:
         spill = f"; its iterations are in {outcome.spill_path} (gradmon-ray replay)" if outcome.spill_path else ""
@@ -69,6 +70,11 @@ def interrupted_lines(outcome: Any, tracking_uri: str, iterations: int) -> list[
         f"{head}, checkpointed at iteration {state['iterations_done']}",
         f"{PREFIX}resume it (from this directory) with: {shlex.join(argv)}",
     ]
+    if outcome.spill_path:  # what the outage kept: resume replays it into the run before anything else
+        lines.append(
+            f"{PREFIX}iterations MLflow did not take are kept in {outcome.spill_path}: the resume delivers "
+            f"them first (or now: gradmon-ray replay {shlex.quote(outcome.spill_path)}); leave the file there till then"
+        )
     if uri_secrets(tracking_uri) and "--mlflow-uri" in argv:
         lines.append(
             f"{PREFIX}the tracking URI's credentials are masked as {MASK} there: put them back in its place, "

@@ -27,10 +27,10 @@ def runs_named(client: Any, name: str) -> list[Any]:
 def started(run: Any) -> str:
     """A run's start time, UTC, to the second."""
     stamp = run.info.start_time
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(stamp / 1000)) if stamp else "start unknown"
+    return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(stamp / 1000)) if stamp else "start unknown"
 
 
 def candidates(runs: list[Any]) -> str:
-    """``<id> (started <time>), ...`` for the first ``SHOWN_CANDIDATES`` runs, and how many more."""
-    shown = ", ".join(f"{r.info.run_id} (started {started(r)})" for r in runs[:SHOWN_CANDIDATES])
+    """``<id> (<start time>), ...`` for the first ``SHOWN_CANDIDATES`` runs, and how many more."""
+    shown = ", ".join(f"{r.info.run_id} ({started(r)})" for r in runs[:SHOWN_CANDIDATES])
     return shown + (f" and {len(runs) - SHOWN_CANDIDATES} more" if len(runs) > SHOWN_CANDIDATES else "")

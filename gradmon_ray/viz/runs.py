@@ -52,7 +52,8 @@ def run_by_id_or_name(client: Any, ref: str, uri: str) -> Any:
     if not named:
         raise RunLookupError(f"no run with id or name {ref!r} at {uri}")
     listed = candidates(named)
-    raise RunLookupError(f"{len(named)} runs are named {ref!r} at {uri}: {listed}; give the run id", ambiguous=True)
+    # no store in this line: three ids and times fill most of the 300 characters an error line has
+    raise RunLookupError(f"{len(named)} runs are named {ref!r}, started: {listed}; give the run id", ambiguous=True)
 
 
 def resolve_run(client: Any, *, run_id: str | None = None, experiment: str | None = None) -> Any:

@@ -105,7 +105,7 @@ def test_cli_watch_once_prints_one_frame_and_exits_0(known, capsys):
 def test_cli_watch_unknown_run_exits_2_with_one_line(known, capsys):
     assert main(["watch", "--once", "--run-id", "0" * 32, "--tracking-uri", known.tracking_uri]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"gradmon-ray: no run with id '{'0' * 32}' at {known.tracking_uri}"
+    assert err == f"gradmon-ray: no run with id or name '{'0' * 32}' at {known.tracking_uri}"
 
 
 def test_cli_watch_unknown_experiment_exits_2(known, capsys):
