@@ -199,7 +199,7 @@ class ResourceWait:
 
     def _watch(self, free_at_start: Mapping[str, float]) -> None:
         """Poll until the build ends: report, then give up, after that long *short* of room."""
-        short_since: float | None = None
+        fine_at = time.monotonic()  # the last time the rest of the request had room (the start: nothing asked yet)
         while not self._done.wait(self._poll_s):
             try:
                 free = self._free()
@@ -207,10 +207,9 @@ class ResourceWait:
                 return
             short = unplaced(self._request, free_at_start, free)
             if not short:
-                short_since = None
+                fine_at = time.monotonic()
                 continue
-            short_since = time.monotonic() if short_since is None else short_since
-            waited = time.monotonic() - short_since
+            waited = time.monotonic() - fine_at
             if waited >= self._give_up_after_s:
                 self._give_up(self._status(free, short))
                 return
