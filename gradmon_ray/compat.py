@@ -25,6 +25,8 @@ Private uses kept here (Ray 2.60 / torch 2.x):
 - ``ray.tune.registry._global_registry._prefix`` and ``ray._private.worker._post_init_hooks``
   (``tune_registry_follows_this_job``)
 - Ray's ``ActorUnavailableError`` wording "actor is restarting" (``refused_while_restarting``)
+- the SIGTERM handler ``ray.init`` installs in a driver, ``ray._private.worker``'s ``sigterm_handler``
+  (``is_rays_driver_sigterm_handler``)
 - ``torch._utils._flatten_dense_tensors`` (``flatten_dense``): torch has no public one-call flatten.
 - ``torch.utils._python_dispatch.TorchDispatchMode`` (``torch_dispatch_mode``): exported nowhere public.
 - ``torch._foreach_norm``, ``torch._foreach_mul_``, ``_foreach_copy_``, ``_foreach_sub_``,
@@ -216,6 +218,14 @@ def refused_while_restarting(exc: BaseException) -> bool:
     only the wording tells them apart in Ray 2.60.
     """
     return "actor is restarting" in str(exc)
+
+
+def is_rays_driver_sigterm_handler(handler: Any) -> bool:
+    """Whether ``handler`` is the SIGTERM handler ``ray.init`` installs in a driver (``sys.exit(15)``,
+    which skips every ``except KeyboardInterrupt``): a default to take over, not a user's own."""
+    return getattr(handler, "__module__", None) == "ray._private.worker" and (
+        getattr(handler, "__name__", None) == "sigterm_handler"
+    )
 
 
 def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -1,12 +1,15 @@
-"""Ctrl-C during training: finish the iteration, checkpoint it, then stop (a second Ctrl-C stops at once).
+"""Ctrl-C or SIGTERM during training: finish the iteration, checkpoint it, then stop (a second one stops at once).
 
 A ``KeyboardInterrupt`` raised in the middle of ``algo.train()`` leaves the learner half-way
 through its minibatches: nothing consistent to save, and a resume would go back to the last
-periodic checkpoint.  So while a run with resumable checkpoints trains, the first SIGINT only
-asks to stop: ``run_training`` ends the iteration, saves a checkpoint of it and raises
-``TrainingInterrupted`` (a ``KeyboardInterrupt``, so the run is ``KILLED`` in MLflow and the CLI
-exits 130).  A second SIGINT raises ``KeyboardInterrupt`` where the program is, as before.
-Ray's own processes block SIGINT (a terminal's Ctrl-C reaches only this process).
+periodic checkpoint.  So while a run with resumable checkpoints trains, the first SIGINT or
+SIGTERM (what ``timeout``, Kubernetes and ``ray job stop`` send) only asks to stop:
+``run_training`` ends the iteration, saves a checkpoint of it and raises ``TrainingInterrupted``
+(a ``KeyboardInterrupt``, so the run is ``KILLED`` in MLflow, the resume command is printed and
+the CLI exits 130).  A second signal raises ``KeyboardInterrupt`` where the program is.  Without
+checkpoints there is nothing to wait for: SIGTERM raises ``KeyboardInterrupt`` at once, as Ctrl-C
+does, so the run still ends ``KILLED`` instead of staying ``RUNNING`` in MLflow.  Ray's own
+processes block SIGINT (a terminal's Ctrl-C reaches only this process).
 """
 
 from __future__ import annotations
@@ -18,11 +21,22 @@ import threading
 from types import FrameType, TracebackType
 from typing import Any
 
-NOTICE = "\ngradmon-ray: Ctrl-C: stopping after this iteration, once it is checkpointed (Ctrl-C again to stop now)\n"
+from gradmon_ray.compat import is_rays_driver_sigterm_handler
+
+NOTICE = "\ngradmon-ray: {signal}: stopping after this iteration, once it is checkpointed ({again} to stop now)\n"
+AGAIN = {signal.SIGINT: "Ctrl-C again", signal.SIGTERM: "send SIGTERM again"}
+DEFAULT_HANDLERS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+"""The handler each signal must still have for us to take it over (not an embedding program's own);
+for SIGTERM also the one ``ray.init`` installs in a driver (``sys.exit(15)``: the run would end FAILED)."""
+
+
+def _default(sig: signal.Signals) -> bool:
+    handler = signal.getsignal(sig)
+    return handler is DEFAULT_HANDLERS[sig] or (sig == signal.SIGTERM and is_rays_driver_sigterm_handler(handler))
 
 
 class TrainingInterrupted(KeyboardInterrupt):
-    """Ctrl-C ended a ``run_training`` run; ``outcome`` (a ``TrainingOutcome``) says what it left."""
+    """Ctrl-C or SIGTERM ended a ``run_training`` run; ``outcome`` (a ``TrainingOutcome``) says what it left."""
 
     def __init__(self, outcome: Any) -> None:
         super().__init__("training interrupted")
@@ -30,32 +44,33 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 
 class GracefulInterrupt:
-    """While active (``with``): the first SIGINT sets ``requested`` (and says so on stderr), the
-    second raises ``KeyboardInterrupt``.  Does nothing outside the main thread, or when someone
-    else's SIGINT handler is installed (an embedding program's own)."""
+    """While active (``with``), SIGINT and SIGTERM.  ``graceful``: the first sets ``requested`` (and
+    says so on stderr), the second raises ``KeyboardInterrupt``; otherwise SIGTERM raises it at once
+    (SIGINT already does).  Does nothing outside the main thread, and leaves alone a signal whose
+    handler is someone else's (an embedding program's own)."""
 
-    def __init__(self, notice: str = NOTICE) -> None:
+    def __init__(self, *, graceful: bool = True) -> None:
+        self.graceful = graceful
         self.requested = False
-        self._notice = notice.encode()
-        self._previous: Any = None
-        self._installed = False
+        self._previous: dict[signal.Signals, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.requested:
+        if self.requested or not self.graceful:
             raise KeyboardInterrupt
         self.requested = True
+        sig = signal.Signals(signum)
+        notice = NOTICE.format(signal="Ctrl-C" if sig == signal.SIGINT else sig.name, again=AGAIN[sig])
         with contextlib.suppress(OSError):  # not print(): the main thread may be inside a print to stderr
-            os.write(2, self._notice)
+            os.write(2, notice.encode())
 
     def __enter__(self) -> GracefulInterrupt:
         if threading.current_thread() is threading.main_thread():
-            current = signal.getsignal(signal.SIGINT)
-            if current is signal.default_int_handler:
-                self._previous = signal.signal(signal.SIGINT, self._handle)
-                self._installed = True
+            for sig in DEFAULT_HANDLERS:
+                if (self.graceful or sig == signal.SIGTERM) and _default(sig):
+                    self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if self._installed:
-            signal.signal(signal.SIGINT, self._previous)
-            self._installed = False
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()

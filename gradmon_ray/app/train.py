@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,7 +158,8 @@ def run_training(
         root = resume.checkpoint_root if resume is not None else None
         reporter = checkpoints = CheckpointReporter(cfg, sink.run_id_waiting_once, root=root)
         outcome.checkpoint_root = str(checkpoints.root)
-    interrupt = GracefulInterrupt() if checkpoints is not None else None
+    interrupt = GracefulInterrupt(graceful=checkpoints is not None)  # Ctrl-C or SIGTERM: see interrupts
+    signals = ExitStack()
     rules = HealthStopRules(**cfg.health_stop.model_dump())
     monitor = HealthStopMonitor(rules) if rules.any else None
     bands = BandSet.from_dict(cfg.telemetry.bands.model_dump())  # the progress line judges heads by these
@@ -170,6 +171,7 @@ def run_training(
     # Resume/restore tags go with the first iteration MLflow has not seen, or at the end if there is none.
     resumed_tags: dict[str, str] = {}
     try:
+        signals.enter_context(interrupt)  # from here on a SIGTERM ends the run KILLED, never RUNNING
         ppo_config = build_ppo_config(cfg)
         outcome.probe_actor = probe_actor_name_of(ppo_config)
         if outcome.probe_actor is not None:
@@ -196,51 +198,49 @@ def run_training(
             run_id = sink.run_id_waiting_once(RUN_ID_WAIT_S)
             announce(RunStarted(run_id, sink.run_name, sink.experiment, sink.tracking_uri))
         logged_through = resume.logged_through if resume is not None else 0
-        with interrupt if interrupt is not None else nullcontext():
-            for iteration in range(outcome.iterations_done + 1, cfg.iterations + 1):
-                result = algo.train()
-                metrics = result_to_metrics(result)
-                tags = latch_tags(metrics, named_heads, head_order)
-                named_heads = named_heads or mn.TAG_HEAD_NAMES in tags
-                if iteration > logged_through:  # the first iteration MLflow has not seen carries the resume tags
-                    tags.update(resumed_tags)
-                    resumed_tags = {}
-                trained = metrics[mn.LEARNERS_UPDATED] > 0  # no update: no telemetry to judge the heads by
-                decision = monitor.update(iteration, metrics) if monitor is not None and trained else None
-                if decision is not None:
-                    metrics[mn.HEALTH_STOP_REASON] = float(decision.code)
-                    tags[mn.TAG_STOP_REASON] = f"iteration {iteration}: {decision.message}"
-                    outcome.stop_reason = tags[mn.TAG_STOP_REASON]
-                if iteration > logged_through:
-                    sink.log_iteration(iteration, metrics, tags)
-                elif decision is not None:  # recomputed and already logged, but the stop must be recorded
-                    sink.log_iteration(iteration, {mn.HEALTH_STOP_REASON: metrics[mn.HEALTH_STOP_REASON]}, tags)
-                outcome.iterations_done = iteration
-                outcome.last_metrics = metrics
-                if reporter is not None:
-                    reporter(iteration, metrics, algo, monitor, tags.get(mn.TAG_STOP_REASON))
+        for iteration in range(outcome.iterations_done + 1, cfg.iterations + 1):
+            result = algo.train()
+            metrics = result_to_metrics(result)
+            tags = latch_tags(metrics, named_heads, head_order)
+            named_heads = named_heads or mn.TAG_HEAD_NAMES in tags
+            if iteration > logged_through:  # the first iteration MLflow has not seen carries the resume tags
+                tags.update(resumed_tags)
+                resumed_tags = {}
+            trained = metrics[mn.LEARNERS_UPDATED] > 0  # no update: no telemetry to judge the heads by
+            decision = monitor.update(iteration, metrics) if monitor is not None and trained else None
+            if decision is not None:
+                metrics[mn.HEALTH_STOP_REASON] = float(decision.code)
+                tags[mn.TAG_STOP_REASON] = f"iteration {iteration}: {decision.message}"
+                outcome.stop_reason = tags[mn.TAG_STOP_REASON]
+            if iteration > logged_through:
+                sink.log_iteration(iteration, metrics, tags)
+            elif decision is not None:  # recomputed and already logged, but the stop must be recorded
+                sink.log_iteration(iteration, {mn.HEALTH_STOP_REASON: metrics[mn.HEALTH_STOP_REASON]}, tags)
+            outcome.iterations_done = iteration
+            outcome.last_metrics = metrics
+            if reporter is not None:
+                reporter(iteration, metrics, algo, monitor, tags.get(mn.TAG_STOP_REASON))
+            if progress is not None:
+                value_head = cfg.health_stop.include_value_head
+                progress(progress_line(iteration, cfg.iterations, metrics, bands=bands, include_value_head=value_head))
+            if decision is not None:
+                logger.warning("gradmon: stopping early: %s", outcome.stop_reason)
                 if progress is not None:
-                    value_head = cfg.health_stop.include_value_head
-                    progress(
-                        progress_line(iteration, cfg.iterations, metrics, bands=bands, include_value_head=value_head)
-                    )
-                if decision is not None:
-                    logger.warning("gradmon: stopping early: %s", outcome.stop_reason)
-                    if progress is not None:
-                        progress(f"stopped by health rule: {outcome.stop_reason}")
-                    break
-                if interrupt is not None and interrupt.requested:  # Ctrl-C: this iteration checkpointed, then stop
-                    if checkpoints is not None and checkpoints.last_iteration != iteration:
-                        checkpoints.save(iteration, algo, monitor)
-                    raise KeyboardInterrupt
+                    progress(f"stopped by health rule: {outcome.stop_reason}")
+                break
+            if interrupt.requested:  # Ctrl-C or SIGTERM: this iteration checkpointed, then stop
+                if checkpoints is not None and checkpoints.last_iteration != iteration:
+                    checkpoints.save(iteration, algo, monitor)
+                raise KeyboardInterrupt
         if cfg.checkpoint_dir:
             outcome.checkpoint_path = str(algo.save_to_path(os.path.abspath(cfg.checkpoint_dir)))
         status = "FINISHED"
         return outcome
     except KeyboardInterrupt:
-        status = "KILLED"  # MLflow's status for a run stopped by its user (Ctrl-C), not a failure
+        status = "KILLED"  # MLflow's status for a run stopped by its user (Ctrl-C, SIGTERM), not a failure
         raise TrainingInterrupted(outcome) from None
     finally:
+        signals.close()  # the cleanup below runs with the signals as they were (a second Ctrl-C stops it)
         # The last probe usually finishes after the last iteration's metrics were logged:
         # wait for it (the learner's client, before the learner stops) and log the final
         # probe counters at the last step, so the run's probe/* values are what happened.

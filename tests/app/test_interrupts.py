@@ -1,5 +1,6 @@
-"""Ctrl-C while a run with checkpoints trains: the first SIGINT (a real one, sent to this process) only
-asks to stop, the second stops at once; the handler is the interpreter's own again afterwards."""
+"""Ctrl-C or SIGTERM while a run with checkpoints trains: the first signal (a real one, sent to this
+process) only asks to stop, the second stops at once; without checkpoints SIGTERM stops at once, as
+Ctrl-C does; the handlers are the interpreter's own again afterwards."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ def _interpreters_own_handler():
     terminal (an xdist worker process starts with SIGINT ignored, so that Ctrl-C reaches pytest's
     controller only); the worker's own disposition is put back afterwards."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous_term = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     yield
     signal.signal(signal.SIGINT, previous)
+    signal.signal(signal.SIGTERM, previous_term)
 
 
 def _sigint() -> None:
@@ -37,6 +40,34 @@ def test_the_first_ctrl_c_asks_the_second_stops(capfd):
         _sigint()
         pytest.fail("the second Ctrl-C must raise")
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _sigterm(interrupt: GracefulInterrupt) -> None:
+    # Only ever sent while our handler is installed: SIGTERM's default would end the test process.
+    assert signal.getsignal(signal.SIGTERM) == interrupt._handle
+    os.kill(os.getpid(), signal.SIGTERM)
+    signal.getsignal(signal.SIGTERM)
+
+
+def test_the_first_sigterm_asks_the_second_stops(capfd):
+    with pytest.raises(KeyboardInterrupt), GracefulInterrupt() as interrupt:
+        _sigterm(interrupt)
+        assert interrupt.requested
+        err = capfd.readouterr().err
+        assert "gradmon-ray: SIGTERM: stopping after this iteration, once it is checkpointed" in err
+        assert "(send SIGTERM again to stop now)" in err
+        _sigterm(interrupt)
+        pytest.fail("the second SIGTERM must raise")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_without_checkpoints_sigterm_stops_at_once_and_ctrl_c_keeps_its_own_handler():
+    with GracefulInterrupt(graceful=False) as interrupt:
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # it raises at once already
+        with pytest.raises(KeyboardInterrupt):
+            _sigterm(interrupt)
+        assert not interrupt.requested
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_without_ctrl_c_nothing_is_requested_and_the_handler_is_restored():
