@@ -116,9 +116,10 @@ def test_cli_watch_unknown_experiment_exits_2(known, capsys):
 def test_cli_watch_unreachable_server_fails_fast_with_one_line(capsys):
     uri = f"http://127.0.0.1:{free_port()}"
     started = time.monotonic()
-    assert main(["watch", "--once", "--experiment", "x", "--tracking-uri", uri]) == 1
+    assert main(["watch", "--once", "--experiment", "x", "--tracking-uri", uri]) == 2  # a bad environment
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"gradmon-ray: cannot read MLflow at {uri}")
+    assert len(err) == 1
+    assert err[0].startswith(f"gradmon-ray: config error: --tracking-uri: no MLflow tracking server answers at {uri}")
     assert time.monotonic() - started < 30
 
 
