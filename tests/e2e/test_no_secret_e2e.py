@@ -17,10 +17,14 @@ Without Flask-WTF (``mlflow[auth]``) MLflow's basic-auth app cannot start: then 
 from __future__ import annotations
 
 import configparser
+import contextlib
 import importlib.util
 import os
+import shutil
 import sqlite3
 import subprocess
+import sys
+import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +34,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray.tracking.callback import TAG_TRIAL_DIR
 from gradmon_ray.tracking.store_check import tracking_server_problem
 from tests.e2e.in_process import CliResult, run_cli
 from tests.e2e.processes import (
@@ -246,3 +251,56 @@ def test_offline_ok_spills_without_the_password(ray_session, no_credential_env, 
     assert _files_holding(marker, run_dir) == []
     assert not any(p.name in ("mlflow.db", "mlruns") for p in run_dir.iterdir())
     assert os.listdir(run_dir)  # the search above saw the spill directory
+
+
+def _pickled_strings(path: Path) -> str:
+    """Every string inside the pickle ``path``, decoded (``pickletools``: opcodes only, nothing is
+    loaded): a password held in a pickled object shows here whatever its encoding on disk."""
+    import pickletools
+
+    found = []
+    with contextlib.suppress(Exception):  # a pickle using an opcode pickletools cannot read: the byte scan still ran
+        for _, arg, _ in pickletools.genops(path.read_bytes()):
+            if isinstance(arg, (str, bytes)):
+                found.append(arg.decode(errors="replace") if isinstance(arg, bytes) else arg)
+    return "\n".join(found)
+
+
+@pytest.mark.parametrize("given", ["MLFLOW_TRACKING_URI", "configured", "username_password_variables"])
+def test_the_readme_tuner_example_uses_the_password_and_writes_it_nowhere(server, given, tmp_path, request):
+    """The README's own ``Tuner`` with ``GradmonMLflowCallback`` (a script of the user's, its own local
+    Ray), the password given three ways: the trial logs into the server, and the password is in no
+    file under Tune's storage path, the working directory, Ray's session directory (Tune's copies of
+    params.pkl, the logs) or the spill directory, in no string of any pickle there, and not in
+    anything the script printed."""
+    work = tmp_path / "work"
+    work.mkdir()
+    ray_tmp = Path(tempfile.mkdtemp(prefix="gr-", dir="/tmp"))  # Ray's socket paths must fit 107 bytes
+    request.addfinalizer(lambda: shutil.rmtree(ray_tmp, ignore_errors=True))
+    env = clean_env(RAY_TMPDIR=str(ray_tmp), PYTHONPATH=str(ROOT))
+    for name in CREDENTIAL_VARS:
+        env.pop(name, None)
+    argv = [sys.executable, "-m", "tests.e2e.readme_tuner_script", str(work / "tune")]
+    if given == "MLFLOW_TRACKING_URI":
+        env["MLFLOW_TRACKING_URI"] = server.uri(server.marker)
+    elif given == "configured":
+        argv.append(server.uri(server.marker))
+    else:
+        env.update(MLFLOW_TRACKING_URI=server.uri(), MLFLOW_TRACKING_USERNAME="admin")
+        env["MLFLOW_TRACKING_PASSWORD"] = server.marker
+    proc = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "trials: 1" in proc.stdout, proc.stderr[-3000:]
+
+    client = MlflowClient(server.uri(server.marker))  # the trial's run reached the server: it logged in
+    trials = {p.name for p in (work / "tune").glob("*/*") if p.is_dir()}
+    experiment = client.get_experiment_by_name("gradmon-ray").experiment_id
+    (run,) = [r for r in client.search_runs([experiment]) if r.data.tags.get(TAG_TRIAL_DIR) in trials]
+    assert run.info.status == "FINISHED"
+    assert [p.step for p in client.get_metric_history(run.info.run_id, mn.LEARNERS_UPDATED)] == [1]
+
+    pickles = sorted(p for root in (work, ray_tmp) for p in root.rglob("*.pkl"))
+    assert any(p.name == "params.pkl" for p in pickles) and any(p.name == "tuner.pkl" for p in pickles)
+    assert any(p.name == "class_and_ctor_args.pkl" for p in pickles)  # a checkpoint's, the config in it
+    assert [str(p) for p in pickles if server.marker in _pickled_strings(p)] == []
+    assert _files_holding(server.marker, work) == [] and _files_holding(server.marker, ray_tmp) == []
+    assert server.marker not in proc.stdout + proc.stderr
