@@ -14,6 +14,7 @@ from gradmon_ray.app.checkpointing import (
     RUN_ID_WAIT_S,
     CheckpointReporter,
     CheckpointStateMismatchError,  # noqa: F401  (re-exported: callers catch it from train)
+    final_checkpoint_dir,
     learner_state_digest,
     verify_restored_state,
 )
@@ -233,7 +234,8 @@ def run_training(
                     checkpoints.save(iteration, algo, monitor)
                 raise KeyboardInterrupt
         if cfg.checkpoint_dir:
-            outcome.checkpoint_path = str(algo.save_to_path(os.path.abspath(cfg.checkpoint_dir)))
+            final = final_checkpoint_dir(cfg.checkpoint_dir, sink.run_id, sink.run_name)  # the run's own directory
+            outcome.checkpoint_path = str(algo.save_to_path(str(final)))
         status = "FINISHED"
         return outcome
     except KeyboardInterrupt:

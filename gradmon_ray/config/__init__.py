@@ -104,7 +104,8 @@ class GradmonConfig(ConfigModel):
     checkpoint_dir: Union[Text, None] = Field(
         None,
         description="Checkpoint root: each run's resumable checkpoints go to <dir>/<run id> (null: "
-        "./gradmon-checkpoints); when set, an RLlib checkpoint is also saved into it at the end (restore_from).",
+        "./gradmon-checkpoints); when set, RLlib's checkpoint of the run's end is also saved, to <dir>/<run id>/final "
+        "(for restore_from).",
     )
     checkpoint_every: int = Field(
         5,
@@ -115,8 +116,8 @@ class GradmonConfig(ConfigModel):
     )
     restore_from: Union[Text, None] = Field(
         None,
-        description="Start from this checkpoint (a checkpoint_dir of an earlier run with the same model): weights, "
-        "optimizer, telemetry and VGS state. Checked before anything starts.",
+        description="Start from this checkpoint (an earlier run's <checkpoint_dir>/<run id>/final, same model): "
+        "weights, optimizer, telemetry and VGS state. Checked before anything starts.",
     )
     env: EnvSection = Field(default_factory=EnvSection, description=EnvSection.__doc__)
     model: ModelSection = Field(default_factory=ModelSection, description=ModelSection.__doc__)

@@ -181,7 +181,9 @@ def test_ppo_beats_a_uniform_random_policy(trained):
 def test_checkpoint_restores_telemetry_state(trained):
     from ray.rllib.algorithms.algorithm import Algorithm
 
-    _, outcome, _ = trained
+    cfg, outcome, _ = trained
+    # RLlib's end-of-run checkpoint is in the run's own directory: runs sharing a root keep their own
+    assert outcome.checkpoint_path == str(Path(cfg.checkpoint_dir) / outcome.run_id / "final")
     algo = Algorithm.from_checkpoint(outcome.checkpoint_path)
     try:
         # the learner reports in the module's (logits') order; only the display follows the declared order
