@@ -22,6 +22,9 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 MASK = "***"
+MIN_BARE_SECRET_LEN = 4
+"""A secret shorter than this is masked inside URIs only: masking a one-letter password wherever the
+letter occurs ("htt***://", "De***recationWarning") garbled every line and defeated the noise filters."""
 
 #: Environment variables whose values are credentials (MLflow 3.17's
 #: ``mlflow/environment_variables.py`` and the Databricks/cloud-storage variables its clients read).
@@ -138,9 +141,10 @@ def env_secrets(environ: Mapping[str, str] | None = None) -> list[str]:
 def redact_text(text: str, secrets: Iterable[str] = ()) -> str:
     """``text`` with every URI in it passed through :func:`redact_uri`, and every value in
     ``secrets`` and in the credential environment variables (:data:`CREDENTIAL_ENV_VARS`) replaced
-    by ``***``, both as written and percent-encoded (a password with ``@`` is ``%40`` in a URI)."""
+    by ``***``, both as written and percent-encoded (a password with ``@`` is ``%40`` in a URI);
+    values shorter than :data:`MIN_BARE_SECRET_LEN` only inside URIs."""
     text = _URI_IN_TEXT.sub(lambda m: redact_uri(m.group(0)), text)
-    values = {s for s in (*secrets, *env_secrets()) if s and s.strip()}
+    values = {s for s in (*secrets, *env_secrets()) if len(s.strip()) >= MIN_BARE_SECRET_LEN}
     values |= {quote(s, safe="") for s in values}
     # Longest first, so that a secret containing another one is masked whole.
     for value in sorted(values, key=len, reverse=True):

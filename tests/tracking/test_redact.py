@@ -141,3 +141,11 @@ def test_output_redactor_masks_log_records_tracebacks_and_warnings(restore_loggi
     assert "RuntimeError: API request to http://u:***@h:5000 failed" in text
     shown = warnings.formatwarning("cannot reach http://u:Zq9-secret@h:5000", UserWarning, "x.py", 1)
     assert "Zq9-secret" not in shown and "http://u:***@h:5000" in shown
+
+
+def test_a_one_letter_password_is_masked_in_its_uri_and_nowhere_else():
+    """A short password masked wherever its letters occur garbled every line ("htt***://") and let
+    RLlib's deprecation notice past the noise filter ("De***recationWarning")."""
+    text = "DeprecationWarning at http://u:p@host:5000/api while posting"
+    assert redact_text(text, ["p"]) == "DeprecationWarning at http://u:***@host:5000/api while posting"
+    assert redact_text("key abcd here", ["abcd"]) == "key *** here"  # four characters: masked everywhere
