@@ -190,7 +190,7 @@ def tracking_server_problem(
             params={"max_results": 1},
         )
     except Exception as exc:
-        reason = redact_text(_last_cause(exc), uri_secrets(uri))
+        reason = redact_text(last_cause(exc), uri_secrets(uri))
         if offline_ok:
             logger.warning(
                 "no MLflow tracking server answers at %s (%s); mlflow.offline_ok: training anyway, the metrics "
@@ -213,7 +213,7 @@ def tracking_server_problem(
     return None
 
 
-def _last_cause(exc: BaseException) -> str:
+def last_cause(exc: BaseException) -> str:
     """The innermost cause's first line (MLflow wraps the connection error; its repr names the host)."""
     while exc.__cause__ is not None or exc.__context__ is not None:
         exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]

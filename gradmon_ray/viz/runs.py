@@ -32,8 +32,11 @@ class RunLookupError(Exception):
 
 
 def _unreachable(tracking_uri: str, exc: Exception) -> RunLookupError:
-    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return RunLookupError(f"cannot read MLflow at {tracking_uri}: {first[:200]}", unreachable=True)
+    # The innermost cause: MLflow's own message cut at 200 characters ended mid-URL ("/api/2.0").
+    from gradmon_ray.tracking.redact import redact_uri
+    from gradmon_ray.tracking.store_check import last_cause
+
+    return RunLookupError(f"cannot read MLflow at {redact_uri(tracking_uri)}: {last_cause(exc)}", unreachable=True)
 
 
 def run_by_id_or_name(client: Any, ref: str, uri: str) -> Any:

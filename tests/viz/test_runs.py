@@ -25,3 +25,20 @@ def test_without_a_code_the_head_is_judged_by_its_own_default_edges():
     assert head_band(None, 5.0, "value") == "healthy"  # value head: healthy up to 10
     assert head_band(None, 5.0, "op") == "elevated"  # action heads: healthy up to 2
     assert head_band(None, None, "op") == "missing"
+
+
+def test_a_server_that_stops_answering_is_named_with_the_innermost_cause(monkeypatch):
+    """``watch`` on a server that died meanwhile: one line naming the store (password masked) and
+    the connection error itself; MLflow's own message cut at 200 characters ended mid-URL."""
+    from mlflow.tracking import MlflowClient
+
+    from gradmon_ray.viz.runs import RunLookupError, resolve_run
+    from tests.e2e.processes import free_port
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    uri = f"http://u:secret1@127.0.0.1:{free_port()}"
+    with pytest.raises(RunLookupError) as info:
+        resolve_run(MlflowClient(uri), run_id="0" * 32)
+    assert info.value.unreachable
+    shown = uri.replace("secret1", "***")
+    assert str(info.value) == f"cannot read MLflow at {shown}: ConnectionRefusedError: [Errno 111] Connection refused"
