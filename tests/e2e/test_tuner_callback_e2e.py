@@ -1,5 +1,6 @@
 """The README's Tuner example (a user's own ``Tuner`` with ``GradmonMLflowCallback``) where it used to
-lose or strand runs: a tracking server that is not there, and a trial that never updated.
+lose or strand runs: a tracking server that is not there, one killed mid-trial, and a trial that
+never updated.
 
 Tune asks a finished trial's actor to stop and kills it 10 s later; before, the callback's close
 waited 30 s for MLflow, so the kill took every iteration with it (no spill file, no warning, exit
@@ -10,6 +11,9 @@ it (``result_to_metrics``), compared with what MLflow holds after ``gradmon-ray 
 from __future__ import annotations
 
 import re
+import sqlite3
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +26,7 @@ from gradmon_ray.tracking.callback import TAG_TRIAL_DIR
 from gradmon_ray.tracking.mlflow_io import mlflow_value
 from gradmon_ray.tracking.result_metrics import result_to_metrics
 from gradmon_ray.tracking.spill import read_spill
-from tests.e2e.processes import free_port
+from tests.e2e.processes import MlflowServer, free_port
 from tests.tracking.test_callback import _same, readme_tuner_example
 
 pytestmark = pytest.mark.e2e
@@ -73,6 +77,65 @@ def test_a_dead_server_loses_nothing_the_trial_logged_and_the_driver_is_told_whe
         points = {p.step: p.value for p in client.get_metric_history(run.info.run_id, key)}
         assert _same(points[2], mlflow_value(value)), key
     assert [p.step for p in client.get_metric_history(run.info.run_id, mn.LEARNERS_UPDATED)] == [1, 2]
+
+
+def _kill_when_step_arrives(server: MlflowServer, step: int, timeout_s: float = 240) -> threading.Thread:
+    """Kill ``server`` (SIGKILL) once its store holds an iteration ``step``: read in its sqlite file."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with sqlite3.connect(server.store / "server.db", timeout=1) as db:
+                    (top,) = db.execute(
+                        "SELECT max(step) FROM metrics WHERE key = ?", (mn.LEARNERS_UPDATED,)
+                    ).fetchone()
+            except sqlite3.Error:
+                top = None
+            if top is not None and top >= step:
+                server.kill(grace_s=0)
+                return
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_server_killed_mid_trial_loses_nothing_and_replay_completes_the_run(ray_session, tmp_path, monkeypatch):
+    """The server dies after the trial's iteration 2 reached it: what it had not taken is in the spill
+    file, and replaying that file into the server's own store leaves every iteration there exactly
+    once, the last one with Tune's values, and the run FINISHED."""
+    server = MlflowServer(free_port(), tmp_path)
+    server.start()
+    try:
+        server.wait(120)
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+        killer = _kill_when_step_arrives(server, 2)
+        grid, stderr = _run_readme_example(tmp_path, iterations=6)
+        killer.join(1)
+        assert not server.processes, "the server was never killed: the test saw no iteration 2 in its store"
+    finally:
+        server.kill(grace_s=0)
+    (spill,) = (tmp_path / "gradmon-spill").glob("*.jsonl")
+    assert f"gradmon-ray replay {spill}" in stderr, stderr[-3000:]
+    _, records, trailer = read_spill(spill)
+    undelivered = sorted({r["step"] for r in records if r["metrics"]})
+    assert undelivered and undelivered[-1] == 6 and trailer["status"] == "FINISHED"  # the premise: an outage
+
+    store = f"sqlite:///{tmp_path / 'server.db'}"  # the dead server's own store
+    assert cli_main(["replay", str(spill), "--tracking-uri", store]) == 0
+    client = MlflowClient(store)
+    (run,) = client.search_runs([client.get_experiment_by_name("gradmon-ray").experiment_id])
+    assert run.info.status == "FINISHED"
+    for key in result_to_metrics(grid[0].metrics):
+        steps = [p.step for p in client.get_metric_history(run.info.run_id, key)]
+        assert sorted(steps) == sorted(set(steps)), key  # never twice
+    assert sorted(p.step for p in client.get_metric_history(run.info.run_id, mn.LEARNERS_UPDATED)) == [1, 2, 3, 4, 5, 6]
+    for key, value in result_to_metrics(grid[0].metrics).items():
+        points = {p.step: p.value for p in client.get_metric_history(run.info.run_id, key)}
+        assert _same(points[6], mlflow_value(value)), key
 
 
 def test_a_trial_that_never_updated_still_ends_its_run(ray_session, tmp_path, monkeypatch):
