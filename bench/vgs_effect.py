@@ -22,7 +22,7 @@ import torch
 
 from gradmon_ray.optim import UPGD
 from gradmon_ray.optim.scaled_step import UpdateScaler
-from gradmon_ray.telemetry import VarianceGradientScaler
+from gradmon_ray.vgs import VarianceGradientScaler
 
 SHAPES = [(64, 32), (64,), (8, 64), (8,)]
 OPTIMIZERS: dict[str, tuple[Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], float | None]] = {

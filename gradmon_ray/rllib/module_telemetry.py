@@ -31,10 +31,10 @@ from gradmon_ray.telemetry import (
     IterationTelemetry,
     NoiseScaleTracker,
     TelemetryTracker,
-    VarianceGradientScaler,
 )
 from gradmon_ray.telemetry.bands import BandSet
 from gradmon_ray.telemetry.noise_scale import GLOBAL_ENTRY
+from gradmon_ray.vgs import VarianceGradientScaler
 
 
 @dataclass(frozen=True)

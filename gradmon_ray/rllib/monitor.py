@@ -61,7 +61,8 @@ from gradmon_ray.rllib.monitor_step import (
     GradmonReporting,
 )
 from gradmon_ray.rllib.settings import GradmonSettings
-from gradmon_ray.telemetry import IterationTelemetry, VarianceGradientScaler
+from gradmon_ray.telemetry import IterationTelemetry
+from gradmon_ray.vgs import VarianceGradientScaler
 
 
 def global_rank() -> int:

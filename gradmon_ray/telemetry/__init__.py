@@ -19,7 +19,6 @@ from gradmon_ray.telemetry.norm_plan import GradientNormPlan, GradientNorms
 from gradmon_ray.telemetry.shares import cosine_similarities, signed_shares
 from gradmon_ray.telemetry.tracker import IterationTelemetry, TelemetryTracker
 from gradmon_ray.telemetry.trends import coefficient_of_variation, trend_arrow
-from gradmon_ray.vgs.scaler import VarianceGradientScaler
 
 __all__ = [
     "ACTION_BANDS",
@@ -37,7 +36,6 @@ __all__ = [
     "ParamRows",
     "TelemetryLayout",
     "TelemetryTracker",
-    "VarianceGradientScaler",
     "bucket_names",
     "classify_grad_norm",
     "coefficient_of_variation",

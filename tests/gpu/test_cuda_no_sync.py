@@ -72,7 +72,7 @@ def test_learner_update_on_cuda_reports_finite_telemetry():
 @pytest.mark.parametrize("granularity", ["element", "tensor"])
 @pytest.mark.parametrize("aggregation", ["p90", "mean", "weighted_mean"])
 def test_vgs_update_and_scale_do_not_sync(granularity, aggregation):
-    from gradmon_ray.telemetry import VarianceGradientScaler
+    from gradmon_ray.vgs import VarianceGradientScaler
 
     dev = torch.device("cuda")
     params = [torch.nn.Parameter(torch.randn(64, 64, device=dev)), torch.nn.Parameter(torch.randn(64, device=dev))]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.telemetry import VarianceGradientScaler
+from gradmon_ray.vgs import VarianceGradientScaler
 
 MAX_NV = 1e6
 

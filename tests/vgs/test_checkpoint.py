@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.telemetry import VarianceGradientScaler
+from gradmon_ray.vgs import VarianceGradientScaler
 from gradmon_ray.vgs.scaler import OLD_CHECKPOINT_WARNING
 from tests.vgs.vgs_oracle import numpy_vgs_metrics
 

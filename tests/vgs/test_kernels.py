@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradmon_ray.telemetry import VarianceGradientScaler
+from gradmon_ray.vgs import VarianceGradientScaler
 from gradmon_ray.vgs import kernels
 
 MAX_NV = 1e6  # the cap on a normalized variance

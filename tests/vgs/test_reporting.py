@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.telemetry import VarianceGradientScaler
+from gradmon_ray.vgs import VarianceGradientScaler
 from tests.vgs.vgs_oracle import assert_vgs_metrics_close, numpy_vgs_metrics
 
 SHAPES = [(6, 5), (5,), (3, 4), (4,)]

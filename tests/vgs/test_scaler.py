@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.telemetry import VarianceGradientScaler
+from gradmon_ray.vgs import VarianceGradientScaler
 from gradmon_ray.vgs.scaler import analytic_normalized_variance_of_abs
 from tests.vgs.vgs_oracle import assert_vgs_metrics_close, numpy_vgs_metrics
 
