@@ -187,3 +187,32 @@ def test_the_layer_contract_holds():
 def test_no_module_is_over_300_lines():
     long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 300}
     assert not long, f"modules over 300 lines (split them by job): {long}"
+
+
+def long_functions(trees: dict[Path, ast.Module], limit: int = 80) -> list[str]:
+    """Every function or method (nested ones too) longer than ``limit`` lines, decorators and
+    docstring included, as ``name:path:lines``."""
+    found = []
+    for path, tree in trees.items():
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([n.lineno, *(d.lineno for d in n.decorator_list)])
+                lines = (n.end_lineno or n.lineno) - first + 1
+                if lines > limit:
+                    found.append(f"{n.name}:{path.relative_to(ROOT)}:{lines}")
+    return found
+
+
+def test_no_function_is_over_80_lines():
+    long = long_functions(_trees())
+    assert not long, "functions over 80 lines (split them by stage, named by what each does):\n" + "\n".join(long)
+
+
+def test_the_length_check_counts_a_method_whole():
+    """A method of 81 lines (decorator to last line) is reported with its length; one of 80 is not."""
+    body = "".join(f"    x{i} = {i}\n" for i in range(78))
+    snippet = ast.parse(
+        f"class C:\n    @staticmethod\n    def long():\n{body.replace('    ', '        ')}        return 1\n"
+        f"def short():\n{body}"
+    )
+    assert long_functions({PACKAGE / "snippet.py": snippet}) == ["long:gradmon_ray/snippet.py:81"]

@@ -77,29 +77,31 @@ def build_ppo_config(cfg: GradmonConfig, *, probe_actor: str | None = None) -> P
     ``probe_actor_name_of``); whoever runs the algorithm starts that actor
     (``gradmon_ray.probe.start_probe_actor``), as ``run_training`` does.
     """
-    ppo, res = cfg.ppo, cfg.resources
-    probe: dict[str, Any] = {}
-    if cfg.probe.gradient_analysis_every > 0:
-        probe = {
-            "actor_name": probe_actor or probe_actor_name(new_group_name()),
-            "every": cfg.probe.gradient_analysis_every,
-        }
-        if cfg.probe.modules is not None:
-            probe["modules"] = list(cfg.probe.modules)
-    group_key = cfg.probe.group_key
-    model_config: dict[str, Any] = {
-        "trunk_hiddens": list(cfg.model.trunk_hiddens),
-        "head_hiddens": list(cfg.model.head_hiddens),
-        "value_hiddens": list(cfg.model.value_hiddens),
-        "vf_share_layers": cfg.model.vf_share_layers,
-        "activation": cfg.model.activation,
-        "head_logit_scale": dict(cfg.model.head_logit_scale),
+    probe = _probe_settings(cfg, probe_actor)
+    config = _with_env_and_runners(PPOConfig(), cfg)
+    config = _with_gradmon_learners(config, cfg, probe)
+    config = _with_ppo_training(config, cfg).debugging(seed=cfg.seed)
+    return _with_modules(config, cfg)
+
+
+def _probe_settings(cfg: GradmonConfig, probe_actor: str | None) -> dict[str, Any]:
+    """The learners' ``probe`` entry: the GradientProbe actor's name and period ({}: probe off)."""
+    if cfg.probe.gradient_analysis_every <= 0:
+        return {}
+    probe: dict[str, Any] = {
+        "actor_name": probe_actor or probe_actor_name(new_group_name()),
+        "every": cfg.probe.gradient_analysis_every,
     }
-    if cfg.model.head_names is not None:
-        model_config["head_names"] = list(cfg.model.head_names)
-    config = (
-        PPOConfig()
-        .framework("torch", torch_skip_nan_gradients=True)  # skip a non-finite minibatch
+    if cfg.probe.modules is not None:
+        probe["modules"] = list(cfg.probe.modules)
+    return probe
+
+
+def _with_env_and_runners(config: PPOConfig, cfg: GradmonConfig) -> PPOConfig:
+    """Torch (a non-finite minibatch skipped), the env, the EnvRunners and their restarts."""
+    res = cfg.resources
+    return (
+        config.framework("torch", torch_skip_nan_gradients=True)  # skip a non-finite minibatch
         .environment(env=resolve_env(cfg.env.id), env_config=dict(cfg.env.config))
         .env_runners(
             num_env_runners=res.num_env_runners,
@@ -112,52 +114,85 @@ def build_ppo_config(cfg: GradmonConfig, *, probe_actor: str | None = None) -> P
             max_num_env_runner_restarts=res.max_env_runner_restarts,
             delay_between_env_runner_restarts_s=res.env_runner_restart_delay_s,
         )
-        .learners(
-            num_learners=res.num_learners,
-            num_gpus_per_learner=res.num_gpus_per_learner,
-            custom_resources_per_learner=dict(res.custom_resources_per_learner),
-            learner_class=GradmonPPOTorchLearner,
-            # Per-row group ids and episode indices, for the gradient probe's buckets.
-            learner_connector=lambda obs_space, act_space: AddGroupIdsToTrainBatch(
-                obs_space, act_space, group_key=group_key
-            ),
-            learner_config_dict={
-                LEARNER_CONFIG_KEY: {
-                    "telemetry": cfg.telemetry.enabled,
-                    "fused_optimizer": cfg.telemetry.fused_optimizer,
-                    "bands": _plain(cfg.telemetry.bands),  # {"action": {edges}, "value": {edges}}
-                    "optimizer": cfg.optimizer,
-                    "upgd": _plain(cfg.upgd),
-                    "vgs": _plain(cfg.vgs),
-                    "collective_group": new_group_name(),
-                    "collective_backend": cfg.distributed.backend,
-                    "reduce_telemetry": cfg.distributed.reduce_telemetry,
-                    "noise_scale": cfg.distributed.noise_scale,
-                    "replica_check_every": cfg.distributed.replica_check_every,
-                    "regularizers": [_plain(r) for r in cfg.regularizers],
-                    "probe": probe,
-                }
-            },
-        )
-        .training(
-            lr=ppo.lr,
-            gamma=ppo.gamma,
-            lambda_=ppo.lambda_,
-            clip_param=ppo.clip_param,
-            vf_clip_param=ppo.vf_clip_param,
-            vf_loss_coeff=ppo.vf_loss_coeff,
-            entropy_coeff=ppo.entropy_coeff,
-            use_kl_loss=ppo.use_kl_loss,
-            kl_coeff=ppo.kl_coeff,
-            kl_target=ppo.kl_target,
-            train_batch_size_per_learner=max(1, ppo.train_batch_size // max(1, res.num_learners)),
-            minibatch_size=ppo.minibatch_size,
-            num_epochs=ppo.num_epochs,
-            grad_clip=ppo.grad_clip,
-            grad_clip_by=ppo.grad_clip_by,
-        )
-        .debugging(seed=cfg.seed)
     )
+
+
+def _with_gradmon_learners(config: PPOConfig, cfg: GradmonConfig, probe: dict[str, Any]) -> PPOConfig:
+    """The learners: their number and resources, ``GradmonPPOTorchLearner``, the probe's connector
+    and the ``learner_config_dict["gradmon"]`` settings."""
+    res, group_key = cfg.resources, cfg.probe.group_key
+    return config.learners(
+        num_learners=res.num_learners,
+        num_gpus_per_learner=res.num_gpus_per_learner,
+        custom_resources_per_learner=dict(res.custom_resources_per_learner),
+        learner_class=GradmonPPOTorchLearner,
+        # Per-row group ids and episode indices, for the gradient probe's buckets.
+        learner_connector=lambda obs_space, act_space: AddGroupIdsToTrainBatch(
+            obs_space, act_space, group_key=group_key
+        ),
+        learner_config_dict={LEARNER_CONFIG_KEY: _learner_settings(cfg, probe)},
+    )
+
+
+def _learner_settings(cfg: GradmonConfig, probe: dict[str, Any]) -> dict[str, Any]:
+    """``learner_config_dict["gradmon"]`` (read by ``GradmonSettings``) from the run config."""
+    return {
+        "telemetry": cfg.telemetry.enabled,
+        "fused_optimizer": cfg.telemetry.fused_optimizer,
+        "bands": _plain(cfg.telemetry.bands),  # {"action": {edges}, "value": {edges}}
+        "optimizer": cfg.optimizer,
+        "upgd": _plain(cfg.upgd),
+        "vgs": _plain(cfg.vgs),
+        "collective_group": new_group_name(),
+        "collective_backend": cfg.distributed.backend,
+        "reduce_telemetry": cfg.distributed.reduce_telemetry,
+        "noise_scale": cfg.distributed.noise_scale,
+        "replica_check_every": cfg.distributed.replica_check_every,
+        "regularizers": [_plain(r) for r in cfg.regularizers],
+        "probe": probe,
+    }
+
+
+def _with_ppo_training(config: PPOConfig, cfg: GradmonConfig) -> PPOConfig:
+    """PPO's hyperparameters; the train batch is split evenly over the learners."""
+    ppo, res = cfg.ppo, cfg.resources
+    return config.training(
+        lr=ppo.lr,
+        gamma=ppo.gamma,
+        lambda_=ppo.lambda_,
+        clip_param=ppo.clip_param,
+        vf_clip_param=ppo.vf_clip_param,
+        vf_loss_coeff=ppo.vf_loss_coeff,
+        entropy_coeff=ppo.entropy_coeff,
+        use_kl_loss=ppo.use_kl_loss,
+        kl_coeff=ppo.kl_coeff,
+        kl_target=ppo.kl_target,
+        train_batch_size_per_learner=max(1, ppo.train_batch_size // max(1, res.num_learners)),
+        minibatch_size=ppo.minibatch_size,
+        num_epochs=ppo.num_epochs,
+        grad_clip=ppo.grad_clip,
+        grad_clip_by=ppo.grad_clip_by,
+    )
+
+
+def _model_config(cfg: GradmonConfig) -> dict[str, Any]:
+    """``FactoredActorCritic``'s ``model_config`` from the run config's ``model`` section."""
+    model_config: dict[str, Any] = {
+        "trunk_hiddens": list(cfg.model.trunk_hiddens),
+        "head_hiddens": list(cfg.model.head_hiddens),
+        "value_hiddens": list(cfg.model.value_hiddens),
+        "vf_share_layers": cfg.model.vf_share_layers,
+        "activation": cfg.model.activation,
+        "head_logit_scale": dict(cfg.model.head_logit_scale),
+    }
+    if cfg.model.head_names is not None:
+        model_config["head_names"] = list(cfg.model.head_names)
+    return model_config
+
+
+def _with_modules(config: PPOConfig, cfg: GradmonConfig) -> PPOConfig:
+    """One ``FactoredActorCritic``; for a multi-agent env one per agent, each agent its own policy."""
+    model_config = _model_config(cfg)
     module_spec = RLModuleSpec(module_class=FactoredActorCritic, model_config=model_config)
     agents = multi_agent_ids(cfg)
     if agents is None:
