@@ -12,8 +12,8 @@ gradmon learner is built.
 Private uses kept here (Ray 2.60 / torch 2.x):
 
 - ``Learner._make_batch_if_necessary`` (overridden by ``TrainBatchHook``, called by ``make_train_batch``)
-- ``TorchLearner._make_modules_ddp_if_necessary``, ``TorchLearner._update`` and ``Learner._module``
-  (``DistributedModulesHook``)
+- ``TorchLearner._make_modules_ddp_if_necessary`` and ``TorchLearner._update`` (``DistributedModulesHook``,
+  for ``gradmon_ray.rllib.module_sync``)
 - ``Checkpointable._check_component`` (``wants_component``)
 - ``TorchLearner._grad_scalers`` (``grad_scaler``)
 - ``torch.amp.GradScaler._get_scale_async`` (``scale_tensor``)
@@ -22,8 +22,9 @@ Private uses kept here (Ray 2.60 / torch 2.x):
   (``child_distributions``)
 - ``StatsBase._start_times`` and a ``Stats`` leaf's attribute dict (``reset_timers``, ``copy_stats``)
 - ``Trainable._storage`` (``tune_trial_dir_name``)
-- ``ray.tune.registry._global_registry._prefix`` and ``ray._private.worker._post_init_hooks``
-  (``tune_registry_follows_this_job``)
+- ``ray.tune.registry._global_registry._prefix`` (``set_tune_registry_job``) and
+  ``ray._private.worker._post_init_hooks`` (``add_first_post_init_hook``), for
+  ``gradmon_ray.envs.tune_registry``
 - Ray's ``ActorUnavailableError`` wording "actor is restarting" (``refused_while_restarting``)
 - the SIGTERM handler ``ray.init`` installs in a driver, ``ray._private.worker``'s ``sigterm_handler``
   (``is_rays_driver_sigterm_handler``)
@@ -80,27 +81,18 @@ class TrainBatchHook:
 
 
 class DistributedModulesHook:
-    """Mixin: after RLlib's DDP wrapping (``_make_modules_ddp_if_necessary``) the learner's
-    ``arrange_gradient_average()`` runs; while its ``gradient_average`` is set, every update
-    (``_update``) runs with DDP's communication off (``no_sync()`` on every module, RLlib's own
-    IMPALA multi-agent recipe), because the learner averages the gradients itself after
-    ``backward`` (``gradmon_ray.rllib.module_sync``).  RLlib has no public hook for either.
+    """Mixin: RLlib's two private learner steps around DDP, as named hooks.  After RLlib's DDP
+    wrapping (``_make_modules_ddp_if_necessary``, at the end of the build) ``after_modules_distributed()``
+    runs; every update (``_update``) runs inside ``update_context()``.  RLlib has no public hook for
+    either; the class after this one in the MRO defines both (``gradmon_ray.rllib.module_sync``).
     """
 
     def _make_modules_ddp_if_necessary(self) -> None:
         super()._make_modules_ddp_if_necessary()  # type: ignore[misc]
-        self.arrange_gradient_average()  # type: ignore[attr-defined]
+        self.after_modules_distributed()  # type: ignore[attr-defined]
 
     def _update(self, batch: dict[str, Any]) -> Any:
-        if self.gradient_average is None:  # type: ignore[attr-defined]
-            return super()._update(batch)  # type: ignore[misc]
-        from contextlib import ExitStack
-
-        with ExitStack() as stack:
-            for mid in self._module.keys():  # type: ignore[attr-defined]  # noqa: SIM118
-                module = self._module[mid]  # type: ignore[attr-defined]
-                if isinstance(module, torch.nn.parallel.DistributedDataParallel):
-                    stack.enter_context(module.no_sync())
+        with self.update_context():  # type: ignore[attr-defined]
             return super()._update(batch)  # type: ignore[misc]
 
 
@@ -179,35 +171,21 @@ def tune_trial_dir_name(algorithm: Any) -> str | None:
     return str(name) if name else None
 
 
-def tune_registry_follows_this_job() -> None:
-    """Make Ray Tune's registry (envs, trainables) write under this driver's current Ray job, now
-    and after every later ``ray.init`` in this process.
-
-    The registry keys every entry by a job id it reads once per process and keeps
-    (``_Registry.prefix``): after ``ray.shutdown()`` and a new ``ray.init()`` against the same
-    cluster (a second run from one notebook or test process), it still writes under the first
-    job's id, and the new job's EnvRunners find no registered env (RLlib falls back to
-    ``gym.make``: "Namespace gradmon not found", and building the algorithm fails with an
-    ``IndexError`` in ``EnvRunnerGroup.get_spaces``).  This sets the id now and puts a hook first
-    among Ray's post-``ray.init`` hooks (``ray._private.worker._post_init_hooks``, where Tune's own
-    flush of the entries queued before ``ray.init`` runs), so entries anyone registers after a
-    reconnect land in the new job too.  (Ray client, ``ray://``, runs no post-init hooks; an
-    earlier job's entries stay in the cluster's key-value store, as Tune leaves them.)
-    """
+def add_first_post_init_hook(hook: Any) -> None:
+    """Put ``hook`` first among the functions Ray runs after every ``ray.init`` in this process
+    (``ray._private.worker._post_init_hooks``, where Tune flushes its queued registrations); once."""
     from ray._private import worker
-    from ray.tune.registry import _global_registry  # noqa: F401  (imported before the hook goes in)
 
-    if _follow_the_new_job not in worker._post_init_hooks:
-        worker._post_init_hooks.insert(0, _follow_the_new_job)
-    _follow_the_new_job()
+    if hook not in worker._post_init_hooks:
+        worker._post_init_hooks.insert(0, hook)
 
 
-def _follow_the_new_job() -> None:
-    """Tune's registry on this process's current Ray job; unset (read at first use) without Ray."""
-    import ray
+def set_tune_registry_job(job_id: str | None) -> None:
+    """Key Ray Tune's registry entries by ``job_id`` from now on (None: read again at first use);
+    Tune reads it once per process (``_Registry.prefix``) and has no setter."""
     from ray.tune.registry import _global_registry
 
-    _global_registry._prefix = ray.get_runtime_context().get_job_id() if ray.is_initialized() else None
+    _global_registry._prefix = job_id
 
 
 def refused_while_restarting(exc: BaseException) -> bool:

@@ -127,7 +127,7 @@ def pytest_collection_modifyitems(config, items):
     # is shut down.  Run after an algorithm was built and stopped on the shared Ray in this process,
     # its Tune trial actors were cancelled before they started (seen 3 times, 2026-11-26).  A cause
     # found since: Ray Tune's registry kept the process's first job id across ray.shutdown()
-    # (gradmon_ray.compat.tune_registry_follows_this_job, now called wherever Ray starts); not
+    # (gradmon_ray.envs.tune_registry.tune_registry_follows_this_job, now called wherever Ray starts); not
     # re-tried in that order, so the module still runs first, before anything else has used Ray in
     # this process (under xdist's ``--dist loadfile`` the first module collected is the first one a
     # worker takes).  It is also the longest.

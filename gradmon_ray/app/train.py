@@ -32,8 +32,8 @@ from gradmon_ray.app.mlflow_run import (  # noqa: F401  (re-exported: sweep and 
 )
 from gradmon_ray.app.ray_noise import discard_rllib_logdir, quiet_actor_creation
 from gradmon_ray.app.resource_wait import ResourceWait, check_fits, ray_address_problem, requested_resources
-from gradmon_ray.compat import tune_registry_follows_this_job
 from gradmon_ray.config import ConfigError, GradmonConfig
+from gradmon_ray.envs.tune_registry import tune_registry_follows_this_job
 from gradmon_ray.probe.lifecycle import flush_probe, start_probe, stop_probe
 from gradmon_ray.telemetry.bands import BandSet
 from gradmon_ray.telemetry.health_stop import HealthStopMonitor, HealthStopRules

@@ -15,8 +15,8 @@ def register_builtin_env() -> None:
     import gymnasium as gym
     from ray.tune.registry import register_env
 
-    from gradmon_ray.compat import tune_registry_follows_this_job
     from gradmon_ray.envs.factored_ops_multi import FactoredOpsMultiAgentEnv  # imports RLlib: only here
+    from gradmon_ray.envs.tune_registry import tune_registry_follows_this_job
 
     if BUILTIN_ENV_ID not in gym.registry:
         gym.register(BUILTIN_ENV_ID, entry_point=FactoredOpsEnv)

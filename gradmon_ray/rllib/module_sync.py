@@ -9,7 +9,8 @@ Two things then go wrong in multi-agent training (``docs/observe_only.md``):
 - a learner whose shard holds no sample of a module never runs that module's backward, so it
   never joins the module's all-reduce: the other learners wait forever.
 
-``SparseSafeModuleSync`` takes over from DDP for a learner with several torch modules (from
+``SparseSafeModuleSync`` (with ``compat.DistributedModulesHook`` before it, which calls its
+``after_modules_distributed`` and ``update_context``) takes over from DDP for a learner with several torch modules (from
 its build, or from the ``add_module`` that gives it a second one): the modules stay RLlib's
 ``TorchDDPRLModule`` (whose constructor gives every replica rank 0's weights), every update runs
 with DDP's communication off (``no_sync()``, as RLlib's own IMPALA learner does for multi-agent),
@@ -21,6 +22,7 @@ with one module keeps RLlib's DDP as it is; so does a config that sets its own
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any
 
 import torch
@@ -42,11 +44,28 @@ class SparseSafeModuleSync:
         """The cross-learner gradient average of this learner's modules (None: RLlib's DDP, or one learner)."""
         return self._gradient_average
 
+    def after_modules_distributed(self) -> None:
+        """RLlib has wrapped the modules in DDP at the end of the build: ``arrange_gradient_average``."""
+        self.arrange_gradient_average()
+
+    def update_context(self) -> AbstractContextManager[Any]:
+        """While gradmon averages the modules' gradients, DDP's communication is off during every
+        update: ``no_sync()`` on every DDP-wrapped module, RLlib's own IMPALA multi-agent recipe
+        (the average runs after ``backward``, in ``compute_gradients``)."""
+        if self._gradient_average is None:
+            return nullcontext()
+        stack = ExitStack()
+        module = self.module  # type: ignore[attr-defined]
+        for mid in module.keys():  # noqa: SIM118 (a MultiRLModule iterates otherwise)
+            if isinstance(module[mid], torch.nn.parallel.DistributedDataParallel):
+                stack.enter_context(module[mid].no_sync())
+        return stack
+
     def arrange_gradient_average(self) -> None:
         """Average the modules' gradients here (DDP's communication off) when this learner has
         2+ learners and several torch modules, or already averages (a module was removed).
 
-        Runs after RLlib's DDP wrapping at the end of the build (``compat.DistributedModulesHook``)
+        Runs after RLlib's DDP wrapping at the end of the build (``after_modules_distributed``)
         and again after every ``add_module``/``remove_module``, the same on every learner (RLlib
         calls those on all); DDP's constructor already gave every replica rank 0's weights."""
         from ray.rllib.core.rl_module.multi_rl_module import MultiRLModule

@@ -55,15 +55,15 @@ def _registered_in_this_job(env_name: str) -> bool:
 
 
 def _registry_as_ray_leaves_it(job_id: str) -> None:
-    """Undo ``compat.tune_registry_follows_this_job`` in this process (its hook out of Ray's
+    """Undo ``envs.tune_registry.tune_registry_follows_this_job`` in this process (its hook out of Ray's
     post-init hooks, Tune's registry back on ``job_id``), so that only what the product calls
     from here on can point the registry at the current job again."""
     from ray._private import worker
     from ray.tune.registry import _global_registry
 
-    from gradmon_ray import compat
+    from gradmon_ray.envs.tune_registry import follow_the_new_job
 
-    worker._post_init_hooks[:] = [h for h in worker._post_init_hooks if h is not compat._follow_the_new_job]
+    worker._post_init_hooks[:] = [h for h in worker._post_init_hooks if h is not follow_the_new_job]
     _global_registry._prefix = job_id
 
 
@@ -109,7 +109,7 @@ def trained(ray_session, lasting_ray_address, ray_jobs, tmp_path_factory):
 def test_a_second_ray_job_of_one_process_trains_on_the_built_in_env(trained, ray_jobs):
     """Ray Tune's registry, where the built-in env is registered, keeps the first job id its
     process saw: unless ``run_training`` points it at the current job
-    (``compat.tune_registry_follows_this_job``), the run's EnvRunner (in the process's next job on
+    (``envs.tune_registry.tune_registry_follows_this_job``), the run's EnvRunner (in the process's next job on
     the same cluster) finds no env and building the algorithm fails (``IndexError`` in RLlib's
     ``EnvRunnerGroup.get_spaces``; the EnvRunner logs "Namespace gradmon not found"; seen in CI).
     The fixture takes gradmon's fix out before the run, so only ``run_training``'s own calls can
