@@ -9,6 +9,7 @@ the checkpoint found afterwards is the previous or the new one, complete and con
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -163,54 +164,115 @@ class _Steps:
         return Writing()
 
 
-def _save_with_steps(monkeypatch: pytest.MonkeyPatch, learners: Learners, root: Path, crash_at: int) -> _Steps:
+class _FileAlgo:
+    """An algorithm stand-in (no RLlib, no Ray): ``save_to_path`` writes ``payload`` split over files
+    in nested directories, as RLlib's does; its one learner's gradmon digest is the payload's SHA-256."""
+
+    PARTS = ("learner_group/learner/module_state.bin", "learner_group/learner/optim.bin", "algo_state.bin", "meta")
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+        self.learner_group = self
+
+    def foreach_learner(self, fn: Any) -> list[Any]:
+        from tests.app.conftest import _Result
+
+        return [_Result(fn(self))]
+
+    def gradmon_state_digest(self) -> str:
+        return hashlib.sha256(self.payload).hexdigest()
+
+    def save_to_path(self, path: str) -> str:
+        size = -(-len(self.payload) // len(self.PARTS))
+        for i, rel in enumerate(self.PARTS):
+            (Path(path) / rel).parent.mkdir(parents=True, exist_ok=True)
+            (Path(path) / rel).write_bytes(self.payload[i * size : (i + 1) * size])
+        return path
+
+
+def _payload_in(algo_dir: Path) -> bytes:
+    """The test's own restore of a ``_FileAlgo`` save: its parts read back in order (raises if one is gone)."""
+    return b"".join((algo_dir / rel).read_bytes() for rel in _FileAlgo.PARTS)
+
+
+def _save_with_steps(monkeypatch: pytest.MonkeyPatch, cfg: Any, algo: Any, root: Path, crash_at: int) -> _Steps:
     steps = _Steps(crash_at)
     with monkeypatch.context() as patch:
         patch.setattr(checkpointing, "os", steps.os_proxy())
         patch.setattr(checkpointing, "shutil", steps.shutil_proxy())
-        reporter = _reporter(learners, root)
+        reporter = CheckpointReporter(cfg, lambda timeout_s: RUN, root=root)
         with contextlib.suppress(Crash):
-            reporter(2, {}, steps.writer(learners.at("b")), None, None)
+            reporter(2, {}, steps.writer(algo), None, None)
     return steps
 
 
 def test_a_crash_at_any_step_of_a_save_leaves_the_previous_or_the_new_checkpoint(
-    learners: Learners, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    """Iteration 1 saved (learner state a); the iteration-2 save (state b) dies at step k, for
-    every k. Afterwards the newest complete checkpoint is iteration 1 or 2, its algorithm
-    restores to the digest recorded with it (and it is a's or b's: never a mix), once the new
-    version is published it is the new one, and the next save works and cleans up."""
+    """Iteration 1 saved (payload a); the iteration-2 save (payload b) dies at step k, for every k.
+    Afterwards the newest complete checkpoint is iteration 1 or 2, its files read back to the payload
+    saved with it and its digest is that payload's (a's or b's: never a mix), once the new version is
+    published it is the new one, ``latest`` always points at a complete version (the old one, or the
+    new one once it is complete: never switched first), and the next save works and cleans up.
+    The oracle is the test's own: the payloads it handed the stand-in and their SHA-256 (hashlib)."""
+    from tests.app.conftest import tiny_config
+
+    cfg = tiny_config(tmp_path)
+    payload = {1: bytes(range(256)) * 7, 2: b"b-state " * 301, 3: b"c" * 999}
+    digest = {i: hashlib.sha256(p).hexdigest() for i, p in payload.items()}
+
+    def reporter(root: Path) -> CheckpointReporter:
+        return CheckpointReporter(cfg, lambda timeout_s: RUN, root=root)
+
     template = tmp_path / "template"
-    _reporter(learners, template)(1, {}, learners.at("a"), None, None)
+    reporter(template)(1, {}, _FileAlgo(payload[1]), None, None)
     shutil.copytree(template, tmp_path / "count", symlinks=True)
-    clean = _save_with_steps(monkeypatch, learners, tmp_path / "count", crash_at=0)
+    clean = _save_with_steps(monkeypatch, cfg, _FileAlgo(payload[2]), tmp_path / "count", crash_at=0)
     total = clean.count
     # the writer, the resume file (open, write, fsync), an fsync per file and directory, the
     # rename, symlink and replace, the run directory's fsync, the old version renamed and removed
     assert total >= 12, total
-    expected = {1: learners.digest_a, 2: learners.digest_b}
-    found_new_from = None
+    found_new_from = latest_new_from = None
     for k in range(1, total + 1):
         root = tmp_path / f"crash-{k}"
         shutil.copytree(template, root, symlinks=True)
-        steps = _save_with_steps(monkeypatch, learners, root, crash_at=k)
+        steps = _save_with_steps(monkeypatch, cfg, _FileAlgo(payload[2]), root, crash_at=k)
+        at = (k, steps.crashed_in)
         assert steps.crashed_in, k
         version, state = find_checkpoint(root, RUN)
         done = state["iterations_done"]
-        assert done in (1, 2), (k, steps.crashed_in)
-        assert state["state_digest"] == expected[done], (k, steps.crashed_in)
-        assert learners.restored_digest(version / "algo") == expected[done], (k, steps.crashed_in)
+        assert done in (1, 2), at
+        assert state["state_digest"] == digest[done], at
+        assert _payload_in(version / "algo") == payload[done], at
         if found_new_from is None and done == 2:
             found_new_from = k
         if found_new_from is not None:
             assert done == 2, f"crash at step {k} ({steps.crashed_in}) went back to the previous checkpoint"
-        _reporter(learners, root)(3, {}, learners.at("a"), None, None)  # the run goes on after a resume
+        latest = root / RUN / LATEST
+        assert latest.is_symlink(), at  # the template's latest is replaced, never removed
+        target = os.readlink(latest)
+        pointed = read_version(latest)
+        assert pointed is not None, (
+            f"crash at step {k} ({steps.crashed_in}): latest -> {target}, not a complete version"
+        )
+        assert target.startswith("ckpt-") and pointed["iterations_done"] in (1, 2), at
+        assert pointed["state_digest"] == digest[pointed["iterations_done"]], at
+        assert _payload_in(latest / "algo") == payload[pointed["iterations_done"]], at
+        if pointed["iterations_done"] == 2:
+            assert done == 2, at
+            latest_new_from = latest_new_from or k
+        if latest_new_from is not None:
+            assert pointed["iterations_done"] == 2, f"crash at step {k} ({steps.crashed_in}): latest went back"
+        reporter(root)(3, {}, _FileAlgo(payload[3]), None, None)  # the run goes on after a resume
         version, state = find_checkpoint(root, RUN)
-        assert state["iterations_done"] == 3 and learners.restored_digest(version / "algo") == learners.digest_a
+        assert state["iterations_done"] == 3 and _payload_in(version / "algo") == payload[3], at
+        assert state["state_digest"] == digest[3], at
         run_dir = root / RUN
         assert sorted(p.name for p in run_dir.iterdir()) == sorted([LATEST, version.name]), k
+        assert (run_dir / LATEST).resolve() == version.resolve(), k
     assert found_new_from is not None and 1 < found_new_from <= total
+    # latest moves to the new version only after it is published (the rename), so strictly later
+    assert latest_new_from is not None and found_new_from < latest_new_from <= total
 
 
 def test_a_checkpoint_saved_before_the_run_had_an_id_is_moved_to_the_runs_directory_when_stamped(
