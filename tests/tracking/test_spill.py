@@ -234,16 +234,25 @@ def _steps_on_disk(path: Path) -> list[int]:
 def test_after_a_failed_write_each_iteration_is_on_disk_before_log_iteration_returns(tmp_path, dead_uri):
     """The first write fails; from then on every ``log_iteration`` has put its iteration in the
     spill file (read back from disk, not from the sink) by the time it returns: a SIGKILL right
-    after it would lose nothing. Before the failure nothing is written."""
+    after it would lose nothing.  Ordering only, no clock: the writer's one failure is waited for
+    (it spills what was pending), and its backoff (an hour) keeps it from retrying before close, so
+    the file cannot have been filled by a retry.  (Nothing before a failure: the test below.)"""
     spill = tmp_path / "s.jsonl"
-    sink = MlflowSink(dead_uri, "e", retry_backoff_s=5.0, spill_path=spill)
+    sink = MlflowSink(dead_uri, "e", retry_backoff_s=3600.0, spill_path=spill)
     sink.log_iteration(1, {"x": 1.0})
-    _wait(lambda: sink.failed_writes >= 1)
-    assert sink.spilling_ahead and _steps_on_disk(spill) == [1]  # pending at the failure: spilled at once
+
+    def first_spilled() -> bool:  # the writer's thread spills step 1 after its failure
+        try:
+            return _steps_on_disk(spill) == [1]
+        except (OSError, ValueError):  # not there yet, or a line read mid-write
+            return False
+
+    _wait(first_spilled, timeout_s=300.0)
+    assert sink.spilling_ahead and sink.failed_writes == 1
     for step in range(2, 6):
         sink.log_iteration(step, {"x": float(step)})
         assert _steps_on_disk(spill) == list(range(1, step + 1))
-    assert sink.failed_writes == 1  # still in its 5 s backoff: the file did not wait for a retry
+    assert sink.failed_writes == 1  # in its hour-long backoff: the file did not wait for a retry
     sink.close(timeout_s=0.5)
     _, iterations, trailer = read_spill(spill)
     assert [r["step"] for r in iterations] == [1, 2, 3, 4, 5] and trailer is not None
