@@ -10,6 +10,7 @@ password (``p%40ss``) missed, an ``@`` inside the password splitting the URI at 
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from urllib.parse import parse_qsl, urlsplit
 
@@ -105,14 +106,26 @@ def test_redact_text_masks_uris_given_secrets_and_credential_env_vars(monkeypatc
     assert env_secrets({"MLFLOW_TRACKING_PASSWORD": "pw12", "DATABRICKS_TOKEN": " ", "OTHER": "x"}) == ["pw12"]
 
 
-def test_the_credential_variables_are_mlflows_own():
-    """Every MLflow variable in the list exists in MLflow 3.17 (a typo would mask nothing)."""
+def test_every_credential_variable_mlflow_defines_is_masked(monkeypatch):
+    """The oracle is MLflow's own ``mlflow.environment_variables``: each public variable it defines
+    whose value is a secret (a password, token or secret key, by its name) is masked in text when
+    set, through the product's path (``redact_text`` reading the environment); and every MLFLOW_
+    name the product lists is one MLflow defines (a typo would mask nothing).  Catches a variable
+    missing from (or misspelt in) ``CREDENTIAL_ENV_VARS``, and one a new MLflow adds."""
     from mlflow import environment_variables as ev
 
-    mlflow_names = [n for n in CREDENTIAL_ENV_VARS if n.startswith("MLFLOW_")]
-    assert {"MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"} <= set(mlflow_names)
-    for name in mlflow_names:
-        assert getattr(ev, name).name == name
+    defined = {v.name for v in vars(ev).values() if isinstance(getattr(v, "name", None), str)}
+    secret = re.compile(r"(PASSWORD|TOKEN|SECRET_KEY|SECRET_ENCRYPTION_KEY)$")
+    credentials = sorted(n for n in defined if n.startswith("MLFLOW_") and secret.search(n))
+    assert {"MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"} <= set(credentials)  # the premise
+    for name in CREDENTIAL_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for i, name in enumerate(credentials):
+        value = f"v{i}-Zq7Kp2"
+        with monkeypatch.context() as patch:
+            patch.setenv(name, value)
+            assert redact_text(f"before {value} after") == f"before {MASK} after", name
+    assert {n for n in CREDENTIAL_ENV_VARS if n.startswith("MLFLOW_")} <= defined
 
 
 @pytest.fixture
