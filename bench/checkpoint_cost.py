@@ -23,7 +23,7 @@ from pathlib import Path
 
 import ray
 
-from gradmon_ray.app.checkpointing import CheckpointReporter
+from gradmon_ray.app.train.checkpoints import CheckpointReporter
 from gradmon_ray.config import load_config
 from gradmon_ray.rllib.config import build_ppo_config
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 from rich.console import Console
 
-from gradmon_ray.app.train import run_training
+from gradmon_ray.app.train.run import run_training
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.viz.panel import watch
 from gradmon_ray.viz.report import write_report

@@ -23,14 +23,14 @@ from gradmon_ray.app.cli_common import (
     fail_fast_mlflow_http,
 )
 from gradmon_ray.app.read_commands import add_tracking_uri_flag, replay_command, report_command, watch_command
-from gradmon_ray.app.train_command import add_train_arguments, train_command
-from gradmon_ray.app.tune_command import add_tune_arguments, tune_command
+from gradmon_ray.app.sweep.command import add_tune_arguments, tune_command
+from gradmon_ray.app.train.command import add_train_arguments, train_command
 from gradmon_ray.config import ConfigError
 from gradmon_ray.tracking.redact import OUTPUT_REDACTOR
 from gradmon_ray.tracking.spill import SpillFormatError
 from gradmon_ray.viz.runs import RunLookupError
 
-__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
+__all__ = ["build_parser", "main"]
 
 
 class _Parser(argparse.ArgumentParser):

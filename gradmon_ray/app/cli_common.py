@@ -8,13 +8,14 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from gradmon_ray.config import ConfigError, GradmonConfig, config_advisories, load_yaml
-from gradmon_ray.tracking.redact import OUTPUT_REDACTOR, uri_secrets
+from gradmon_ray.tracking.redact import OUTPUT_REDACTOR, redact_uri, uri_secrets
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -104,13 +105,29 @@ def set_overrides(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def use_uri(uri: str) -> None:
-    """Mask ``uri``'s credentials in this process's output from now on.  MLflow itself prints a
-    run's URL, with them, to stdout when the run ends (``_log_url``): off for such a URI (the CLI
-    prints its own, masked); set before Ray starts, so that a local Ray's workers inherit it."""
+@dataclass(frozen=True)
+class TrackingUri:
+    """A command's tracking URI as given (``uri``) and as it is shown (``shown``: credentials masked),
+    masked once where it enters (``use_uri``) and passed down with it."""
+
+    uri: str
+    shown: str
+
+    @classmethod
+    def of(cls, uri: str | TrackingUri) -> TrackingUri:
+        """``uri`` with its shown form (a ``TrackingUri`` as it is)."""
+        return uri if isinstance(uri, TrackingUri) else cls(uri, redact_uri(uri))
+
+
+def use_uri(uri: str) -> TrackingUri:
+    """Mask ``uri``'s credentials in this process's output from now on, and return it with its shown
+    form.  MLflow itself prints a run's URL, with them, to stdout when the run ends (``_log_url``):
+    off for such a URI (the CLI prints its own, masked); set before Ray starts, so that a local Ray's
+    workers inherit it."""
     OUTPUT_REDACTOR.add_uri(uri)
     if uri_secrets(uri):
         os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
+    return TrackingUri.of(uri)
 
 
 def check_tracking_server(cfg: GradmonConfig) -> None:
@@ -207,19 +224,6 @@ def writable_dir_problem(path: Path) -> str | None:
     if not where.is_dir():
         return f"{path} can never be created: {where} is a file, not a directory"
     return None if _can_create_in(where) else f"{path} can never be created: nothing can be created in {where}"
-
-
-def check_checkpoint_dir(cfg: GradmonConfig, root: str | Path | None = None) -> None:
-    """The checkpoint root a run writes to (``root``, else ``checkpoint_root(cfg)``), checked before
-    Ray or MLflow start: else the first checkpoint fails after a whole iteration, leaving a FAILED run."""
-    from gradmon_ray.app.checkpointing import checkpoint_root
-
-    if cfg.checkpoint_every == 0 and not cfg.checkpoint_dir:  # no checkpoint is ever written
-        return
-    problem = writable_dir_problem(Path(root).absolute() if root is not None else checkpoint_root(cfg))
-    if problem:
-        off = "" if cfg.checkpoint_dir else ", or --set checkpoint_every=0 for no resumable checkpoints"
-        raise ConfigError("checkpoint_dir", f"{problem}; give --checkpoint-dir a directory you can write to{off}")
 
 
 def check_storage_path(storage_path: str | None) -> None:

@@ -15,11 +15,11 @@ Three things, each measured on Ray 2.60 (``docs/operations.md``, "Files a run wr
   ``Trainable._setup_logdir``) and, on the new API stack, never writes into it.  RLlib 2.60 has no
   setting for it (``logger_creator``/``logger_config`` are gone); ``discard_rllib_logdir(algo)``
   removes it again when it is still empty.  A sweep trial builds its algorithm the same way,
-  inside Tune's trial actor, and discards it too (``sweep_trial.run_trial``).
+  inside Tune's trial actor, and discards it too (``sweep.trials.run_trial``).
 - **Tune's tables.** Tune's new output engine prints an experiment table at the start and a trial
   status table at the end even at ``verbose=0``; a CLI sweep sets Tune's own
   ``RAY_AIR_NEW_OUTPUT=0`` (unless set), whose legacy reporter at ``verbose=0`` prints nothing: the
-  sweep's progress is gradmon's own lines (``sweep_callback.TrialProgress``).
+  sweep's progress is gradmon's own lines (``sweep.run.TrialProgress``).
 """
 
 from __future__ import annotations

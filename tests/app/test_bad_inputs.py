@@ -385,7 +385,7 @@ def test_restore_from_continues_the_checkpointed_run(checkpoints, tmp_path):
     from mlflow.tracking import MlflowClient
 
     from gradmon_ray import metric_names as mn
-    from gradmon_ray.app.train import run_training
+    from gradmon_ray.app.train.run import run_training
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = config_from_dict(

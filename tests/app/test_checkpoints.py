@@ -1,4 +1,4 @@
-"""Resumable checkpoints on disk (``gradmon_ray.app.checkpointing``), without Ray: written by the real
+"""Resumable checkpoints on disk (``gradmon_ray.app.train.checkpoints``), without Ray: written by the real
 ``CheckpointReporter`` from a real learner, read back by the real reader, restored into another
 learner whose gradmon state digest (read off that learner) must be the one recorded.
 
@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from gradmon_ray.app import checkpointing
-from gradmon_ray.app.checkpointing import (
+from gradmon_ray.app.train import checkpoints
+from gradmon_ray.app.train.checkpoints import (
     LATEST,
     RESUME_FILE,
     CheckpointReporter,
@@ -28,7 +28,7 @@ from gradmon_ray.app.checkpointing import (
     save_checkpoint,
     versions,
 )
-from gradmon_ray.app.resume import find_checkpoint
+from gradmon_ray.app.train.resume import find_checkpoint
 from tests.app.conftest import Learners
 
 RUN = "0123456789abcdef0123456789abcdef"
@@ -198,8 +198,8 @@ def _payload_in(algo_dir: Path) -> bytes:
 def _save_with_steps(monkeypatch: pytest.MonkeyPatch, cfg: Any, algo: Any, root: Path, crash_at: int) -> _Steps:
     steps = _Steps(crash_at)
     with monkeypatch.context() as patch:
-        patch.setattr(checkpointing, "os", steps.os_proxy())
-        patch.setattr(checkpointing, "shutil", steps.shutil_proxy())
+        patch.setattr(checkpoints, "os", steps.os_proxy())
+        patch.setattr(checkpoints, "shutil", steps.shutil_proxy())
         reporter = CheckpointReporter(cfg, lambda timeout_s: RUN, root=root)
         with contextlib.suppress(Crash):
             reporter(2, {}, steps.writer(algo), None, None)

@@ -61,7 +61,7 @@ def test_set_takes_the_help_texts_own_exponent_float(monkeypatch, tmp_path, caps
     """``--set ppo.lr=1e-3`` (the --help and README example) reaches training as 0.001."""
     from types import SimpleNamespace
 
-    import gradmon_ray.app.train
+    import gradmon_ray.app.train.run
 
     seen = {}
 
@@ -69,7 +69,7 @@ def test_set_takes_the_help_texts_own_exponent_float(monkeypatch, tmp_path, caps
         seen["cfg"] = cfg
         return SimpleNamespace(run_id="r", mlflow_complete=True, checkpoint_path=None)
 
-    monkeypatch.setattr(gradmon_ray.app.train, "run_training", fake_run_training)
+    monkeypatch.setattr(gradmon_ray.app.train.run, "run_training", fake_run_training)
     uri = f"sqlite:///{tmp_path / 'm.db'}"
     args = ["train", "--mlflow-uri", uri, "--set", "ppo.lr=1e-3", "--set", "ppo.kl_target=.5e-2"]
     args += ["--set", "vgs.eps=2.5E-8"]

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from gradmon_ray.app.interrupts import GracefulInterrupt, TrainingInterrupted
+from gradmon_ray.app.train.interrupts import GracefulInterrupt, TrainingInterrupted
 
 
 @pytest.fixture(autouse=True)

@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.app.cli import main
-from gradmon_ray.app.mlflow_run import warn_undelivered
+from gradmon_ray.app.train.mlflow_run import warn_undelivered
 from gradmon_ray.tracking import MlflowSink
 from tests.e2e.processes import free_port
 
@@ -39,7 +39,7 @@ def test_train_counts_the_iterations_replay_writes(dead_uri, tmp_path, caplog, c
         sink.log_iteration(step, {mn.LEARNERS_UPDATED: 1.0, mn.GLOBAL_GRAD_NORM: 0.5 * step})
     sink.log_iteration(iterations, probe_counters, {mn.TAG_STATUS: "finished"})  # ... and the run's end
     assert sink.close(status="FINISHED", timeout_s=1.0) is False
-    with caplog.at_level(logging.WARNING, logger="gradmon_ray.app.mlflow_run"):
+    with caplog.at_level(logging.WARNING, logger="gradmon_ray.app.train.mlflow_run"):
         warn_undelivered(sink)
     (kept,) = re.findall(r"\((\d+) iterations kept in ", caplog.text)
 

@@ -20,13 +20,13 @@ from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.app import cli
-from gradmon_ray.app.checkpointing import (
+from gradmon_ray.app.train.checkpoints import (
     RESUME_FILE,
     CheckpointReporter,
     CheckpointStateMismatchError,
     verify_restored_state,
 )
-from gradmon_ray.app.resume import CHECKPOINT_ROOT_ENV, resume_point
+from gradmon_ray.app.train.resume import CHECKPOINT_ROOT_ENV, resume_point
 from gradmon_ray.config import ConfigError
 from tests.app.conftest import Learners
 

@@ -16,11 +16,12 @@ from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.app import cli
-from gradmon_ray.app.checkpointing import LATEST, RESUME_FILE, CheckpointReporter
-from gradmon_ray.app.mlflow_run import RunStarted
-from gradmon_ray.app.resume import CHECKPOINT_ROOT_ENV, resume_point
-from gradmon_ray.app.train import TrainingOutcome
-from gradmon_ray.app.train_messages import ProgressPrinter, interrupted_lines, resume_argv, started_line
+from gradmon_ray.app.cli_common import TrackingUri
+from gradmon_ray.app.train.checkpoints import LATEST, RESUME_FILE, CheckpointReporter
+from gradmon_ray.app.train.messages import ProgressPrinter, interrupted_lines, resume_argv, started_line
+from gradmon_ray.app.train.mlflow_run import RunStarted
+from gradmon_ray.app.train.resume import CHECKPOINT_ROOT_ENV, resume_point
+from gradmon_ray.app.train.run import TrainingOutcome
 from tests.app.conftest import Learners
 
 RESUME_WITH = "resume it (from this directory) with: "
@@ -71,7 +72,7 @@ def test_the_printed_command_resumes_from_the_checkpoint_on_disk(store, learners
     root = tmp_path / "ckpts"
     run_id = _run(store, root)
     _checkpoint(learners, root, run_id, 4)
-    lines = interrupted_lines(_outcome(run_id, root, 5), store, 20)
+    lines = interrupted_lines(_outcome(run_id, root, 5), TrackingUri.of(store), 20)
     assert lines[0] == (
         f"gradmon-ray: interrupted: MLflow run {run_id} ended KILLED after iteration 5 of 20, "
         f"checkpointed at iteration {_on_disk(root, run_id)['iterations_done']}"
@@ -91,7 +92,7 @@ def test_defaults_are_left_out_of_the_printed_command(store, learners, tmp_path,
     root = tmp_path / "gradmon-checkpoints"
     run_id = _run(store, root)
     _checkpoint(learners, root, run_id, 2)
-    argv = _printed_command(interrupted_lines(_outcome(run_id, root, 2), store, 3))
+    argv = _printed_command(interrupted_lines(_outcome(run_id, root, 2), TrackingUri.of(store), 3))
     assert argv == ["gradmon-ray", "train", "--resume", run_id]
     _, point = resume_point(store, run_id)  # what that bare command finds
     assert point.iterations_done == 2
@@ -101,7 +102,7 @@ def test_a_uri_with_a_password_is_printed_masked_and_said_so(learners, tmp_path)
     uri = "http://bob:S3cret-99@mlflow.example:5000"
     root = tmp_path / "gradmon-checkpoints"
     _checkpoint(learners, root, "f" * 32, 1)
-    lines = interrupted_lines(_outcome("f" * 32, root, 1), uri, 3)
+    lines = interrupted_lines(_outcome("f" * 32, root, 1), TrackingUri.of(uri), 3)
     text = "\n".join(lines)
     assert "S3cret-99" not in text
     assert _printed_command(lines)[-2:] == ["--mlflow-uri", "http://bob:***@mlflow.example:5000"]
@@ -111,35 +112,38 @@ def test_a_uri_with_a_password_is_printed_masked_and_said_so(learners, tmp_path)
 def test_no_command_when_nothing_can_be_resumed(store, learners, tmp_path):
     root = tmp_path / "gradmon-checkpoints"
     run_id = _run(store, root)
-    (no_checkpoint,) = interrupted_lines(_outcome(run_id, root, 2), store, 20)
+    (no_checkpoint,) = interrupted_lines(_outcome(run_id, root, 2), TrackingUri.of(store), 20)
     assert "no checkpoint of it was saved yet, so it cannot be resumed" in no_checkpoint
-    (off,) = interrupted_lines(_outcome(run_id, None, 2), store, 20)
+    (off,) = interrupted_lines(_outcome(run_id, None, 2), TrackingUri.of(store), 20)
     assert "checkpoints are off (checkpoint_every: 0)" in off
     other = _run(store, root)
     _checkpoint(learners, root, other, 1)  # another run's checkpoint in the same root does not count
-    (not_mine,) = interrupted_lines(_outcome(run_id, root, 2), store, 20)
+    (not_mine,) = interrupted_lines(_outcome(run_id, root, 2), TrackingUri.of(store), 20)
     assert "cannot be resumed" in not_mine
-    (never,) = interrupted_lines(_outcome(None, root, 2), store, 20)
+    (never,) = interrupted_lines(_outcome(None, root, 2), TrackingUri.of(store), 20)
     assert "MLflow never created the run, it cannot be resumed" in never
 
 
 def test_the_start_line_names_the_run_and_masks_the_store(capsys):
-    ProgressPrinter().run_started(RunStarted("a" * 32, "CartPole-v1-x", "gradmon-ray", "http://u:pw-1@h:5000"))
+    uri = "http://u:pw-1@h:5000"
+    ProgressPrinter(TrackingUri.of(uri)).run_started(RunStarted("a" * 32, "CartPole-v1-x", "gradmon-ray", uri))
     out = capsys.readouterr().out
     assert (
         out
         == f"gradmon-ray: MLflow run {'a' * 32} (CartPole-v1-x) in experiment 'gradmon-ray' at http://u:***@h:5000\n"
     )
-    assert "has not created the run yet" in started_line(RunStarted(None, None, "e", "sqlite:///m.db"))
+    assert "has not created the run yet" in started_line(
+        RunStarted(None, None, "e", "sqlite:///m.db"), "sqlite:///m.db"
+    )
 
 
 def test_resume_argv_gives_an_absolute_checkpoint_dir(tmp_path):
-    argv = resume_argv("r" * 32, "sqlite:///mlflow.db", Path("elsewhere"))
+    argv = resume_argv("r" * 32, TrackingUri.of("sqlite:///mlflow.db"), Path("elsewhere"))
     assert argv == ["gradmon-ray", "train", "--resume", "r" * 32, "--checkpoint-dir", str(tmp_path / "elsewhere")]
 
 
 def _fake_training(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    import gradmon_ray.app.train
+    import gradmon_ray.app.train.run
 
     seen: dict[str, Any] = {}
 
@@ -149,7 +153,7 @@ def _fake_training(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
             sink.close()
         return TrainingOutcome(run_id="r", iterations_done=cfg.iterations, mlflow_complete=True)
 
-    monkeypatch.setattr(gradmon_ray.app.train, "run_training", fake_run_training)
+    monkeypatch.setattr(gradmon_ray.app.train.run, "run_training", fake_run_training)
     return seen
 
 

@@ -13,8 +13,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray.app import cli
-from gradmon_ray.app.checkpointing import CheckpointReporter
-from gradmon_ray.app.resume import CHECKPOINT_ROOT_ENV
+from gradmon_ray.app.train.checkpoints import CheckpointReporter
+from gradmon_ray.app.train.resume import CHECKPOINT_ROOT_ENV
 from gradmon_ray.config import GradmonConfig
 from tests.app.conftest import Learners
 from tests.app.test_resume_command import _fake_training, _run

@@ -15,9 +15,10 @@ from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.app import cli
-from gradmon_ray.app.resume import CHECKPOINT_ROOT_ENV, spill_directories
-from gradmon_ray.app.train import TrainingOutcome
-from gradmon_ray.app.train_messages import interrupted_lines
+from gradmon_ray.app.cli_common import TrackingUri
+from gradmon_ray.app.train.messages import interrupted_lines
+from gradmon_ray.app.train.resume import CHECKPOINT_ROOT_ENV, spill_directories
+from gradmon_ray.app.train.run import TrainingOutcome
 from gradmon_ray.tracking.spill import REPLAYED_SUFFIX, SpillWriter
 from tests.app.conftest import Learners
 from tests.app.test_resume_command import _fake_training, _run
@@ -176,7 +177,7 @@ def test_the_interrupted_message_says_the_resume_delivers_the_spill(store, learn
     run_id = _interrupted(store, learners)
     spill = tmp_path / "gradmon-spill" / "x y.jsonl"
     outcome = TrainingOutcome(run_id, 6, checkpoint_root=str(tmp_path / "gradmon-checkpoints"), spill_path=str(spill))
-    lines = interrupted_lines(outcome, store, 20)
+    lines = interrupted_lines(outcome, TrackingUri.of(store), 20)
     assert lines[-1] == (
         f"gradmon-ray: iterations MLflow did not take are kept in {spill}: the resume delivers them first "
         f"(or now: gradmon-ray replay '{spill}'); leave the file there till then"

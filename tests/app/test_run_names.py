@@ -13,8 +13,8 @@ from datetime import datetime
 
 import pytest
 
-from gradmon_ray.app.mlflow_run import named
 from gradmon_ray.app.run_names import SUFFIX_ALPHABET, default_run_name, env_label
+from gradmon_ray.app.train.mlflow_run import named
 from gradmon_ray.config import config_from_dict
 
 NOON = datetime(2025, 3, 4, 12, 5, 9).timestamp()  # local time, as the name shows it

@@ -1,4 +1,4 @@
-"""``app/sweep.py`` and ``app/sweep_config.py``: sweep files are validated before Ray starts, with one
+"""``app/sweep/run.py`` and ``app/sweep/config.py``: sweep files are validated before Ray starts, with one
 line and status 2 on bad input; the search space becomes Tune domains."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gradmon_ray.app.cli import main
-from gradmon_ray.app.sweep import load_sweep, tune_search_space
+from gradmon_ray.app.sweep.config import load_sweep, tune_search_space
 from gradmon_ray.config import ConfigError, config_from_dict
 from gradmon_ray.tracking.store_uri import absolute_tracking_uri
 
@@ -111,7 +111,7 @@ def test_cli_tune_takes_set_and_iterations_into_every_trial_base(monkeypatch, tm
     base config every trial starts from carries them; a bad --set key exits 2 before Ray starts."""
     from types import SimpleNamespace
 
-    import gradmon_ray.app.sweep
+    import gradmon_ray.app.sweep.run
 
     seen = {}
 
@@ -119,7 +119,7 @@ def test_cli_tune_takes_set_and_iterations_into_every_trial_base(monkeypatch, tm
         seen["base"] = base
         return SimpleNamespace(parent_run_id="p", best=None, trials=[SimpleNamespace(status="finished")])
 
-    monkeypatch.setattr(gradmon_ray.app.sweep, "run_sweep", fake_run_sweep)
+    monkeypatch.setattr(gradmon_ray.app.sweep.run, "run_sweep", fake_run_sweep)
     uri = f"sqlite:///{tmp_path / 'm.db'}"
     argv = ["tune", "tune_configs/vgs_sweep.yaml", "--mlflow-uri", uri, "--iterations", "2"]
     argv += ["--set", "ppo.train_batch_size=256", "--set", "ppo.minibatch_size=64"]
@@ -136,7 +136,7 @@ def test_custom_resources_reach_each_actor_kinds_own_bundles():
     """Learner, EnvRunner and probe bundles each carry their kind's custom resources, so under Tune's
     placement group each actor fits only its own bundle (the multi-node e2e test checks the nodes)."""
     from gradmon_ray.app.resource_wait import requested_resources
-    from gradmon_ray.app.sweep import _trial_resources
+    from gradmon_ray.app.sweep.run import _trial_resources
     from gradmon_ray.rllib.config import build_ppo_config
 
     cfg = config_from_dict(
@@ -165,7 +165,7 @@ def test_every_tune_report_carries_the_sweep_metric():
     (its EnvRunner's node lost) repeats the last value, NaN before the first, and never ranks."""
     import math
 
-    from gradmon_ray.app.sweep import MetricCarry
+    from gradmon_ray.app.sweep.trials import MetricCarry
 
     carry = MetricCarry("env/episode_return_mean")
     first = carry.fill({"update/trained": 0.0})

@@ -5,8 +5,8 @@ succeeded)."""
 from __future__ import annotations
 
 from gradmon_ray.app.cli_common import EXIT_FAILED, EXIT_OK
-from gradmon_ray.app.sweep import TrialSummary
-from gradmon_ray.app.tune_command import sweep_exit
+from gradmon_ray.app.sweep.command import sweep_exit
+from gradmon_ray.app.sweep.run import TrialSummary
 
 
 def _trial(trial_id: str, status: str, run_id: str | None = None) -> TrialSummary:

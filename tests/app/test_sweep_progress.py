@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.app.cli import main
-from gradmon_ray.app.sweep_progress import (
+from gradmon_ray.app.sweep.progress import (
     MAX_RUN_NAME_LEN,
     fmt4,
     trial_count,
@@ -156,8 +156,8 @@ def test_num_samples_below_one_or_not_a_number_exits_2_with_one_line(raw, messag
 
 
 def test_num_samples_overrides_the_sweep_files(monkeypatch, tmp_path, capsys):
-    import gradmon_ray.app.sweep
-    from gradmon_ray.app.sweep import load_sweep
+    import gradmon_ray.app.sweep.run
+    from gradmon_ray.app.sweep.config import load_sweep
 
     file_samples = load_sweep("tune_configs/vgs_sweep.yaml")[0].num_samples
     seen = {}
@@ -166,7 +166,7 @@ def test_num_samples_overrides_the_sweep_files(monkeypatch, tmp_path, capsys):
         seen["num_samples"] = sweep.num_samples
         return type("Outcome", (), {"parent_run_id": "p", "best": None, "trials": []})()
 
-    monkeypatch.setattr(gradmon_ray.app.sweep, "run_sweep", fake_run_sweep)
+    monkeypatch.setattr(gradmon_ray.app.sweep.run, "run_sweep", fake_run_sweep)
     argv = ["tune", "tune_configs/vgs_sweep.yaml", "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}"]
     main([*argv, "--num-samples", "3"])
     assert seen["num_samples"] == 3 != file_samples

@@ -69,7 +69,7 @@ def test_offline_ok_trains_anyway_and_says_where_the_metrics_are(empty_cwd, caps
     took ends with the replay command, not with 'MLflow run None' and a useless UI hint."""
     from types import SimpleNamespace
 
-    import gradmon_ray.app.train
+    import gradmon_ray.app.train.run
 
     seen = {}
 
@@ -77,7 +77,7 @@ def test_offline_ok_trains_anyway_and_says_where_the_metrics_are(empty_cwd, caps
         seen["uri"] = cfg.mlflow.tracking_uri
         return SimpleNamespace(run_id=None, mlflow_complete=False, checkpoint_path=None, spill_path="s.jsonl")
 
-    monkeypatch.setattr(gradmon_ray.app.train, "run_training", fake_run_training)
+    monkeypatch.setattr(gradmon_ray.app.train.run, "run_training", fake_run_training)
     uri = f"http://alice:Zq9-not-shown@127.0.0.1:{free_port()}"
     assert main(["train", *TINY, "--mlflow-uri", uri, "--set", "mlflow.offline_ok=true"]) == 0
     out, err = capsys.readouterr()
@@ -205,7 +205,8 @@ def test_a_sweep_storage_path_that_can_never_be_written(tmp_path, empty_cwd, cap
 
 
 def test_the_default_checkpoint_root_is_checked_unless_no_checkpoint_is_kept(monkeypatch, tmp_path):
-    from gradmon_ray.app.cli_common import check_checkpoint_dir, writable_dir_problem
+    from gradmon_ray.app.cli_common import writable_dir_problem
+    from gradmon_ray.app.train.command import check_checkpoint_dir
     from gradmon_ray.config import ConfigError, config_from_dict
 
     monkeypatch.chdir("/proc")  # the default ./gradmon-checkpoints can never be made here

@@ -126,7 +126,7 @@ def test_null_allowed_where_documented():
 
 def test_every_field_has_a_doc():
     """Every field of every section, from the JSON schema (what docs and editors read)."""
-    from gradmon_ray.app.sweep import SweepConfig
+    from gradmon_ray.app.sweep.config import SweepConfig
 
     for model in (GradmonConfig, SweepConfig):
         schema = model.model_json_schema()

@@ -28,7 +28,7 @@ def resumable_config(tmp_path: Path, **top: Any) -> GradmonConfig:
 def newest_checkpoint(root: Path, run_id: str | None = None) -> Path:
     """The newest complete checkpoint version under ``root`` (in ``run_id``'s directory if given,
     else in any run's directory, the ``unnamed-*`` ones included)."""
-    from gradmon_ray.app.checkpointing import versions
+    from gradmon_ray.app.train.checkpoints import versions
 
     run_dirs = [root / run_id] if run_id else [p for p in root.iterdir() if p.is_dir()]
     found = [vs for run_dir in run_dirs for vs in versions(run_dir)]
@@ -38,6 +38,6 @@ def newest_checkpoint(root: Path, run_id: str | None = None) -> Path:
 
 def newest_state(root: Path, run_id: str | None = None) -> dict[str, Any]:
     """The resume file of ``newest_checkpoint(root, run_id)``."""
-    from gradmon_ray.app.checkpointing import RESUME_FILE
+    from gradmon_ray.app.train.checkpoints import RESUME_FILE
 
     return json.loads((newest_checkpoint(root, run_id) / RESUME_FILE).read_text())

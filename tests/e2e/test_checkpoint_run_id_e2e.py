@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from mlflow.tracking import MlflowClient
 
-from gradmon_ray.app import checkpointing
-from gradmon_ray.app.resume import resume_point
-from gradmon_ray.app.train import run_training
+from gradmon_ray.app.train import checkpoints
+from gradmon_ray.app.train.resume import resume_point
+from gradmon_ray.app.train.run import run_training
 from gradmon_ray.config import ConfigError
 from gradmon_ray.tracking import MlflowSink
 from tests.e2e.resumable_runs import newest_state, resumable_config
@@ -45,11 +45,11 @@ def _hold_run_creation(monkeypatch: pytest.MonkeyPatch, release: threading.Event
 
 def _checkpoint_run_id(cfg: Any) -> str | None:
     """The run id in the newest checkpoint under ``cfg``'s root, whichever run directory holds it."""
-    return newest_state(checkpointing.checkpoint_root(cfg))["run_id"]
+    return newest_state(checkpoints.checkpoint_root(cfg))["run_id"]
 
 
 def _resume_point(cfg: Any, run_id: str) -> Any:
-    return resume_point(cfg.mlflow.tracking_uri, run_id, checkpointing.checkpoint_root(cfg))[1]
+    return resume_point(cfg.mlflow.tracking_uri, run_id, checkpoints.checkpoint_root(cfg))[1]
 
 
 def test_the_first_checkpoint_waits_for_the_run_it_belongs_to(ray_session, tmp_path, monkeypatch):
@@ -83,7 +83,7 @@ def test_a_checkpoint_saved_before_the_run_exists_gets_its_id_when_the_run_ends(
     cfg = _config(tmp_path)
     release = threading.Event()
     _hold_run_creation(monkeypatch, release)
-    monkeypatch.setattr(checkpointing, "RUN_ID_WAIT_S", 0.2)
+    monkeypatch.setattr(checkpoints, "RUN_ID_WAIT_S", 0.2)
     ids: list[str | None] = []
 
     def progress(line: str) -> None:
@@ -91,14 +91,14 @@ def test_a_checkpoint_saved_before_the_run_exists_gets_its_id_when_the_run_ends(
         if line.startswith(f"iter {ITERATIONS}/"):
             release.set()
 
-    with caplog.at_level(logging.WARNING, logger=checkpointing.__name__):
+    with caplog.at_level(logging.WARNING, logger=checkpoints.__name__):
         outcome = run_training(cfg, progress=progress)
     assert ids == [None] * ITERATIONS
-    warnings = [r.getMessage() for r in caplog.records if r.name == checkpointing.__name__]
+    warnings = [r.getMessage() for r in caplog.records if r.name == checkpoints.__name__]
     assert len(warnings) == 1 and "written before MLflow created the run" in warnings[0]
     assert outcome.run_id is not None and outcome.mlflow_complete
     assert _checkpoint_run_id(cfg) == outcome.run_id
-    root = checkpointing.checkpoint_root(cfg)
+    root = checkpoints.checkpoint_root(cfg)
     assert (root / outcome.run_id).is_dir() and not list(root.glob("unnamed-*"))  # moved, nothing left behind
     assert _resume_point(cfg, outcome.run_id).iterations_done == ITERATIONS
 
@@ -111,7 +111,7 @@ def test_runs_sharing_a_checkpoint_dir_each_resume_from_their_own(ray_session, t
     earlier = run_training(cfg, progress=None)
     later = run_training(cfg, progress=None)
     assert earlier.run_id != later.run_id
-    root = checkpointing.checkpoint_root(cfg)
+    root = checkpoints.checkpoint_root(cfg)
     for outcome in (earlier, later):
         assert newest_state(root, outcome.run_id)["run_id"] == outcome.run_id
         point = _resume_point(cfg, outcome.run_id)
@@ -124,7 +124,7 @@ def test_a_run_stopped_before_its_first_checkpoint_leaves_the_previous_runs_chec
     not write its id into that checkpoint (``--resume`` would then continue it from the other
     run's weights); the other run still resumes from it, this one is refused."""
     earlier = run_training(_config(tmp_path), progress=None)
-    root = checkpointing.checkpoint_root(_config(tmp_path))
+    root = checkpoints.checkpoint_root(_config(tmp_path))
     before = {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
     def ctrl_c(line: str) -> None:

@@ -20,7 +20,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.app.train import run_training
+from gradmon_ray.app.train.run import run_training
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.envs import FactoredOpsEnv
 from gradmon_ray.rllib.module import resolve_heads

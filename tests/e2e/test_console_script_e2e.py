@@ -34,8 +34,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.app.checkpointing import LATEST, RESUME_FILE
 from gradmon_ray.app.ray_noise import RAY_ACTOR_RESTART_NOTICE
+from gradmon_ray.app.train.checkpoints import LATEST, RESUME_FILE
 from tests.e2e.in_process import CliResult, run_cli
 from tests.e2e.processes import BIN, clean_env, kill_group
 

@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.app.cli import main
-from gradmon_ray.app.train import run_training
+from gradmon_ray.app.train.run import run_training
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.tracking import MlflowSink
 from gradmon_ray.tracking.spill import read_spill

@@ -31,7 +31,7 @@ from matplotlib.image import imread
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.app.train import run_training
+from gradmon_ray.app.train.run import run_training
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.viz.plots import ENTROPY_FILE, HEATMAP_FILE, LINES_FILE, lines_figure
 from gradmon_ray.viz.report import PLOTS_ARTIFACT_DIR

@@ -23,7 +23,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.app.sweep import PARENT_RUN_TAG, TRIAL_STATE_FILE, SweepConfig, run_sweep
+from gradmon_ray.app.sweep.config import SweepConfig
+from gradmon_ray.app.sweep.run import run_sweep
+from gradmon_ray.app.sweep.trials import PARENT_RUN_TAG, TRIAL_STATE_FILE
 from tests.e2e.processes import free_port
 
 pytestmark = pytest.mark.e2e

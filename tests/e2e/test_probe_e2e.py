@@ -10,7 +10,7 @@ import ray
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.app.train import run_training
+from gradmon_ray.app.train.run import run_training
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.probe.actor import PROBE_ACTOR_PREFIX
 

@@ -23,7 +23,7 @@ import tree
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.app.train import run_training
+from gradmon_ray.app.train.run import run_training
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.probe.client import LossSettings
 from gradmon_ray.rllib.learner import GradmonPPOTorchLearner

@@ -15,9 +15,9 @@ from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.app import cli
-from gradmon_ray.app.checkpointing import LATEST, RESUME_FILE
-from gradmon_ray.app.resume import CHECKPOINT_ROOT_ENV, resume_point
-from gradmon_ray.app.train import CheckpointStateMismatchError, run_training
+from gradmon_ray.app.train.checkpoints import LATEST, RESUME_FILE, CheckpointStateMismatchError
+from gradmon_ray.app.train.resume import CHECKPOINT_ROOT_ENV, resume_point
+from gradmon_ray.app.train.run import run_training
 from tests.e2e.resumable_runs import newest_checkpoint, newest_state, resumable_config
 
 pytestmark = pytest.mark.e2e

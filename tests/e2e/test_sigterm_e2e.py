@@ -19,7 +19,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.app.checkpointing import LATEST, RESUME_FILE
+from gradmon_ray.app.train.checkpoints import LATEST, RESUME_FILE
 from tests.e2e.processes import BIN, SMALL_TRAIN_ARGS, clean_env, kill_group
 
 pytestmark = pytest.mark.e2e

@@ -16,7 +16,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.app.sweep import PARENT_RUN_TAG, SweepConfig, run_sweep
+from gradmon_ray.app.sweep.config import SweepConfig
+from gradmon_ray.app.sweep.run import run_sweep
+from gradmon_ray.app.sweep.trials import PARENT_RUN_TAG
 from gradmon_ray.envs import HEAD_NAMES
 from gradmon_ray.telemetry.bands import worst_head
 from tests.e2e.in_process import run_cli
@@ -58,7 +60,7 @@ def sweep(ray_session, tmp_path_factory):
     process, on the session's Ray (2 grid points x 1 sample = 2 trials, one after the other); every
     line it prints is recorded as it comes, with the time and how many trial runs MLflow held then.
     The console script itself, in a process of its own, is tests/e2e/test_console_script_e2e.py."""
-    from gradmon_ray.app import tune_command
+    from gradmon_ray.app.sweep import command as tune_command
 
     tmp = tmp_path_factory.mktemp("sweep")
     (tmp / "heads.yaml").write_text(SWEEP_FILE)
@@ -299,7 +301,7 @@ def test_a_killed_learner_actor_resumes_byte_equal_and_mlflow_has_each_iteration
     import json
     import pickle
 
-    from gradmon_ray.app.sweep import TRIAL_STATE_FILE
+    from gradmon_ray.app.sweep.trials import TRIAL_STATE_FILE
     from gradmon_ray.rllib.learner import GRADMON_STATE_KEYS
     from gradmon_ray.telemetry.state_digest import state_digest
 

@@ -14,7 +14,7 @@ from ray.tune.registry import register_env
 from rich.console import Console
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.app.train import run_training
+from gradmon_ray.app.train.run import run_training
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.envs import HEAD_NAMES, FactoredOpsEnv, register_builtin_env
 from gradmon_ray.viz.panel import watch

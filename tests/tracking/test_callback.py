@@ -28,7 +28,7 @@ from ray import cloudpickle as ray_cloudpickle
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.app.cli import main as cli_main
-from gradmon_ray.app.train import reported_head_order
+from gradmon_ray.app.head_order import reported_head_order
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.rllib.config import build_ppo_config
 from gradmon_ray.tracking import GradmonMLflowCallback

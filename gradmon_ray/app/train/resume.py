@@ -1,7 +1,7 @@
 """``gradmon-ray train --resume RUN_ID``: continue an interrupted run in the same MLflow run.
 
 With ``checkpoint_every: N``, ``train`` saves resumable checkpoints into
-``<checkpoint_dir>/<run id>/`` (``checkpointing``) and tags the run with the checkpoint root
+``<checkpoint_dir>/<run id>/`` (``checkpoints``) and tags the run with the checkpoint root
 (``gradmon.checkpoint_dir``).  ``--resume RUN_ID`` finds the run's newest complete checkpoint,
 restores it (the learner-state digest is checked, as for Tune trial restarts), reopens the same
 MLflow run and trains the remaining iterations; iterations the interrupted attempt had already
@@ -28,16 +28,34 @@ tag points if that is inside the allowed root.  Every path is compared after res
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.app.checkpointing import DEFAULT_CHECKPOINT_DIR, versions
-from gradmon_ray.app.train import ResumePoint, last_logged_iteration
+from gradmon_ray.app.cli_common import TrackingUri
+from gradmon_ray.app.train.checkpoints import DEFAULT_CHECKPOINT_DIR, versions
+from gradmon_ray.app.train.mlflow_run import last_logged_iteration
 from gradmon_ray.config import ConfigError, GradmonConfig, config_from_dict
 
 CHECKPOINT_ROOT_ENV = "GRADMON_CHECKPOINT_DIR"
 """Environment variable naming the checkpoint root ``--resume`` may load from."""
+
+
+@dataclass
+class ResumePoint:
+    """Where a resumed run starts: an RLlib checkpoint and the iterations already done."""
+
+    checkpoint_path: str
+    iterations_done: int
+    health_state: dict[str, int] = field(default_factory=dict)
+    state_digest: str | None = None
+    """``learner_state_digest`` when the checkpoint was written: the restore is checked against it."""
+    logged_through: int = 0
+    """Last iteration the failed attempt logged to MLflow: iterations up to it are not logged again."""
+    checkpoint_root: str | None = None
+    """Where the interrupted run kept its resumable checkpoint (``train --resume``): the resumed run
+    renews it there, wherever it is started from. None: ``checkpoint_root(cfg)``."""
 
 
 def allowed_root(checkpoint_dir: str | Path | None = None) -> Path:
@@ -66,22 +84,20 @@ def find_checkpoint(where: Path, run_id: str) -> tuple[Path, dict[str, Any]]:
     raise ConfigError("--resume", f"no complete checkpoint of run {run_id} in {where}")
 
 
-def resume_run_id(tracking_uri: str, ref: str) -> str:
+def resume_run_id(tracking: TrackingUri, ref: str) -> str:
     """The id of the run ``ref`` names: its id, or a name only one run has (``ConfigError`` otherwise)."""
     from mlflow.tracking import MlflowClient
 
-    from gradmon_ray.tracking.redact import redact_uri
     from gradmon_ray.tracking.store_uri import absolute_tracking_uri
     from gradmon_ray.viz.runs import RunLookupError, resolve_run
 
-    shown = redact_uri(tracking_uri)
     try:
-        return resolve_run(MlflowClient(absolute_tracking_uri(tracking_uri)), run_id=ref).info.run_id
+        return resolve_run(MlflowClient(absolute_tracking_uri(tracking.uri)), run_id=ref).info.run_id
     except RunLookupError as exc:
         if exc.ambiguous:
             raise ConfigError("--resume", str(exc)) from None
         why = "no run has that id or name" if not exc.unreachable else str(exc).split(": ", 1)[-1]
-        raise ConfigError("--resume", f"no run {ref!r} at {shown}: {why}") from None
+        raise ConfigError("--resume", f"no run {ref!r} at {tracking.shown}: {why}") from None
 
 
 def spill_directories(spill_dir: str, checkpoint_dir: str | None, root: Path) -> list[Path]:
@@ -120,22 +136,20 @@ def run_spill_files(run_id: str, directories: list[Path]) -> list[Path]:
     return sorted(found, key=lambda p: found[p])  # the newest file's tags and status are the run's last
 
 
-def deliver_spill(tracking_uri: str, run_id: str, files: list[Path]) -> None:
-    """Replay ``files`` into ``run_id`` at ``tracking_uri``, each exactly once (``replay_spill``);
+def deliver_spill(tracking: TrackingUri, run_id: str, files: list[Path]) -> None:
+    """Replay ``files`` into ``run_id`` at ``tracking``, each exactly once (``replay_spill``);
     ``ConfigError`` naming the file and the replay command when one cannot be delivered."""
-    from gradmon_ray.tracking.redact import redact_uri
     from gradmon_ray.tracking.spill_replay import replay_spill
 
-    shown = redact_uri(tracking_uri)
     for path in files:
         try:
-            result = replay_spill(path, tracking_uri)
+            result = replay_spill(path, tracking.uri)
         except Exception as exc:
             why = (str(exc).splitlines() or [type(exc).__name__])[0][:80]
             raise ConfigError(
                 "--resume",
                 f"could not deliver run {run_id}'s outage spill first ({why}); deliver it with: "
-                f"gradmon-ray replay {path} --tracking-uri {shown}, then resume",
+                f"gradmon-ray replay {path} --tracking-uri {tracking.shown}, then resume",
             ) from None
         print(
             f"gradmon-ray: delivered {result.iterations} iterations of run {run_id} that {path} kept during an outage",
@@ -175,7 +189,10 @@ def _checkpoint_of(run_id: str, tag: str | None, checkpoint_dir: str | Path | No
 
 
 def resume_point(
-    tracking_uri: str, run_id: str, checkpoint_dir: str | Path | None = None, iterations: int | None = None
+    tracking_uri: str | TrackingUri,
+    run_id: str,
+    checkpoint_dir: str | Path | None = None,
+    iterations: int | None = None,
 ) -> tuple[GradmonConfig, ResumePoint]:
     """The config and checkpoint ``run_id`` can continue from (``ConfigError`` when it cannot).
 
@@ -183,25 +200,26 @@ def resume_point(
     ``$GRADMON_CHECKPOINT_DIR``, else where the run's tag points if that is inside
     ``./gradmon-checkpoints``.  The run's spill files are delivered first (``deliver_spill``).  A run
     that has all its iterations (``iterations``: the ``--iterations`` given, else its own) is refused.
+    ``tracking_uri``: the command's ``TrackingUri`` (its masked form made where it entered), or a URI.
     """
     from mlflow.tracking import MlflowClient
 
-    from gradmon_ray.tracking.redact import redact_uri
     from gradmon_ray.tracking.store_uri import absolute_tracking_uri
 
-    client = MlflowClient(absolute_tracking_uri(tracking_uri))
+    tracking = TrackingUri.of(tracking_uri)
+    client = MlflowClient(absolute_tracking_uri(tracking.uri))
     try:
         run = client.get_run(run_id)
     except Exception as exc:
         raise ConfigError(
-            "--resume", f"no run {run_id!r} at {redact_uri(tracking_uri)}: {str(exc).splitlines()[0][:200]}"
+            "--resume", f"no run {run_id!r} at {tracking.shown}: {str(exc).splitlines()[0][:200]}"
         ) from None
     version, state = _checkpoint_of(run_id, run.data.tags.get(mn.TAG_CHECKPOINT_DIR), checkpoint_dir)
     cfg = config_from_dict(state["config"])
     # <root>/<run id>/ckpt-*, or <root>/latest from before per-run directories
     run_root = (version.parent.parent if version.parent.name == run_id else version.parent).absolute()
     spill_dirs = spill_directories(cfg.mlflow.spill_dir, cfg.checkpoint_dir, run_root)
-    deliver_spill(tracking_uri, run_id, run_spill_files(run_id, spill_dirs))  # before "logged through" is read
+    deliver_spill(tracking, run_id, run_spill_files(run_id, spill_dirs))  # before "logged through" is read
     if cfg.checkpoint_dir:  # may be relative to the interrupted run's working directory
         cfg.checkpoint_dir = str(run_root)
     point = ResumePoint(
@@ -209,7 +227,7 @@ def resume_point(
         int(state["iterations_done"]),
         state.get("health", {}),
         state_digest=state["state_digest"],
-        logged_through=last_logged_iteration(tracking_uri, run_id),
+        logged_through=last_logged_iteration(tracking.uri, run_id),
         checkpoint_root=str(run_root),
     )
     _refuse_complete(run_id, client.get_run(run_id).info.status, point, cfg.iterations, iterations)

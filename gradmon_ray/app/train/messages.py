@@ -7,46 +7,51 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from gradmon_ray.app.mlflow_run import RunStarted
-from gradmon_ray.app.resume import allowed_root, find_checkpoint
+from gradmon_ray.app.cli_common import TrackingUri
+from gradmon_ray.app.train.mlflow_run import RunStarted
+from gradmon_ray.app.train.resume import allowed_root, find_checkpoint
 from gradmon_ray.config import ConfigError, default_tracking_uri
-from gradmon_ray.tracking.redact import MASK, redact_uri, uri_secrets
+from gradmon_ray.tracking.redact import MASK, uri_secrets
 
 PREFIX = "gradmon-ray: "
 
 
 class ProgressPrinter:
-    """``run_training``'s ``progress`` for the CLI: prints each line, and the run once it exists."""
+    """``run_training``'s ``progress`` for the CLI: prints each line, and the run once it exists
+    (``tracking``: the command's tracking URI, the run's)."""
+
+    def __init__(self, tracking: TrackingUri) -> None:
+        self.tracking = tracking
 
     def __call__(self, line: str) -> None:
         print(line, flush=True)
 
     def run_started(self, run: RunStarted) -> None:
-        print(started_line(run), flush=True)
+        print(started_line(run, self.tracking.shown), flush=True)
 
 
-def started_line(run: RunStarted) -> str:
-    """``gradmon-ray: MLflow run <id> (<name>) in experiment '<exp>' at <store>`` (credentials masked)."""
-    shown = redact_uri(run.tracking_uri)
+def started_line(run: RunStarted, shown: str) -> str:
+    """``gradmon-ray: MLflow run <id> (<name>) in experiment '<exp>' at <store>`` (``shown``: the run's
+    tracking URI, credentials masked)."""
     if run.run_id is None:
         return f"{PREFIX}MLflow at {shown} has not created the run yet; its iterations wait (spilled) until it does"
     name = f" ({run.run_name})" if run.run_name else ""
     return f"{PREFIX}MLflow run {run.run_id}{name} in experiment '{run.experiment}' at {shown}"
 
 
-def resume_argv(run_id: str, tracking_uri: str, checkpoint_root: str | Path) -> list[str]:
+def resume_argv(run_id: str, tracking: TrackingUri, checkpoint_root: str | Path) -> list[str]:
     """``gradmon-ray train --resume RUN_ID``, plus ``--mlflow-uri`` when the store is not the one a bare
     ``train`` uses here (``default_tracking_uri``; its password masked) and ``--checkpoint-dir`` when
     the checkpoints are not under the root ``--resume`` allows by default (``resume.allowed_root``)."""
     argv = ["gradmon-ray", "train", "--resume", run_id]
-    if tracking_uri != default_tracking_uri():
-        argv += ["--mlflow-uri", redact_uri(tracking_uri)]
+    if tracking.uri != default_tracking_uri():
+        argv += ["--mlflow-uri", tracking.shown]
     if Path(checkpoint_root).resolve() != allowed_root():
         argv += ["--checkpoint-dir", str(Path(checkpoint_root).absolute())]
     return argv
 
 
-def interrupted_lines(outcome: Any, tracking_uri: str, iterations: int) -> list[str]:
+def interrupted_lines(outcome: Any, tracking: TrackingUri, iterations: int) -> list[str]:
     """What to print after Ctrl-C ended a run (``outcome``: a ``TrainingOutcome``): the run id and
     how it ended, and either the command that resumes it or why it cannot be resumed.  The command
     is given only when ``--resume`` will find a complete checkpoint of the run (looked up on disk
@@ -65,7 +70,7 @@ def interrupted_lines(outcome: Any, tracking_uri: str, iterations: int) -> list[
         _, state = find_checkpoint(Path(outcome.checkpoint_root), run_id)
     except ConfigError:
         return [f"{head}; no checkpoint of it was saved yet, so it cannot be resumed: start it again"]
-    argv = resume_argv(run_id, tracking_uri, outcome.checkpoint_root)
+    argv = resume_argv(run_id, tracking, outcome.checkpoint_root)
     lines = [
         f"{head}, checkpointed at iteration {state['iterations_done']}",
         f"{PREFIX}resume it (from this directory) with: {shlex.join(argv)}",
@@ -75,7 +80,7 @@ def interrupted_lines(outcome: Any, tracking_uri: str, iterations: int) -> list[
             f"{PREFIX}iterations MLflow did not take are kept in {outcome.spill_path}: the resume delivers "
             f"them first (or now: gradmon-ray replay {shlex.quote(outcome.spill_path)}); leave the file there till then"
         )
-    if uri_secrets(tracking_uri) and "--mlflow-uri" in argv:
+    if uri_secrets(tracking.uri) and "--mlflow-uri" in argv:
         lines.append(
             f"{PREFIX}the tracking URI's credentials are masked as {MASK} there: put them back in its place, "
             "or set MLFLOW_TRACKING_URI to the URI and leave out --mlflow-uri"

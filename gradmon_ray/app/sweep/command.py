@@ -47,8 +47,9 @@ def num_samples_flag(raw: str | None) -> int | None:
 
 
 def tune_command(args: argparse.Namespace) -> int:
-    from gradmon_ray.app.sweep import load_sweep, run_sweep
-    from gradmon_ray.app.sweep_progress import fmt4, trial_count
+    from gradmon_ray.app.sweep.config import load_sweep
+    from gradmon_ray.app.sweep.progress import fmt4, trial_count
+    from gradmon_ray.app.sweep.run import run_sweep
     from gradmon_ray.config import apply_overrides, config_from_dict
 
     num_samples = num_samples_flag(args.num_samples)  # before the sweep file is even read

@@ -12,7 +12,7 @@ over dotted config fields::
 
 Everything is validated before Ray starts: an unknown key, an unknown config field, a
 malformed search space or a value the run config would reject exits with status 2 and
-one line.  Running a sweep: ``gradmon_ray.app.sweep``.
+one line.  Running a sweep: ``gradmon_ray.app.sweep.run``.
 """
 
 from __future__ import annotations

@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from gradmon_ray.app.cli_common import (
     EXIT_OK,
     add_set_flag,
-    check_checkpoint_dir,
     check_tracking_server,
     filter_startup_noise,
     print_advisories,
     set_overrides,
     use_uri,
+    writable_dir_problem,
 )
 from gradmon_ray.config import ConfigError, GradmonConfig, load_config
-from gradmon_ray.tracking.redact import redact_uri
+
+if TYPE_CHECKING:
+    from gradmon_ray.app.cli_common import TrackingUri
+    from gradmon_ray.app.train.resume import ResumePoint
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,10 +73,11 @@ RESUME_FLAGS = ("--iterations", "--mlflow-uri", "--checkpoint-dir", "--ray-addre
 """What ``--resume`` takes besides the run id; the run keeps its own config otherwise."""
 
 
-def resumed_config(args: argparse.Namespace) -> tuple[GradmonConfig, Any]:
-    """The run's own config with ``--resume``'s flags applied, and its resume point; checked before
-    Ray or MLflow start (``ConfigError``), a local store is never created."""
-    from gradmon_ray.app.resume import resume_point, resume_run_id
+def resumed_config(args: argparse.Namespace) -> tuple[GradmonConfig, ResumePoint, TrackingUri]:
+    """The run's own config with ``--resume``'s flags applied, its resume point and its tracking URI
+    (masked here, where it enters); checked before Ray or MLflow start (``ConfigError``), a local
+    store is never created."""
+    from gradmon_ray.app.train.resume import resume_point, resume_run_id
     from gradmon_ray.config import default_tracking_uri
     from gradmon_ray.tracking.store_check import local_store_problem
 
@@ -81,12 +86,12 @@ def resumed_config(args: argparse.Namespace) -> tuple[GradmonConfig, Any]:
         allowed = ", ".join(RESUME_FLAGS[:-1]) + f" and {RESUME_FLAGS[-1]}"
         raise ConfigError("--resume", f"takes the run's own config; only {allowed} may be given")
     uri = args.mlflow_uri or default_tracking_uri()
-    use_uri(uri)
+    tracking = use_uri(uri)
     problem = local_store_problem(uri, must_exist=True)  # the run is read from it: never create one
     if problem:
         raise ConfigError("--mlflow-uri", problem)
-    args.resume = resume_run_id(uri, args.resume)  # a run name only one run has is taken too; the id from here on
-    cfg, point = resume_point(uri, args.resume, args.checkpoint_dir, iterations=args.iterations)
+    args.resume = resume_run_id(tracking, args.resume)  # a run name only one run has is taken too; the id from here on
+    cfg, point = resume_point(tracking, args.resume, args.checkpoint_dir, iterations=args.iterations)
     done = point.iterations_done
     if args.iterations is not None and args.iterations <= done:
         raise ConfigError(
@@ -99,7 +104,20 @@ def resumed_config(args: argparse.Namespace) -> tuple[GradmonConfig, Any]:
         cfg.iterations = args.iterations
     if args.ray_address is not None:
         cfg.resources.ray_address = args.ray_address
-    return cfg, point
+    return cfg, point, tracking
+
+
+def check_checkpoint_dir(cfg: GradmonConfig, root: str | Path | None = None) -> None:
+    """The checkpoint root a run writes to (``root``, else ``checkpoint_root(cfg)``), checked before
+    Ray or MLflow start: else the first checkpoint fails after a whole iteration, leaving a FAILED run."""
+    from gradmon_ray.app.train.checkpoints import checkpoint_root
+
+    if cfg.checkpoint_every == 0 and not cfg.checkpoint_dir:  # no checkpoint is ever written
+        return
+    problem = writable_dir_problem(Path(root).absolute() if root is not None else checkpoint_root(cfg))
+    if problem:
+        off = "" if cfg.checkpoint_dir else ", or --set checkpoint_every=0 for no resumable checkpoints"
+        raise ConfigError("checkpoint_dir", f"{problem}; give --checkpoint-dir a directory you can write to{off}")
 
 
 def check_up_front(cfg: GradmonConfig, debug: bool, checkpoint_root: str | None = None) -> None:
@@ -117,13 +135,13 @@ def check_up_front(cfg: GradmonConfig, debug: bool, checkpoint_root: str | None 
 
 
 def resume_command(args: argparse.Namespace) -> int:
-    from gradmon_ray.app.mlflow_run import plotter
+    from gradmon_ray.app.ray_start import ray_address_of
     from gradmon_ray.app.resource_wait import ray_address_problem
-    from gradmon_ray.app.train import ray_address_of
+    from gradmon_ray.app.train.mlflow_run import plotter
     from gradmon_ray.tracking import MlflowSink
     from gradmon_ray.tracking.spill import default_spill_path
 
-    cfg, point = resumed_config(args)
+    cfg, point, tracking = resumed_config(args)
     own = cfg.model_copy(update={"restore_from": None})  # the resume point replaces restore_from
     check_up_front(own, args.debug, point.checkpoint_root)  # its checkpoints go on into the run's root
     # train finds an unreachable Ray before it opens its run; a resumed run's sink opens before Ray
@@ -131,13 +149,12 @@ def resume_command(args: argparse.Namespace) -> int:
     if problem:
         field = "--ray-address" if args.ray_address else "resources.ray_address"
         raise ConfigError(field if cfg.resources.ray_address else "RAY_ADDRESS", problem)
-    uri = cfg.mlflow.tracking_uri
     print(
         f"gradmon-ray: resuming run {args.resume} after iteration {point.iterations_done} of {cfg.iterations}",
         flush=True,
     )
     sink = MlflowSink(
-        uri,
+        tracking.uri,
         cfg.mlflow.experiment,
         run_name=cfg.mlflow.run_name,  # the spill file's header: a replay into another store keeps the name
         params=None,
@@ -148,21 +165,21 @@ def resume_command(args: argparse.Namespace) -> int:
         run_id=args.resume,
         end_run=True,
     )
-    outcome = _train(cfg, sink=sink, resume=point)
+    outcome = _train(cfg, tracking, sink=sink, resume=point)
     print(f"gradmon-ray: done. MLflow run {outcome.run_id} (resumed)", flush=True)
     return EXIT_OK
 
 
-def _train(cfg: GradmonConfig, **kwargs: Any) -> Any:
+def _train(cfg: GradmonConfig, tracking: TrackingUri, **kwargs: Any) -> Any:
     """``run_training`` printing its progress; after Ctrl-C, the run id and how to resume it."""
-    from gradmon_ray.app import train
-    from gradmon_ray.app.interrupts import TrainingInterrupted
-    from gradmon_ray.app.train_messages import ProgressPrinter, interrupted_lines
+    from gradmon_ray.app.train import run
+    from gradmon_ray.app.train.interrupts import TrainingInterrupted
+    from gradmon_ray.app.train.messages import ProgressPrinter, interrupted_lines
 
     try:
-        return train.run_training(cfg, progress=ProgressPrinter(), **kwargs)
+        return run.run_training(cfg, progress=ProgressPrinter(tracking), **kwargs)
     except TrainingInterrupted as stop:
-        for line in interrupted_lines(stop.outcome, cfg.mlflow.tracking_uri, cfg.iterations):
+        for line in interrupted_lines(stop.outcome, tracking, cfg.iterations):
             print(line, flush=True)
         raise
 
@@ -170,12 +187,12 @@ def _train(cfg: GradmonConfig, **kwargs: Any) -> Any:
 def train_command(args: argparse.Namespace) -> int:
     if args.resume:
         return resume_command(args)
-    cfg = load_config(args.config, train_overrides(args))
-    use_uri(cfg.mlflow.tracking_uri)  # the config file may hold it too
+    cfg = load_config(args.config, train_overrides(args))  # the one read: passed down from here
+    tracking = use_uri(cfg.mlflow.tracking_uri)  # the config file may hold it too; masked once, here
+    shown = tracking.shown
     check_up_front(cfg, args.debug)
-    shown = redact_uri(cfg.mlflow.tracking_uri)
     print(f"gradmon-ray: training {cfg.iterations} iterations on {cfg.env.id}; MLflow: {shown}", flush=True)
-    outcome = _train(cfg, checked=True)
+    outcome = _train(cfg, tracking, checked=True)
     if outcome.run_id is None:  # MLflow never answered (mlflow.offline_ok): everything is in the spill file
         where = f"; replay it with: gradmon-ray replay {outcome.spill_path}" if outcome.spill_path else ""
         print(f"gradmon-ray: done, but MLflow at {shown} never took the run{where}", flush=True)

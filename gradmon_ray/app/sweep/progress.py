@@ -1,7 +1,7 @@
 """What ``gradmon-ray tune`` prints while a sweep runs, and what it names each trial's MLflow run.
 
 Pure formatting (no Ray): the Tune callback that prints these lines as results arrive is
-``sweep_callback.TrialProgress``.  Every measured number is printed at 4 significant digits
+``sweep.run.TrialProgress``.  Every measured number is printed at 4 significant digits
 (``fmt4``); counts (iterations) as integers.
 """
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.app.checkpointing import checkpoint_root
 from gradmon_ray.app.run_names import default_run_name
+from gradmon_ray.app.train.checkpoints import checkpoint_root
 from gradmon_ray.config import GradmonConfig
 from gradmon_ray.tracking import MlflowSink
 from gradmon_ray.tracking.mlflow_sink import PlotFn

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.app.sweep_progress import trial_run_name
+from gradmon_ray.app.sweep.progress import trial_run_name
 from gradmon_ray.config import apply_overrides, config_from_dict
 from gradmon_ray.tracking.redact import redact_uri
 
@@ -52,34 +52,61 @@ def run_trial(params: dict[str, Any], tracking_uri: str) -> None:
     """
     from ray import tune
 
-    from gradmon_ray.app.checkpointing import RUN_ID_WAIT_S, resume_state
     from gradmon_ray.app.ray_noise import discard_rllib_logdir
-    from gradmon_ray.app.train import ResumePoint, last_logged_iteration, mlflow_params, plotter, run_training
-    from gradmon_ray.tracking import MlflowSink
-    from gradmon_ray.tracking.spill import default_spill_path
+    from gradmon_ray.app.train.run import run_training
 
     meta = params["__gradmon__"]
     overrides = {k: v for k, v in params.items() if k != "__gradmon__"}
     cfg = config_from_dict(apply_overrides(copy.deepcopy(meta["base"]), overrides))
     if cfg.mlflow.tracking_uri == redact_uri(tracking_uri):  # the masked copy of the sweep's own URI
         cfg.mlflow.tracking_uri = tracking_uri
+    resume, run_id = _resume_point(cfg.mlflow.tracking_uri, tune.get_checkpoint())
+    sink = _trial_sink(cfg, meta, overrides, run_id)
+    built: list[Any] = []  # the trial's algorithm, once it reported: its empty ~/ray_results/<dir> goes at the end
+    metric = MetricCarry(meta.get("metric", mn.EPISODE_RETURN_MEAN))
+    report = _tune_reporter(cfg, sink, int(meta["every"]), metric, built)
+    try:
+        run_training(cfg, progress=None, sink=sink, reporter=report, resume=resume)
+    finally:
+        for algo in built:  # stopped by run_training on its way out
+            discard_rllib_logdir(algo)
+        if resume is not None:
+            shutil.rmtree(Path(resume.checkpoint_path).parent, ignore_errors=True)
+
+
+def _resume_point(tracking_uri: str, checkpoint: Any) -> tuple[Any, str | None]:
+    """A retried trial's ``ResumePoint`` and MLflow run id, from Tune's checkpoint copied to a local
+    directory (removed when the trial ends); ``(None, None)`` for a first attempt."""
+    from gradmon_ray.app.train.mlflow_run import last_logged_iteration
+    from gradmon_ray.app.train.resume import ResumePoint
+
+    if checkpoint is None:
+        return None, None
+    local = tempfile.mkdtemp(prefix="gradmon-resume-")
+    with checkpoint.as_directory() as directory:
+        shutil.copytree(directory, local, dirs_exist_ok=True)
+    state = json.loads((Path(local) / TRIAL_STATE_FILE).read_text())
+    run_id = state["run_id"]
+    resume = ResumePoint(
+        str(Path(local) / "algo"),
+        int(state["iterations_done"]),
+        state.get("health", {}),
+        state_digest=state.get("state_digest"),
+        logged_through=last_logged_iteration(tracking_uri, run_id),
+    )
+    return resume, run_id
+
+
+def _trial_sink(cfg: Any, meta: dict[str, Any], overrides: dict[str, Any], run_id: str | None) -> Any:
+    """The trial's MLflow sink: a run nested under the sweep's parent (``run_id``: a retry's own run)."""
+    from ray import tune
+
+    from gradmon_ray.app.train.mlflow_run import mlflow_params, plotter
+    from gradmon_ray.tracking import MlflowSink
+    from gradmon_ray.tracking.spill import default_spill_path
+
     context = tune.get_context()
-    resume, run_id = None, None
-    checkpoint = tune.get_checkpoint()
-    if checkpoint is not None:
-        local = tempfile.mkdtemp(prefix="gradmon-resume-")
-        with checkpoint.as_directory() as directory:
-            shutil.copytree(directory, local, dirs_exist_ok=True)
-        state = json.loads((Path(local) / TRIAL_STATE_FILE).read_text())
-        run_id = state["run_id"]
-        resume = ResumePoint(
-            str(Path(local) / "algo"),
-            int(state["iterations_done"]),
-            state.get("health", {}),
-            state_digest=state.get("state_digest"),
-            logged_through=last_logged_iteration(cfg.mlflow.tracking_uri, run_id),
-        )
-    sink = MlflowSink(
+    return MlflowSink(
         cfg.mlflow.tracking_uri,
         cfg.mlflow.experiment,
         run_name=trial_run_name(meta["sweep"], context.get_trial_id(), overrides),
@@ -92,9 +119,14 @@ def run_trial(params: dict[str, Any], tracking_uri: str) -> None:
         run_id=run_id,
         end_run=True,
     )
-    every = int(meta["every"])
-    metric = MetricCarry(meta.get("metric", mn.EPISODE_RETURN_MEAN))
-    built: list[Any] = []  # the trial's algorithm, once it reported: its empty ~/ray_results/<dir> goes at the end
+
+
+def _tune_reporter(cfg: Any, sink: Any, every: int, metric: MetricCarry, built: list[Any]) -> Any:
+    """``run_training``'s reporter: every iteration to Tune, with a checkpoint every ``every`` and at
+    the end (``built`` gets the algorithm at its first report)."""
+    from ray import tune
+
+    from gradmon_ray.app.train.checkpoints import RUN_ID_WAIT_S, resume_state
 
     def report(iteration: int, metrics: dict[str, float], algo: Any, monitor: Any, stop_reason: str | None) -> None:
         if not built:
@@ -117,10 +149,4 @@ def run_trial(params: dict[str, Any], tracking_uri: str) -> None:
             (Path(directory) / TRIAL_STATE_FILE).write_text(json.dumps(state))
             tune.report(payload, checkpoint=tune.Checkpoint.from_directory(directory))
 
-    try:
-        run_training(cfg, progress=None, sink=sink, reporter=report, resume=resume)
-    finally:
-        for algo in built:  # stopped by run_training on its way out
-            discard_rllib_logdir(algo)
-        if resume is not None:
-            shutil.rmtree(Path(resume.checkpoint_path).parent, ignore_errors=True)
+    return report
