@@ -90,20 +90,36 @@ def test_inputs_undo_the_sum_over_learners_and_minibatches():
 def test_undefined_noise_scale_is_left_out_never_nan():
     """The two-learner FactoredOps run: ``blueprint``'s |G|^2 estimate 2|G_big|^2 - |G_small|^2
     was negative (learner gradients disagreeing) and B_simple was logged as NaN every iteration.
-    These are that run's first-iteration numbers (b_small = 128, 16 minibatches, 2 learners)."""
+    These are that run's first-iteration numbers (b_small = 128, 16 minibatches, 2 learners).
+
+    Oracle: McCandlish et al.'s estimators written out here, b = 128, B = 256:
+    |G|^2 = (B |G_B|^2 - b |G_b|^2) / (B - b) = 2 big - small, tr = (small - big) / (1/b - 1/B) =
+    256 (small - big); EMAs with beta 0.9 from 0 (the bias factor cancels in the ratio)."""
     tracker = NoiseScaleTracker(["op", "blueprint", "global"], beta=0.9)
     k, minibatches, rows = 2, 16, 16 * 128
-    lanes = _lanes([0.092982, 0.081333, 1.0866], [0.057398, 0.039128, 0.60421], 0.5, k, minibatches)
+    small1, big1 = [0.092982, 0.081333, 1.0866], [0.057398, 0.039128, 0.60421]
+    small2, big2 = [0.092982, 0.09, 1.0866], [0.057398, 0.0625, 0.60421]
+
+    def ema_ratio(*iterations: tuple[float, float]) -> float:
+        g2 = trace = 0.0
+        for small, big in iterations:
+            g2, trace = 0.9 * g2 + 0.1 * (2 * big - small), 0.9 * trace + 0.1 * 256 * (small - big)
+        return trace / g2
+
+    name = {i: mn.head_metric(mn.HEAD_NOISE_SCALE, h) for i, h in enumerate(("op", "blueprint"))}
+    lanes = _lanes(small1, big1, 0.5, k, minibatches)
     metrics = mn.noise_scale_metrics(*noise_scales(tracker, lanes, world_size=k, minibatches=minibatches, rows=rows))
-    assert set(metrics) == {mn.head_metric(mn.HEAD_NOISE_SCALE, "op"), mn.GLOBAL_NOISE_SCALE}
-    assert all(math.isfinite(v) for v in metrics.values())
-    assert tracker.g2_ema[1] < 0  # remembered: a later positive estimate must outweigh it
-    g2_op, trace_op = gradient_noise_terms(0.092982, 0.057398, 128, 256)
-    assert metrics[mn.head_metric(mn.HEAD_NOISE_SCALE, "op")] == pytest.approx(trace_op / g2_op)
-    # Once the learners agree on blueprint's direction, its EMA turns positive and it is logged.
-    lanes = _lanes([0.092982, 0.09, 1.0866], [0.057398, 0.0625, 0.60421], 0.5, k, minibatches)
+    assert 2 * big1[1] - small1[1] < 0  # blueprint's |G|^2 estimate: negative, so B_simple is undefined
+    assert set(metrics) == {name[0], mn.GLOBAL_NOISE_SCALE}  # left out, not NaN
+    assert metrics[name[0]] == pytest.approx(ema_ratio((small1[0], big1[0])), rel=1e-9)
+    assert metrics[mn.GLOBAL_NOISE_SCALE] == pytest.approx(ema_ratio((small1[2], big1[2])), rel=1e-9)
+    # Once the learners agree on blueprint's direction, its EMA turns positive and it is logged, the
+    # negative first estimate still in it (remembered, not dropped: 520.1 here, 201.1 without it).
+    lanes = _lanes(small2, big2, 0.5, k, minibatches)
     metrics = mn.noise_scale_metrics(*noise_scales(tracker, lanes, world_size=k, minibatches=minibatches, rows=rows))
-    assert math.isfinite(metrics[mn.head_metric(mn.HEAD_NOISE_SCALE, "blueprint")])
+    assert set(metrics) == {name[0], name[1], mn.GLOBAL_NOISE_SCALE}
+    for i, key in ((0, name[0]), (1, name[1]), (2, mn.GLOBAL_NOISE_SCALE)):
+        assert metrics[key] == pytest.approx(ema_ratio((small1[i], big1[i]), (small2[i], big2[i])), rel=1e-9), key
 
 
 def test_no_minibatches_or_rows_fold_nothing():
