@@ -35,7 +35,6 @@ from gradmon_ray.losses.ppo import explained_variance, ppo_loss_from_batch
 from gradmon_ray.losses.regularizers import resolve_regularizer
 from gradmon_ray.optim import UPGD
 from gradmon_ray.probe.client import LossSettings, ModuleProbe, ProbeClient, ProbeRequest
-from gradmon_ray.rllib.fault_injection import with_nan_head
 from gradmon_ray.rllib.monitor import (
     GRADMON_STATE_KEYS,
     NOISE_STATE_KEY,
@@ -106,6 +105,17 @@ class GradmonPPOTorchLearner(compat.TrainBatchHook, with_gradmon(PPOTorchLearner
             optimizer = torch.optim.Adam(params, fused=fused) if fused else torch.optim.Adam(params)
         self.register_optimizer(module_id=module_id, optimizer=optimizer, params=params, lr_or_lr_schedule=config.lr)
 
+    @property
+    def probe_client(self) -> ProbeClient | None:
+        """Rank 0's client of the GradientProbe actor (None: probe off, or another rank)."""
+        return self._probe
+
+    def logits_for_loss(self, module_id: ModuleID, logits: torch.Tensor) -> torch.Tensor:
+        """The action-distribution inputs module ``module_id``'s loss (and its per-head log-probs)
+        uses this minibatch: the module's own by default.  A subclass may replace them (the tests'
+        fault injection makes one head's NaN, ``tests/rllib/fault_injection.py``)."""
+        return logits
+
     @override(PPOTorchLearner)
     def compute_loss_for_module(
         self, *, module_id: ModuleID, config: PPOConfig, batch: dict[str, Any], fwd_out: dict[str, TensorType]
@@ -114,10 +124,7 @@ class GradmonPPOTorchLearner(compat.TrainBatchHook, with_gradmon(PPOTorchLearner
         # the per-head log-probs it computes on the way.
         module = self.module[module_id].unwrapped()
         logits = fwd_out[Columns.ACTION_DIST_INPUTS]
-        head = self.gradmon.fault_injection.nan_logits_head(self._collective.rank, self.gradmon_iteration + 1)
-        if head is not None:
-            layout = module.head_layout
-            logits = with_nan_head(logits, layout.names, layout.sizes, head)
+        logits = self.logits_for_loss(module_id, logits)
         terms = ppo_loss_from_batch(
             module,
             batch,

@@ -36,6 +36,7 @@ module's id (``window=1``): ``result["learners"][module_id]``.  Names: ``gradmon
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -98,12 +99,16 @@ class GradmonMonitor(
         self._updates_since_report = 0
 
     def _attach(self, module_id: ModuleID, monitor: ModuleTelemetry) -> None:
-        """What a monitor needs once the modules are distributed: the noise-scale hook, fault hooks."""
+        """What a monitor needs once the modules are distributed: the noise-scale hook, a subclass's tensor hooks."""
         averaged = self.gradient_average is not None
         monitor.setup_noise_scale(self.module[module_id], self.gradmon, self._collective.active, averaged=averaged)
-        self._hook_handles += self.gradmon.fault_injection.install_grad_hooks(
-            monitor.groups, global_rank(), lambda: self.gradmon_iteration + 1
-        )
+        self._hook_handles += self.head_gradient_hooks(module_id, monitor.groups)
+
+    def head_gradient_hooks(self, module_id: ModuleID, groups: Mapping[str, Sequence[Any]]) -> list[Any]:
+        """Tensor hooks a subclass puts on module ``module_id``'s head parts (``groups``: head name ->
+        its ``HeadPart``s) once the modules are distributed; return their handles, which ``shutdown``
+        removes.  Default: none (the tests' fault injection, ``tests/rllib/fault_injection.py``, uses it)."""
+        return []
 
     @override(Learner)
     def configure_optimizers(self) -> None:

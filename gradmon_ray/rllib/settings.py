@@ -17,7 +17,6 @@ from typing import Any
 
 from gradmon_ray.head_labels import check_name
 from gradmon_ray.optim.upgd import UPGD
-from gradmon_ray.rllib.fault_injection import FaultInjection
 from gradmon_ray.rllib.settings_parsing import (
     FULL_LEARNER_KEYS,
     LEARNER_CONFIG_KEY,
@@ -145,8 +144,6 @@ class GradmonSettings:
     regularizers: tuple[Mapping[str, Any], ...] = ()
     """``GradmonPPOTorchLearner``: ``{"name", "fn", "weight", "enabled"}`` terms added to the loss."""
     probe: ProbeSettings = field(default_factory=ProbeSettings)
-    fault_injection: FaultInjection = field(default_factory=FaultInjection)
-    """Tests only: see ``gradmon_ray.rllib.fault_injection``."""
 
     @classmethod
     def allowed_keys(cls, *, full_learner: bool) -> list[str]:
@@ -210,7 +207,6 @@ class GradmonSettings:
             ),
             regularizers=regularizers(data.get("regularizers")),
             probe=ProbeSettings.from_dict(data.get("probe")),
-            fault_injection=FaultInjection.from_dict(mapping(data.get("fault_injection"), where("fault_injection"))),
         )
 
     def for_module(self, module_id: str) -> ModuleSettings:

@@ -11,6 +11,7 @@ import pytest
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.rllib import build_ppo_config
+from tests.rllib.fault_injection import with_faults
 
 pytestmark = pytest.mark.e2e
 
@@ -54,7 +55,7 @@ def test_two_learners_two_modules_one_collective_per_step(ray_session):
         }
     )
     ppo = build_ppo_config(cfg)
-    ppo.learner_config_dict["gradmon"]["fault_injection"] = {"nan_logits": {"rank": 1, "head": "tempo", "iteration": 2}}
+    ppo = with_faults(ppo, {"nan_logits": {"rank": 1, "head": "tempo", "iteration": 2}})
     algo = ppo.build_algo()
     try:
         results = [algo.train() for _ in range(3)]

@@ -27,6 +27,7 @@ import pytest
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.rllib import build_ppo_config
+from tests.rllib.fault_injection import with_faults
 
 pytestmark = pytest.mark.e2e
 
@@ -110,13 +111,14 @@ def schedule(ray_session) -> dict[str, Any]:
         }
     )
     ppo = build_ppo_config(cfg)
-    ppo.learner_config_dict["gradmon"]["fault_injection"] = {
+    faults = {
         "grad": [
             {"rank": 1, "head": "slot", "iteration": NAN_GRAD, "value": "nan"},
             {"rank": 0, "head": "op", "iteration": INF_GRAD, "value": "inf"},
         ],
         "nan_logits": {"rank": 1, "head": "tempo", "iteration": NAN_LOGITS},
     }
+    ppo = with_faults(ppo, faults)
     algo = ppo.build_algo()
 
     def states() -> list[dict]:

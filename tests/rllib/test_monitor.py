@@ -25,6 +25,7 @@ from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
 from gradmon_ray import compat
 from gradmon_ray.rllib import with_gradmon
+from tests.rllib.fault_injection import with_faults
 from tests.rllib.stock_oracle import stock_head_norms
 from tests.rllib.user_module import TinyActorCritic, default_ppo_module
 
@@ -164,7 +165,7 @@ def test_torch_skip_nan_gradients_is_honoured(skip):
     """True: the non-finite minibatch is skipped (weights unchanged); False (RLlib's default): the
     gradients go through nan_to_num and the step is taken, as in stock RLlib; counts exact either way."""
     fault = {"grad": [{"rank": 0, "head": "pi", "iteration": 1, "value": "nan"}]}
-    config = _config("ppo", with_gradmon(PPOTorchLearner), {"heads": HEADS, "fault_injection": fault})
+    config = with_faults(_config("ppo", with_gradmon(PPOTorchLearner), {"heads": HEADS}), fault)
     config = config.framework(torch_skip_nan_gradients=skip)
     learner = config.build_learner(spaces=SPACES)
     runner = SingleAgentEnvRunner(config=config)
@@ -242,7 +243,9 @@ def test_default_module_latches_per_action_component(space, names):
 
 def test_shutdown_removes_the_tensor_hooks_it_installed():
     fault = {"grad": [{"rank": 0, "head": "pi", "iteration": 99, "value": "nan"}]}
-    learner = _build({"heads": HEADS, "fault_injection": fault})
+    learner = with_faults(_config("ppo", with_gradmon(PPOTorchLearner), {"heads": HEADS}), fault).build_learner(
+        spaces=SPACES
+    )
     first_pi = next(p for n, p in learner.module[MID].unwrapped().named_parameters() if n.startswith("pi."))
     assert len(first_pi._backward_hooks) == 1
     learner.shutdown()

@@ -27,11 +27,11 @@ from ray.rllib.algorithms.ppo import PPOConfig
 from ray.rllib.core.columns import Columns
 from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
-from gradmon_ray.rllib.fault_injection import FaultInjection
 from gradmon_ray.rllib.head_health import head_sizes
 from gradmon_ray.rllib.heads import action_heads, head_parameter_groups, latch_heads
 from gradmon_ray.telemetry import GradientNormPlan, per_head_grad_norms
 from gradmon_ray.telemetry.head_norms import ParamRows
+from tests.rllib.fault_injection import FaultInjection
 from tests.rllib.user_module import TinyActorCritic
 
 ALGOS = {"ppo": PPOConfig, "appo": APPOConfig, "impala": IMPALAConfig}

@@ -1,24 +1,33 @@
 """Fault injection for tests: NaN logits or a non-finite gradient element on one rank, one iteration.
 
-``learner_config_dict["gradmon"]["fault_injection"]``:
+Not shipped: a test wraps the learner class (``faulty(cls)``, or ``with_faults(config, faults)``
+on an ``AlgorithmConfig``) and puts the faults in ``learner_config_dict["fault_injection"]``
+(beside gradmon's own ``"gradmon"`` entry, which refuses unknown keys):
 
 - ``{"nan_logits": {"rank", "head", "iteration"}}``: the logits of ``head`` are NaN on that
-  rank in that (1-based) iteration (``GradmonPPOTorchLearner`` with ``FactoredActorCritic``);
+  rank in that (1-based) iteration (``GradmonPPOTorchLearner`` with ``FactoredActorCritic``,
+  through its ``logits_for_loss`` hook);
 - ``{"grad": [{"rank", "head", "iteration", "value"}]}``: ``value`` (``"nan"`` or ``"inf"``) is
   written into one element of the head's first part's gradient on that rank, before DDP's
-  all-reduce (any gradmon learner); for rows of a parameter (``ParamRows``), the first element
-  of the first row, so the fault stays inside that head.
+  all-reduce (any gradmon learner, through its ``head_gradient_hooks`` hook); for rows of a
+  parameter (``ParamRows``), the first element of the first row, so the fault stays inside that head.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from gradmon_ray.rllib.learner import GradmonPPOTorchLearner
+from gradmon_ray.rllib.monitor import global_rank
 from gradmon_ray.telemetry.head_norms import HeadPart, ParamRows
+
+FAULTS_KEY = "fault_injection"
+"""The ``learner_config_dict`` key the faults are read from."""
 
 
 @dataclass(frozen=True)
@@ -101,3 +110,41 @@ def with_nan_head(
     poisoned = logits.clone()
     poisoned[..., start : start + head_sizes[index]] = float("nan")
     return poisoned
+
+
+class FaultInjecting:
+    """Mixin before a gradmon learner: the faults of ``learner_config_dict["fault_injection"]``."""
+
+    @functools.cached_property
+    def faults(self) -> FaultInjection:
+        return FaultInjection.from_dict(self.config.learner_config_dict.get(FAULTS_KEY))  # type: ignore[attr-defined]
+
+    def head_gradient_hooks(self, module_id: str, groups: Mapping[str, Sequence[HeadPart]]) -> list[Any]:
+        hooks = super().head_gradient_hooks(module_id, groups)  # type: ignore[misc]
+        return hooks + self.faults.install_grad_hooks(groups, global_rank(), lambda: self.gradmon_iteration + 1)  # type: ignore[attr-defined]
+
+    def logits_for_loss(self, module_id: str, logits: torch.Tensor) -> torch.Tensor:
+        logits = super().logits_for_loss(module_id, logits)  # type: ignore[misc]
+        head = self.faults.nan_logits_head(self.collective.rank, self.gradmon_iteration + 1)  # type: ignore[attr-defined]
+        if head is None:
+            return logits
+        layout = self.module[module_id].unwrapped().head_layout  # type: ignore[attr-defined]
+        return with_nan_head(logits, layout.names, layout.sizes, head)
+
+
+class FaultyPPOTorchLearner(FaultInjecting, GradmonPPOTorchLearner):
+    """``GradmonPPOTorchLearner`` with the faults (importable by name on the learner actors)."""
+
+
+def faulty(learner_class: type) -> type:
+    """``learner_class`` (a gradmon learner) with the faults of ``learner_config_dict["fault_injection"]``."""
+    if learner_class is GradmonPPOTorchLearner:
+        return FaultyPPOTorchLearner
+    return type(f"Faulty{learner_class.__name__}", (FaultInjecting, learner_class), {})
+
+
+def with_faults(config: Any, faults: Mapping[str, Any]) -> Any:
+    """``config`` (an ``AlgorithmConfig`` with a gradmon learner class) injecting ``faults``."""
+    config.learners(learner_class=faulty(config.learner_class))
+    config.learner_config_dict[FAULTS_KEY] = dict(faults)
+    return config
