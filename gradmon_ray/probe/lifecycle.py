@@ -59,7 +59,7 @@ def flush_probe(algo: Any, timeout_s: float = PROBE_FLUSH_S) -> dict[str, float]
     """
 
     def finish(learner: Any) -> dict[str, float]:
-        client = getattr(learner, "_probe", None)  # GradmonPPOTorchLearner's ProbeClient (rank 0 only)
+        client = getattr(learner, "probe_client", None)  # GradmonPPOTorchLearner's (rank 0 only)
         if client is None:
             return {}
         client.finish(timeout_s)
