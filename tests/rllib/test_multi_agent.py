@@ -77,6 +77,39 @@ def test_per_module_state_round_trips_and_old_single_module_state_loads(eight_mo
             restored.set_state({TELEMETRY_STATE_KEY: state[TELEMETRY_STATE_KEY]["p0"]})
     finally:
         restored.shutdown()
+    # A state written before multi-agent support, built here by hand in that format: ONE module's
+    # telemetry under the key, not keyed by module, and no collapse latch yet.  A single-module
+    # learner loads it into its module; the values read back are the ones written here.
+    single = cartpole_config("ppo", with_gradmon(PPOTorchLearner), gradmon={"heads": HEADS})
+    one = single.build_learner(spaces=spaces_of(single))
+    try:
+        ((mid, monitor),) = one.gradmon_modules.items()
+        heads, latch = list(monitor.tracker.reported_heads), list(monitor.tracker.latch_heads)
+        assert heads and latch  # the premise: something to carry
+        prev = {h: 0.25 * (i + 1) for i, h in enumerate(heads)}
+        old = {
+            "reported_heads": heads,
+            "action_heads": list(monitor.tracker.action_heads),
+            "prev_norms": prev,
+            "skipped_total": 3,
+            "iteration": 7,
+            "latches": {
+                "head_names": latch,
+                "nan": {h: h == latch[0] for h in latch},
+                "inf": {h: False for h in latch},
+                "nan_first_iteration": {latch[0]: 5},
+                "inf_first_iteration": {},
+            },
+        }
+        one.set_state({TELEMETRY_STATE_KEY: old})
+        tracker = one.gradmon_modules[mid].tracker
+        assert tracker.prev_norms == prev and tracker.skipped_total == 3 and tracker.iteration == 7
+        assert one.gradmon_iteration == 7
+        assert tracker.latches.nan == {h: h == latch[0] for h in latch}
+        assert tracker.latches.nan_first_iteration == {latch[0]: 5} and not any(tracker.latches.inf.values())
+        assert one.get_state()[TELEMETRY_STATE_KEY][mid]["prev_norms"] == prev  # saved again: keyed by module
+    finally:
+        one.shutdown()
 
 
 def test_modules_and_per_module_settings():
