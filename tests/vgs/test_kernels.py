@@ -18,8 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradmon_ray.vgs import VarianceGradientScaler
-from gradmon_ray.vgs import kernels
+from gradmon_ray.vgs import VarianceGradientScaler, kernels
 
 MAX_NV = 1e6  # the cap on a normalized variance
 
