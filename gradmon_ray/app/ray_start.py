@@ -25,7 +25,7 @@ def _ensure_ray(cfg: GradmonConfig, address: str | None) -> bool:
     """Start (or connect to) Ray; True if this call started it (so it should shut it down)."""
     import ray
 
-    tune_registry_follows_this_job()  # Ray Tune's registry would keep an earlier job's id: see compat
+    tune_registry_follows_this_job()  # Ray Tune's registry would keep an earlier job's id: see envs.tune_registry
     if ray.is_initialized():
         return False
     kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
