@@ -27,19 +27,23 @@ def test_where_a_ray_address_connects(address, target):
     assert _host_port(address) == target
 
 
-def test_a_ray_address_nothing_answers_at_is_refused_at_once():
+def test_a_ray_address_nothing_answers_at_is_refused_at_once(monkeypatch):
     import socket
     import time
 
     from gradmon_ray.app.resource_wait import ray_address_problem
 
     port = free_port()
-    start = time.monotonic()
+    attempts, sleeps = [], []
+    connect, sleep = socket.create_connection, time.sleep
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: attempts.append(a[0]) or connect(*a, **k))
+    monkeypatch.setattr(time, "sleep", lambda s: sleeps.append(s) or sleep(s))
     assert ray_address_problem(f"127.0.0.1:{port}") == (
         f"cannot reach Ray at 127.0.0.1:{port}: nothing listens on 127.0.0.1:{port}; start the cluster or fix "
         "the address (unset: a local Ray)"
     )
-    assert time.monotonic() - start < 5  # a refusal is final: no 15 s wait
+    assert attempts == [("127.0.0.1", port)] and sleeps == []  # a refusal is final: one try, no wait (no clock)
+    monkeypatch.undo()
     assert "unknown host 'no-such-host.invalid'" in ray_address_problem("no-such-host.invalid:6379")
     with socket.socket() as listening:  # something that accepts the connection passes
         listening.bind(("127.0.0.1", 0))
