@@ -46,9 +46,13 @@ def test_split_credentials_returns_the_uri_byte_for_byte_without_its_user_info()
 
 
 def test_the_credentials_move_to_mlflows_variables(clean_env):
+    """Into the variables MLflow's own client reads (named by ``mlflow.environment_variables``, not
+    by the product's constants: a misspelt name would log in as nobody)."""
+    from mlflow.environment_variables import MLFLOW_TRACKING_PASSWORD, MLFLOW_TRACKING_USERNAME
+
     env: dict[str, str] = {}
     assert credentials_to_environment(USER_URI, env) == "http://127.0.0.1:5999/base?x=1"
-    assert env == {USERNAME_VAR: "alice", PASSWORD_VAR: SECRET}
+    assert env == {MLFLOW_TRACKING_USERNAME.name: "alice", MLFLOW_TRACKING_PASSWORD.name: SECRET}
     again = dict(env)  # the same credentials again (a second callback): accepted, nothing changes
     assert credentials_to_environment(USER_URI, again) == "http://127.0.0.1:5999/base?x=1" and again == env
 
