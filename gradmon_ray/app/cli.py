@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from gradmon_ray.app.cli_common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
-    EXIT_OK,
     EXIT_USAGE,
     check_read_server,
     error_line,
