@@ -150,7 +150,8 @@ def test_a_slow_build_whose_actor_is_placed_is_not_reported(caplog):
     free' after 30 s of a slow build on a loaded 2-core box, whose EnvRunner had its CPU all along."""
     wait = _watched([{"CPU": 2.0}, {"CPU": 1.0}], build_s=1.0, caplog=caplog, wait_s=0.5)
     assert not wait.reported and not wait.gave_up  # past both the report and the give-up time
-    assert caplog.records == []
+    # its own logger's records only: an earlier test's thread (urllib3 retrying a dead MLflow) may log here
+    assert [r.getMessage() for r in caplog.records if r.name == type(wait).__module__] == []
 
 
 def test_a_request_with_no_room_is_reported_then_given_up_on(caplog):
