@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.app import cli
-from gradmon_ray.app.train.checkpoints import LATEST, RESUME_FILE, CheckpointStateMismatchError
+from gradmon_ray.app.train.checkpoints import FINAL, LATEST, RESUME_FILE, CheckpointStateMismatchError
 from gradmon_ray.app.train.resume import CHECKPOINT_ROOT_ENV, resume_point
 from gradmon_ray.app.train.run import run_training
 from tests.e2e.resumable_runs import newest_checkpoint, newest_state, resumable_config
@@ -103,7 +103,8 @@ def test_a_checkpoint_save_that_fails_leaves_the_previous_one_to_resume_from(
     for name in (mn.LEARNERS_UPDATED, mn.GLOBAL_GRAD_NORM):
         assert _steps(client, run.info.run_id, name) == [1, 2, 3], name  # each once, none missing
     assert _on_disk(tmp_path)["iterations_done"] == 3
-    assert sorted(p.name.split("-")[0] for p in run_dir.iterdir()) == ["ckpt", LATEST]  # staging cleared
+    # staging cleared; ``final`` is RLlib's end-of-run checkpoint, in the run's own directory
+    assert sorted(p.name.split("-")[0] for p in run_dir.iterdir()) == ["ckpt", FINAL, LATEST]
 
 
 EXPLODING, STREAK = mn.HEALTH_CODES["exploding"], 5
@@ -171,11 +172,12 @@ def test_resume_refuses_a_checkpoint_whose_learner_state_is_not_the_one_it_was_w
     files = [p for p in (version / "algo").rglob("*") if p.is_file()]
     manifest = {p.relative_to(version / "algo").as_posix(): p.stat().st_size for p in files}
     (version / RESUME_FILE).write_text(json.dumps({**state, "manifest": manifest}))
-    _, point = resume_point(cfg.mlflow.tracking_uri, outcome.run_id)
+    # The run is complete (2 of 2): a resume that trains on (--iterations 3) gets to the digest check.
+    _, point = resume_point(cfg.mlflow.tracking_uri, outcome.run_id, iterations=3)
     assert point.iterations_done == 2
 
     capsys.readouterr()
-    assert cli_resume(outcome.run_id, cfg.mlflow.tracking_uri) == 1
+    assert cli_resume(outcome.run_id, cfg.mlflow.tracking_uri, "--iterations", "3") == 1
     failure = capsys.readouterr().err.strip().splitlines()[-1]
     assert failure.startswith(f"gradmon-ray: run failed: {CheckpointStateMismatchError.__name__}: "), failure
     assert "not the one written with it" in failure
@@ -213,7 +215,7 @@ def test_a_run_resumed_from_another_directory_renews_the_checkpoint_it_came_from
     state = newest_state(root, run.info.run_id)
     assert state["iterations_done"] == 3 and state["run_id"] == run.info.run_id
     assert sorted(p.name for p in elsewhere.iterdir() if "mlflow" not in p.name) == []
-    _, point = resume_point(cfg.mlflow.tracking_uri, run.info.run_id)
+    _, point = resume_point(cfg.mlflow.tracking_uri, run.info.run_id, iterations=4)  # 3 of 3: trained on
     assert point.iterations_done == 3
 
 
