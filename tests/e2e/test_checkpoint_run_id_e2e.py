@@ -49,7 +49,10 @@ def _checkpoint_run_id(cfg: Any) -> str | None:
 
 
 def _resume_point(cfg: Any, run_id: str) -> Any:
-    return resume_point(cfg.mlflow.tracking_uri, run_id, checkpoints.checkpoint_root(cfg))[1]
+    """The point ``--resume RUN_ID --iterations ITERATIONS+1`` continues from (a complete run is
+    refused without a larger ``--iterations``; these tests read which checkpoint it finds)."""
+    root = checkpoints.checkpoint_root(cfg)
+    return resume_point(cfg.mlflow.tracking_uri, run_id, root, iterations=ITERATIONS + 1)[1]
 
 
 def test_the_first_checkpoint_waits_for_the_run_it_belongs_to(ray_session, tmp_path, monkeypatch):

@@ -15,7 +15,8 @@ from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.app import cli
-from gradmon_ray.app.train.checkpoints import FINAL, LATEST, RESUME_FILE, CheckpointStateMismatchError
+from gradmon_ray.app.train.checkpoints import LATEST, RESUME_FILE, CheckpointStateMismatchError
+from gradmon_ray.app.train.final_checkpoint import FINAL
 from gradmon_ray.app.train.resume import CHECKPOINT_ROOT_ENV, resume_point
 from gradmon_ray.app.train.run import run_training
 from tests.e2e.resumable_runs import newest_checkpoint, newest_state, resumable_config

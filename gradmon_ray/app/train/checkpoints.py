@@ -44,20 +44,9 @@ class CheckpointStateMismatchError(RuntimeError):
     """The learner's restored gradmon state differs from the one written with the checkpoint."""
 
 
-FINAL = "final"
-"""The name of a run's end-of-run RLlib checkpoint in its directory (``final_checkpoint_dir``)."""
-
-
 def checkpoint_root(cfg: GradmonConfig) -> Path:
     """Where ``cfg``'s resumable checkpoints go (absolute)."""
     return Path(os.path.abspath(cfg.checkpoint_dir or DEFAULT_CHECKPOINT_DIR))
-
-
-def final_checkpoint_dir(checkpoint_dir: str, run_id: str | None, run_name: str | None) -> Path:
-    """Where a run with ``checkpoint_dir`` set saves RLlib's checkpoint of its end (``restore_from``):
-    ``<checkpoint_dir>/<run id>/final``, beside its resumable versions, so runs sharing a root never
-    overwrite each other's (``unnamed-<run name>`` when MLflow never created the run)."""
-    return Path(os.path.abspath(checkpoint_dir)) / (run_id or f"unnamed-{run_name or 'run'}") / FINAL
 
 
 def learner_state_digest(algo: Any) -> str:

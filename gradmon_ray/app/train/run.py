@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gradmon_ray import metric_names as mn
@@ -23,10 +24,10 @@ from gradmon_ray.app.resource_wait import ResourceWait, requested_resources
 from gradmon_ray.app.train.checkpoints import (
     RUN_ID_WAIT_S,
     CheckpointReporter,
-    final_checkpoint_dir,
     learner_state_digest,
     verify_restored_state,
 )
+from gradmon_ray.app.train.final_checkpoint import publish_final_checkpoint, stage_final_checkpoint
 from gradmon_ray.app.train.interrupts import GracefulInterrupt, TrainingInterrupted
 from gradmon_ray.app.train.mlflow_run import RunStarted, named, open_run_sink, warn_undelivered
 from gradmon_ray.app.train.resume import ResumePoint
@@ -135,6 +136,7 @@ class _TrainingRun:
             reporter = self.checkpoints = CheckpointReporter(cfg, sink.run_id_waiting_once, root=root)
             self.outcome.checkpoint_root = str(self.checkpoints.root)
         self.reporter = reporter
+        self.final_staging: Path | None = None  # RLlib's end-of-run checkpoint until the run id is known
         graceful = self.checkpoints is not None
         self.interrupt = GracefulInterrupt(graceful=graceful)  # Ctrl-C or SIGTERM: see interrupts
         self.signals = ExitStack()
@@ -231,10 +233,10 @@ class _TrainingRun:
         return decision
 
     def save_final(self) -> None:
-        """RLlib's end-of-run checkpoint, in the run's own directory, when ``checkpoint_dir`` is set."""
+        """RLlib's end-of-run checkpoint when ``checkpoint_dir`` is set: staged now, moved into the run's
+        own directory by ``end`` once the run id is known (``final_checkpoint``)."""
         if self.cfg.checkpoint_dir:
-            final = final_checkpoint_dir(self.cfg.checkpoint_dir, self.sink.run_id, self.sink.run_name)
-            self.outcome.checkpoint_path = str(self.algo.save_to_path(str(final)))
+            self.final_staging = stage_final_checkpoint(self.cfg.checkpoint_dir, self.algo)
 
     def end(self) -> None:
         """Whatever happened: the probe flushed, the algorithm stopped, the sink closed with the status."""
@@ -258,6 +260,15 @@ class _TrainingRun:
         if self.checkpoints is not None:
             self.checkpoints.stamp_run_id(outcome.run_id)
             outcome.checkpointed_iteration = self.checkpoints.last_iteration
+        if self.final_staging is not None and self.cfg.checkpoint_dir:
+            try:
+                final = publish_final_checkpoint(
+                    self.final_staging, self.cfg.checkpoint_dir, sink.run_id, sink.run_name
+                )
+                outcome.checkpoint_path = str(final)
+            except OSError as exc:  # on the way out of a finished run: say where it is, never fail the run
+                logger.warning("end-of-run checkpoint left in %s (%s)", self.final_staging, exc)
+                outcome.checkpoint_path = str(self.final_staging)
         outcome.spill_path = str(sink.spill_path) if sink.spill_path is not None else None
         if not outcome.mlflow_complete:
             warn_undelivered(sink)
