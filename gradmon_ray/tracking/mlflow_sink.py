@@ -22,6 +22,7 @@ The writer thread itself (run creation, writes, retries, plots) is ``sink_writer
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -29,7 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gradmon_ray.tracking.redact import install_log_redaction
+from gradmon_ray.tracking.redact import install_log_redaction, uri_secrets
 from gradmon_ray.tracking.sink_spill import CLOSE_GRACE_S, SpillAhead
 from gradmon_ray.tracking.sink_writer import PendingIteration, PlotFn, SinkWriter
 from gradmon_ray.tracking.spill import SpillWriter
@@ -148,6 +149,8 @@ class MlflowSink(SpillAhead, SinkWriter):
         self._ended = threading.Event()  # closing: everything written and the run ended (plots may follow)
         self._waited_for_run = False  # run_id_waiting_once has waited already
         install_log_redaction()  # before the writer logs: MLflow's errors quote the URL, password and all
+        if uri_secrets(tracking_uri):  # MLflow's set_terminated prints the run's URL, login and all, to stdout
+            os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
         self._thread = threading.Thread(target=self._worker, name="gradmon-mlflow-sink", daemon=True)
         self._thread.start()
 

@@ -24,6 +24,7 @@ file) creates it there from the header; the replay records that run in the file
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -99,6 +100,7 @@ class SpillWriter:
         if self._header.get("tracking_uri"):
             self._header["tracking_uri"] = redact_uri(str(self._header["tracking_uri"]))
         self._lock = threading.Lock()
+        self._made_directory = False  # this writer created the spill directory (removed again if left empty)
         self.lines_written = 0
         """Iteration records written (delivery marks and the trailer not counted)."""
         self._spilled: set[int] = set()
@@ -114,6 +116,7 @@ class SpillWriter:
         with self._lock:
             new = not self.path.exists()
             if new:
+                self._made_directory = self._made_directory or not self.path.parent.exists()
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 records = [{"gradmon_spill": SPILL_FORMAT_VERSION, **self._header}, *records]
             append_records(self.path, records)
@@ -163,6 +166,9 @@ class SpillWriter:
         if self.undelivered == 0 and run_done:
             with self._lock:
                 self.path.unlink(missing_ok=True)
+                if self._made_directory:  # a run MLflow took in the end leaves no trace (another run's file stays)
+                    with contextlib.suppress(OSError):
+                        self.path.parent.rmdir()
             self.lines_written = 0
             return
         self.write_trailer(run_id, status)

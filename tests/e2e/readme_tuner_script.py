@@ -38,7 +38,9 @@ def main(tune_dir: str, configured_uri: str | None = None) -> None:
     namespace: dict = {}
     exec(compile(script(tune_dir, configured_uri), "README.md", "exec"), namespace)
     grid = namespace["grid"]
-    print("trials:", *[r.metrics.get("training_iteration") for r in grid], flush=True)
+    done = " ".join(str(r.metrics.get("training_iteration")) for r in grid)
+    sys.stdout.write(f"\ntrials: {done}\n")  # one write: Ray's forwarded trial output shares this stream
+    sys.stdout.flush()
     sys.exit(1 if grid.errors else 0)
 
 

@@ -304,3 +304,19 @@ def test_the_readme_tuner_example_uses_the_password_and_writes_it_nowhere(server
     assert [str(p) for p in pickles if server.marker in _pickled_strings(p)] == []
     assert _files_holding(server.marker, work) == [] and _files_holding(server.marker, ray_tmp) == []
     assert server.marker not in proc.stdout + proc.stderr
+
+
+def test_the_sink_ends_a_run_on_the_server_without_printing_its_login(server, no_credential_env, monkeypatch, capfd):
+    """MLflow's ``set_terminated`` writes "View run ... at: <the URI as given>" to stdout for an HTTP
+    store: with a login in the URI (a library user's sink, or a trial that inherited such a URI),
+    that line carried the password.  The sink turns MLflow's URL printing off for such a URI."""
+    from gradmon_ray.tracking import MlflowSink
+
+    monkeypatch.delenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", raising=False)
+    sink = MlflowSink(server.uri(server.marker), "no-secret-sink", run_name="sink")
+    sink.log_iteration(1, {"loss": 0.5})
+    assert sink.close() is True
+    out, err = capfd.readouterr()
+    assert server.marker not in out + err
+    run = MlflowClient(server.uri(server.marker)).get_run(sink.run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics == {"loss": 0.5}

@@ -266,10 +266,10 @@ def test_end_of_run_flush_counts_the_probe_that_finishes_after_the_last_iteratio
             return [Result(func(self.learner))]
 
     learner = type("Learner", (), {})()
-    learner._probe = ProbeClient(idle_slow_probe, every=1)
+    learner.probe_client = ProbeClient(idle_slow_probe, every=1)  # GradmonPPOTorchLearner's property
     algo = type("Algo", (), {"learner_group": Learners(learner)})()
-    learner._probe.submit(request_template)  # the last iteration's probe: still running (1.5 s)
-    assert learner._probe.metrics()[mn.PROBE_COMPLETED] == 0.0
+    learner.probe_client.submit(request_template)  # the last iteration's probe: still running (1.5 s)
+    assert learner.probe_client.metrics()[mn.PROBE_COMPLETED] == 0.0
     counters = flush_probe(algo)
     assert counters == {
         mn.PROBE_REQUESTS_SENT: 1.0,

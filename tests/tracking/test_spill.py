@@ -419,3 +419,20 @@ def test_spill_lines_are_strict_json_and_non_finite_values_round_trip(tmp_path):
 )
 def test_replayed_iterations_counts_distinct_steps_with_metrics(records, expected):
     assert replayed_iterations(records) == expected
+
+
+def test_a_spill_file_delivered_in_the_end_leaves_no_trace_but_a_directory_it_found(tmp_path):
+    """Spilled while MLflow lagged, then every record delivered and the run ended: the file goes, and
+    the directory too if this writer made it (a healthy run under load left an empty gradmon-spill/);
+    a directory that was there before, or that still holds another run's file, stays."""
+    made, found = tmp_path / "made" / "spill", tmp_path / "found"
+    found.mkdir()
+    (found / "other-run.jsonl").write_text("{}\n")
+    for directory in (made, found):
+        writer = SpillWriter(directory / "r.jsonl", {"tracking_uri": "sqlite:///m.db", "experiment": "e"})
+        writer.write_iterations([(1, 1000, {"loss": 0.5}, {})], run_id="abc", seqs=[1])
+        writer.mark_delivered([1])
+        writer.finish("abc", "FINISHED", run_done=True)
+        assert not (directory / "r.jsonl").exists()
+    assert not made.exists() and (tmp_path / "made").is_dir()  # only what the writer created
+    assert sorted(p.name for p in found.iterdir()) == ["other-run.jsonl"]
