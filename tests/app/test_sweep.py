@@ -142,8 +142,8 @@ def test_cli_tune_takes_set_and_iterations_into_every_trial_base(monkeypatch, tm
 
     seen = {}
 
-    def fake_run_sweep(sweep, base, progress=None):
-        seen["base"] = base
+    def fake_run_sweep(sweep, base, progress=None, cfg=None):
+        seen["base"], seen["cfg"] = base, cfg
         return SimpleNamespace(parent_run_id="p", best=None, trials=[SimpleNamespace(status="finished")])
 
     monkeypatch.setattr(gradmon_ray.app.sweep.run, "run_sweep", fake_run_sweep)
@@ -154,6 +154,7 @@ def test_cli_tune_takes_set_and_iterations_into_every_trial_base(monkeypatch, tm
     cfg = config_from_dict(seen["base"])
     assert cfg.iterations == 2 and cfg.ppo.train_batch_size == 256 and cfg.ppo.minibatch_size == 64
     assert cfg.vgs.enabled  # the sweep file's own base survives
+    assert seen["cfg"] == cfg  # the command's one validation of the base is handed down, not redone
     assert main([*argv, "--set", "ppo.lrr=1"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "ppo.lrr: unknown key" in err, err

@@ -162,7 +162,7 @@ def test_num_samples_overrides_the_sweep_files(monkeypatch, tmp_path, capsys):
     file_samples = load_sweep("tune_configs/vgs_sweep.yaml")[0].num_samples
     seen = {}
 
-    def fake_run_sweep(sweep, base, progress=None):
+    def fake_run_sweep(sweep, base, progress=None, cfg=None):
         seen["num_samples"] = sweep.num_samples
         return type("Outcome", (), {"parent_run_id": "p", "best": None, "trials": []})()
 

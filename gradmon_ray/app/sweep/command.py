@@ -75,7 +75,7 @@ def tune_command(args: argparse.Namespace) -> int:
         f"of {cfg.iterations} iterations",
         flush=True,
     )
-    outcome = run_sweep(sweep, base, progress=lambda line: print(line, flush=True))
+    outcome = run_sweep(sweep, base, progress=lambda line: print(line, flush=True), cfg=cfg)
     best = f"best run {outcome.best.run_id} ({sweep.metric} {fmt4(outcome.best.metric)})" if outcome.best else "no best"
     print(f"gradmon-ray: sweep done; MLflow parent run {outcome.parent_run_id}; {best}", flush=True)
     code, failures = sweep_exit(outcome.trials)

@@ -58,10 +58,13 @@ class SweepOutcome:
     best: TrialSummary | None
 
 
-def run_sweep(sweep: SweepConfig, base: dict[str, Any], *, progress: Any = print) -> SweepOutcome:
+def run_sweep(
+    sweep: SweepConfig, base: dict[str, Any], *, progress: Any = print, cfg: GradmonConfig | None = None
+) -> SweepOutcome:
     """Run the sweep with Ray Tune; one nested MLflow run per trial under a parent run.
 
     ``progress`` (None: silent) gets a line per trial iteration as Tune receives it, then one per trial.
+    ``cfg``: ``base`` already validated (the command's, loaded once); None: validated here.
     """
     import ray
     from mlflow.tracking import MlflowClient
@@ -69,7 +72,7 @@ def run_sweep(sweep: SweepConfig, base: dict[str, Any], *, progress: Any = print
     from gradmon_ray.rllib.config import build_ppo_config
     from gradmon_ray.rllib.preflight import preflight
 
-    cfg = config_from_dict(copy.deepcopy(base))
+    cfg = cfg if cfg is not None else config_from_dict(copy.deepcopy(base))
     preflight(cfg)  # env, model, restore_from: refused before Ray starts or any run exists
     uri = absolute_tracking_uri(cfg.mlflow.tracking_uri)
     base = _trials_base(base, cfg, uri)
