@@ -13,7 +13,7 @@ never the trial's (Tune moves a trial into a temporary directory); a store the C
 refused by ``configured`` on the driver, before Ray or MLflow start.
 
 The settings and their pinning live in ``callback_settings``, what is read off the algorithm in
-``algorithm_info``; their names stay importable from here.
+``algorithm_info``: import their names from there.
 """
 
 from __future__ import annotations
@@ -30,17 +30,15 @@ from typing import Any, ClassVar
 from ray.rllib.callbacks.callbacks import RLlibCallback
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.tracking.algorithm_info import (  # re-exported: their documented home is this module
+from gradmon_ray.tracking.algorithm_info import (
     TAG_TRIAL_DIR,
     config_params,
     create_sqlite_store,
     module_head_order,
     tune_trial_dir_name,
 )
-from gradmon_ray.tracking.callback_settings import (  # re-exported: their documented home is this module
-    DEFAULT_EXPERIMENT,
+from gradmon_ray.tracking.callback_settings import (
     CallbackSettings,
-    absolute_tracking_uri,
     pinned_settings,
 )
 from gradmon_ray.tracking.mlflow_sink import END_PLOTS_S, MlflowSink
@@ -50,18 +48,7 @@ from gradmon_ray.tracking.spill import default_spill_path
 from gradmon_ray.tracking.store_check import local_store_problem
 from gradmon_ray.tracking.uri_credentials import uri_for_this_process
 
-__all__ = [
-    "DEFAULT_EXPERIMENT",
-    "TAG_TRIAL_DIR",
-    "CallbackSettings",
-    "GradmonMLflowCallback",
-    "absolute_tracking_uri",
-    "config_params",
-    "create_sqlite_store",
-    "module_head_order",
-    "pinned_settings",
-    "tune_trial_dir_name",
-]
+__all__ = ["GradmonMLflowCallback"]
 
 logger = logging.getLogger(__name__)
 

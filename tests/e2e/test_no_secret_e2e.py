@@ -34,7 +34,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.tracking.callback import TAG_TRIAL_DIR
+from gradmon_ray.tracking.algorithm_info import TAG_TRIAL_DIR
 from gradmon_ray.tracking.store_check import tracking_server_problem
 from tests.e2e.in_process import CliResult, run_cli
 from tests.e2e.processes import (

@@ -22,7 +22,7 @@ from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.app.cli import main as cli_main
-from gradmon_ray.tracking.callback import TAG_TRIAL_DIR
+from gradmon_ray.tracking.algorithm_info import TAG_TRIAL_DIR
 from gradmon_ray.tracking.mlflow_io import mlflow_value
 from gradmon_ray.tracking.result_metrics import result_to_metrics
 from gradmon_ray.tracking.spill import read_spill

@@ -32,12 +32,14 @@ from gradmon_ray.app.head_order import reported_head_order
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.rllib.config import build_ppo_config
 from gradmon_ray.tracking import GradmonMLflowCallback
-from gradmon_ray.tracking.callback import TAG_TRIAL_DIR, CallbackSettings, absolute_tracking_uri
+from gradmon_ray.tracking.algorithm_info import TAG_TRIAL_DIR
+from gradmon_ray.tracking.callback_settings import CallbackSettings
 from gradmon_ray.tracking.mlflow_io import mlflow_value
 from gradmon_ray.tracking.result_metrics import result_to_metrics
 from gradmon_ray.tracking.spill import read_spill
 from gradmon_ray.tracking.spill_replay import replay_spill
 from gradmon_ray.tracking.store_check import local_store_problem
+from gradmon_ray.tracking.store_uri import absolute_tracking_uri
 from gradmon_ray.viz.report import log_plots
 from tests.fixtures.user_envs import MatchTwoEnv
 
