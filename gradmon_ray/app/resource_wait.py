@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import _thread
 import logging
+import signal
 import socket
 import threading
 import time
@@ -233,6 +234,12 @@ class ResourceWait:
             _thread.interrupt_main()  # the build blocks the main thread; KeyboardInterrupt unblocks it
 
     def __enter__(self) -> ResourceWait:
+        # The give-up raises KeyboardInterrupt in the main thread through Python's SIGINT handler: not
+        # one that only asks to stop after the iteration (run_training's), nor SIGINT ignored (a
+        # backgrounded process, an xdist worker), where interrupt_main does nothing and the wait never ends.
+        self._sigint = None
+        if threading.current_thread() is threading.main_thread():
+            self._sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
         # Read before the build creates any actor: what the run takes from here on is its own placement.
         self._watcher = threading.Thread(target=self._watch, args=(dict(self._free()),), daemon=True)
         self._watcher.start()
@@ -243,5 +250,7 @@ class ResourceWait:
     ) -> None:
         with self._lock:
             self._done.set()
+        if self._sigint is not None:
+            signal.signal(signal.SIGINT, self._sigint)
         if self.gave_up and exc_type is KeyboardInterrupt:
             raise ResourceWaitTimeout(self.message) from None

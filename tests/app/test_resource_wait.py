@@ -154,11 +154,28 @@ def test_a_slow_build_whose_actor_is_placed_is_not_reported(caplog):
     assert [r.getMessage() for r in caplog.records if r.name == type(wait).__module__] == []
 
 
-def test_a_request_with_no_room_is_reported_then_given_up_on(caplog):
-    from gradmon_ray.app.resource_wait import ResourceWaitTimeout
+@pytest.mark.parametrize("sigint", ["ignored", "graceful"])
+def test_a_request_with_no_room_is_reported_then_given_up_on(caplog, sigint):
+    """Given up on through the main thread's SIGINT handler, whatever it was before: SIGINT ignored
+    (a backgrounded process, an xdist worker: interrupt_main then does nothing), or run_training's own
+    handler, which only asks to stop after the iteration; both once left the build waiting forever.
+    The handler is put back afterwards."""
+    import signal
+    from contextlib import ExitStack
 
-    with pytest.raises(ResourceWaitTimeout) as info:
-        _watched([{}], build_s=300.0, caplog=caplog, wait_s=0.6)  # ended by the give-up; long for a loaded box
+    from gradmon_ray.app.resource_wait import ResourceWaitTimeout
+    from gradmon_ray.app.train.interrupts import GracefulInterrupt
+
+    with ExitStack() as stack:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        stack.callback(signal.signal, signal.SIGINT, previous)
+        if sigint == "graceful":
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            stack.enter_context(GracefulInterrupt())
+        before = signal.getsignal(signal.SIGINT)
+        with pytest.raises(ResourceWaitTimeout) as info:
+            _watched([{}], build_s=60.0, caplog=caplog, wait_s=0.6)  # ended by the give-up at 0.6 s
+        assert signal.getsignal(signal.SIGINT) == before
     status = "this run asks for CPU 1, of which CPU 1 is not placed yet; the cluster has CPU 2 in total, CPU 0 free"
     assert str(info.value) == (
         f"gave up after 0.6 s waiting for Ray to place the run's actors (resources.wait_for_resources_s): {status}"
