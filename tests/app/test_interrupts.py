@@ -36,7 +36,8 @@ def test_the_first_ctrl_c_asks_the_second_stops(capfd):
         assert not interrupt.requested
         _sigint()
         assert interrupt.requested  # no exception: the iteration goes on
-        assert "stopping after this iteration, once it is checkpointed" in capfd.readouterr().err
+        notice = "gradmon-ray: Ctrl-C: stopping after this iteration, once it is checkpointed (Ctrl-C again to stop"
+        assert notice in capfd.readouterr().err
         _sigint()
         pytest.fail("the second Ctrl-C must raise")
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -68,6 +69,24 @@ def test_without_checkpoints_sigterm_stops_at_once_and_ctrl_c_keeps_its_own_hand
             _sigterm(interrupt)
         assert not interrupt.requested
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_the_sigterm_handler_ray_init_installs_is_taken_over_but_not_for_sigint():
+    """``ray.init`` makes a driver's SIGTERM ``sys.exit(15)`` (the run would end FAILED): a handler
+    with its module and name is taken over like the default; the same function on SIGINT is someone
+    else's handler and stays."""
+
+    def sigterm_handler(signum, frame):  # Ray's, as ray._private.worker defines it in init()
+        raise SystemExit(signum)
+
+    sigterm_handler.__module__ = "ray._private.worker"
+    signal.signal(signal.SIGTERM, sigterm_handler)
+    with GracefulInterrupt() as interrupt:
+        assert signal.getsignal(signal.SIGTERM) == interrupt._handle
+    assert signal.getsignal(signal.SIGTERM) is sigterm_handler
+    signal.signal(signal.SIGINT, sigterm_handler)
+    with GracefulInterrupt():
+        assert signal.getsignal(signal.SIGINT) is sigterm_handler
 
 
 def test_without_ctrl_c_nothing_is_requested_and_the_handler_is_restored():

@@ -102,3 +102,21 @@ def test_no_pickle_of_the_config_holds_the_password(given, pickler, clean_env, m
     shipped = pickle.loads(blob).callbacks_class
     assert shipped.settings.tracking_uri == "http://127.0.0.1:5999/base?x=1"
     assert (os.environ[USERNAME_VAR], os.environ[PASSWORD_VAR]) == ("alice", SECRET)  # for Ray's workers
+
+
+def test_credentials_moved_while_ray_runs_are_named_in_a_warning(clean_env, monkeypatch, caplog):
+    """Ray's workers got their environment when Ray started: variables set afterwards never reach
+    them, so the move says so (Ray's state is the only thing stubbed here)."""
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    with caplog.at_level("WARNING", logger="gradmon_ray.tracking.uri_credentials"):
+        credentials_to_environment(USER_URI)
+    (record,) = caplog.records
+    assert record.getMessage().startswith(
+        "gradmon: MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD set now, but Ray is already running"
+    )
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gradmon_ray.tracking.uri_credentials"):
+        credentials_to_environment(USER_URI)  # already set: nothing new, nothing to say
+    assert caplog.records == []
