@@ -300,3 +300,41 @@ def test_the_first_checkpoint_with_the_run_id_replaces_the_unnamed_one(learners:
     reporter.stamp_run_id(RUN)  # nothing left to stamp
     assert [p.name for p in root.iterdir()] == [RUN]
     assert find_checkpoint(root, RUN)[1]["iterations_done"] == 2
+
+
+def _version_by_hand(run_dir: Path, name: str, iterations: int, saved_ns: int, *, algo: bool = True) -> Path:
+    """A version directory written by hand: ``algo/`` with one file, and its resume file (manifest)."""
+    version = run_dir / name
+    if algo:
+        (version / "algo").mkdir(parents=True)
+        (version / "algo" / "w.bin").write_bytes(b"\0" * 8)
+    else:
+        version.mkdir(parents=True)
+    state = {"iterations_done": iterations, "saved_ns": saved_ns, "run_id": "r"}
+    if algo:
+        state["manifest"] = {"w.bin": 8}
+    (version / RESUME_FILE).write_text(json.dumps(state))
+    return version
+
+
+def test_the_newest_version_is_the_most_iterations_whatever_its_name_or_save_time(tmp_path):
+    """Ordered by iterations done, then save time: a name that sorts last (a copy renamed by hand) or a
+    later save of fewer iterations (a clock set back) never wins over more iterations."""
+    run_dir = tmp_path / "run"
+    _version_by_hand(run_dir, "ckpt-00000009-x", iterations=3, saved_ns=50)
+    most = _version_by_hand(run_dir, "ckpt-00000007-y", iterations=7, saved_ns=10)
+    same = _version_by_hand(run_dir, "ckpt-00000007-a", iterations=7, saved_ns=20)
+    assert [(v.name, s["iterations_done"]) for v, s in checkpoints.versions(run_dir)] == [
+        ("ckpt-00000009-x", 3),
+        (most.name, 7),
+        (same.name, 7),  # the same iterations: the later save last
+    ]
+    assert checkpoints.newest_version(run_dir)[0] == same
+
+
+def test_a_legacy_latest_directory_without_its_algorithm_is_not_a_version(tmp_path):
+    run_dir = tmp_path / "run"
+    _version_by_hand(run_dir, LATEST, iterations=4, saved_ns=1, algo=False)
+    assert checkpoints.versions(run_dir) == []
+    (run_dir / LATEST / "algo").mkdir()  # the layout before per-run directories, complete
+    assert [s["iterations_done"] for _, s in checkpoints.versions(run_dir)] == [4]
