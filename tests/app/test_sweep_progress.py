@@ -173,3 +173,37 @@ def test_num_samples_overrides_the_sweep_files(monkeypatch, tmp_path, capsys):
     assert "3 trials of 20 iterations" in capsys.readouterr().out
     main(argv)
     assert seen["num_samples"] == file_samples == 8
+
+
+def test_the_value_head_is_the_worst_when_asked_and_a_declared_value_head_is_one():
+    """Asked to, the value head counts: 400 is exploding by the value bands' edges (1e-3 .. 100 by
+    default, checked on the BandSet itself); a head the run declares a value head ('critic') is left
+    out unless asked, like ``value``."""
+    from gradmon_ray.app.sweep.progress import worst_of
+    from gradmon_ray.telemetry.bands import DEFAULT_BANDS
+
+    metrics = {**_metrics(op=0.5, value=400.0), mn.EPISODE_RETURN_MEAN: 0.0}
+    assert DEFAULT_BANDS.value.elevated_max < 400.0  # the premise: exploding for a value head
+    line = trial_progress_line("t_0", 1, 1, metrics, include_value_head=True)
+    assert line.endswith("| worst head value 400 (exploding)")
+    assert worst_of(metrics, DEFAULT_BANDS) == ("op", 0.5, "healthy")  # not asked: the value head left out
+    critic = {**_metrics(op=0.5, critic=400.0), mn.EPISODE_RETURN_MEAN: 0.0}
+    declared = DEFAULT_BANDS.with_value_heads(["critic"])
+    assert worst_of(critic, declared) == ("op", 0.5, "healthy")
+    assert trial_progress_line("t_0", 1, 1, critic, bands=declared).endswith("| worst head op 0.5 (healthy)")
+
+
+def test_the_bands_given_are_the_bands_judged_by():
+    """A run's own edges (telemetry.bands): 0.5 is healthy by the defaults, elevated when the
+    healthy band ends at 0.3."""
+    from gradmon_ray.telemetry.bands import BandSet
+
+    tight = BandSet.from_dict({"action": {"dead_below": 1e-4, "weak_below": 1e-2, "healthy_max": 0.3}})
+    metrics = {**_metrics(op=0.5), mn.EPISODE_RETURN_MEAN: 0.0}
+    assert trial_progress_line("t_0", 1, 1, metrics).endswith("| worst head op 0.5 (healthy)")
+    assert trial_progress_line("t_0", 1, 1, metrics, bands=tight).endswith("| worst head op 0.5 (elevated)")
+
+
+def test_a_trial_a_health_rule_stopped_says_why_in_its_summary():
+    line = trial_summary_line("t_3", "stopped", 2, "m", 1.0, run_id="r3", stop_reason="iteration 2: head 'op' dead")
+    assert line == "trial t_3 stopped | 2 iterations | m 1 | MLflow run r3 | stopped: iteration 2: head 'op' dead"
