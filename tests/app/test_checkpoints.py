@@ -338,3 +338,20 @@ def test_a_legacy_latest_directory_without_its_algorithm_is_not_a_version(tmp_pa
     assert checkpoints.versions(run_dir) == []
     (run_dir / LATEST / "algo").mkdir()  # the layout before per-run directories, complete
     assert [s["iterations_done"] for _, s in checkpoints.versions(run_dir)] == [4]
+
+
+def test_the_resume_state_keeps_the_health_streaks_and_each_version_its_save_time(tmp_path, learners):
+    """What ``--resume`` reads back: the health monitor's own state (its streaks) under ``health``,
+    and in every saved version the save time that orders versions of one iteration."""
+    import time
+
+    class Monitor:  # a health monitor's state, as HealthStopMonitor.state_dict() returns it
+        def state_dict(self) -> dict:
+            return {"streaks": {"op": 3}, "last_iteration": 7}
+
+    state = checkpoints.resume_state(learners.at("a"), 7, "r", Monitor())
+    assert state["health"] == {"streaks": {"op": 3}, "last_iteration": 7} and state["iterations_done"] == 7
+    before = time.time_ns()
+    version = save_checkpoint(tmp_path / "run", 7, lambda p: learners.at("a").save_to_path(str(p)), state)
+    saved = read_version(version)
+    assert saved["health"] == state["health"] and before <= saved["saved_ns"] <= time.time_ns()
