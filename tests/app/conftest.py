@@ -91,3 +91,14 @@ def learners(tmp_path_factory: pytest.TempPathFactory) -> Learners:
     state_b, digest_b = copy.deepcopy(learner.get_state()), learner.gradmon_state_digest()
     assert digest_a != digest_b  # the premise: an update changes the gradmon state
     return Learners(cfg, LocalAlgo(learner), digest_a, digest_b, state_a, state_b, LocalAlgo(build_local_learner(cfg)))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One sqlite MLflow store per test module (creating one costs seconds), with an ``interrupted``
+    experiment; a module that needs another overrides it."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}"
+    MlflowClient(uri).create_experiment("interrupted")
+    return uri

@@ -35,13 +35,6 @@ def _plain_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.chdir(tmp_path)
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> str:
-    uri = f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}"
-    MlflowClient(uri).create_experiment("interrupted")
-    return uri
-
-
 def _run(store: str, root: Path, name: str = "FactoredOps-v0-20250304-120509-ab12") -> str:
     client = MlflowClient(store)
     exp = client.get_experiment_by_name("interrupted")

@@ -30,13 +30,6 @@ def _plain_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.chdir(tmp_path)
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> str:
-    uri = f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}"
-    MlflowClient(uri).create_experiment("interrupted")
-    return uri
-
-
 @pytest.fixture(autouse=True)
 def _no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
     """Ray must not start (``ray.is_initialized()`` may be True from another test in this worker)."""
