@@ -12,7 +12,8 @@
 # the lines other checks parse (`ratio ...`, `arm ...`, pytest's summary).
 #
 # Knobs (environment; defaults sized for ~9 minutes on an H100/H200):
-#   GPU_CHECK_STEPS       steps to run, in order (default: "tests counts tel1 tel8 vgs tel2 ray")
+#   GPU_CHECK_STEPS       steps to run, in order (default: "tests tel8 tel2 counts ray vgs tel1": the
+#                         figures never measured on a GPU first; times in tools/README.md)
 #   GPU_CHECK_DEADLINE_S  script-wide deadline in seconds (default 565: under timeout_s 590)
 #   GPU_CHECK_TEL1_ARGS / _TEL8_ARGS / _TEL2_ARGS / _VGS_ARGS   override a step's benchmark arguments
 #   GPU_CHECK_PYTHON      the interpreter (default python3: the one that holds torch there)
@@ -29,7 +30,7 @@ mkdir -p "$OUT"
 PY=${GPU_CHECK_PYTHON:-python3}
 SITE=${GPU_CHECK_SITE:-/tmp/site}
 DEADLINE=${GPU_CHECK_DEADLINE_S:-565}
-STEPS=${GPU_CHECK_STEPS:-"tests counts tel1 tel8 vgs tel2 ray"}
+STEPS=${GPU_CHECK_STEPS:-"tests tel8 tel2 counts ray vgs tel1"}
 MIN_STEP_S=25 # a step with less time left than this is skipped, not started
 CARRY="$REPO/.devcarry/site.tar.xz"
 SUMMARY="$OUT/summary.txt"
@@ -139,10 +140,10 @@ for step in $STEPS; do
         # pyproject's addopts force xdist's -n 2: cleared here, one process (the GPU tests share a card)
         tests) run_step tests 150 tests.log "$PY" -m pytest -q tests/gpu -o addopts= -p no:xdist -p no:randomly \
             -p no:cacheprovider -rfEs --durations=10 ;;
-        counts) run_step counts 60 counts.log "$PY" "$TEL" --device cuda --counts-only ;;
-        tel1) run_step tel1 170 tel1.log "$PY" "$TEL" --device cuda "${TEL1_ARGS[@]}" ;;
+        counts) run_step counts 75 counts.log "$PY" "$TEL" --device cuda --counts-only ;;
+        tel1) run_step tel1 200 tel1.log "$PY" "$TEL" --device cuda "${TEL1_ARGS[@]}" ;;
         tel8) run_step tel8 180 tel8.log "$PY" "$TEL" --device cuda --agents 8 "${TEL8_ARGS[@]}" ;;
-        vgs) run_step vgs 120 vgs.log "$PY" bench/vgs.py --device cuda "${VGS_ARGS[@]}" ;;
+        vgs) run_step vgs 100 vgs.log "$PY" bench/vgs.py --device cuda "${VGS_ARGS[@]}" ;;
         tel2) run_step tel2 120 tel2.log "$PY" "$TEL" --device cuda --agents 2 "${TEL2_ARGS[@]}" ;;
         # Ray's own processes (gcs_server, raylet) from the carry, and a GPU task through them
         ray) run_step ray 60 env.txt "$PY" -c '
