@@ -112,7 +112,9 @@ _TOOLS = {
     "which",
     "openssl",
 }
-_TORCH_WORKERS = ("torch._inductor", "torch/_inductor", "torchinductor")  # its workers, its .so load check
+_TORCH_WORKERS = tuple(  # its workers, and its .so load check, which names a file under its cache dir
+    filter(None, ("torch._inductor", "torch/_inductor", "torchinductor", os.environ.get("TORCHINDUCTOR_CACHE_DIR")))
+)
 _RAY_FIXTURES = ("ray_session", "without_shared_ray", "lasting_ray_address")
 _RUN_FIRST = "tests/e2e/test_multinode_fault_e2e.py"
 
