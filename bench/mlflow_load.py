@@ -61,8 +61,6 @@ import pwd
 import queue
 import secrets
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -70,7 +68,6 @@ import tempfile
 import threading
 import time
 import traceback
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -79,12 +76,14 @@ from typing import Any, TextIO
 
 from gradmon_ray import metric_names as mn
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for the suite's helpers
+from tests.e2e.processes import BIN, MLFLOW_SERVER_ENV, free_port, kill_group, wait_http
+
 ACTION_HEADS = ("op", "slot", "blueprint", "style", "tempo", "alpha_target", "alpha_speed", "alpha_curve")
 """FactoredOps-v0's action heads (the default config's env), as a real run names them."""
 ADMIN = "admin"
 PG_USER = "gradmon"
 PARAMS = 93  # the params a real `gradmon-ray train` run of the default config logs
-BIN = Path(sys.executable).parent
 SERVER_START_S = 180.0
 STEP_STRIDE = 1000  # value = trial * 1e6 + step * 1e3 + key index: unique and exact as a float64
 
@@ -344,37 +343,6 @@ class TrialPool:
 
 
 # --- servers ----------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    """Wait until ``url`` answers 2xx; raise after ``timeout_s`` or when ``proc`` has ended."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except Exception:
-            if time.monotonic() > deadline or (proc is not None and proc.poll() is not None):
-                raise
-        time.sleep(0.3)
-
-
-def kill_group(proc: subprocess.Popen, grace_s: float = 20) -> None:
-    """SIGTERM the process group ``proc`` leads (a ``start_new_session`` child), SIGKILL after ``grace_s``."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 20.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=wait_s)
-            return
-
-
 def postgres_bin_dir() -> Path | None:
     """Where ``initdb``, ``pg_ctl`` and ``postgres`` are: on PATH, or Debian's /usr/lib/postgresql/<version>/bin."""
     found = shutil.which("initdb")
@@ -481,7 +449,7 @@ def mlflow_server(
     port = free_port()
     argv = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)]
     argv += ["--artifacts-destination", str(root / "artifacts")]
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_BACKEND_STORE_URI": store_uri}
+    env = {**os.environ, **MLFLOW_SERVER_ENV, "MLFLOW_BACKEND_STORE_URI": store_uri}
     if auth != "none":
         argv[2:2] = ["--app-name", "basic-auth"]
         env.update(MLFLOW_AUTH_ADMIN_USERNAME=ADMIN, MLFLOW_AUTH_ADMIN_PASSWORD=password)
@@ -492,7 +460,7 @@ def mlflow_server(
         proc = subprocess.Popen(argv, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         try:
-            wait_http(f"http://127.0.0.1:{port}/health", SERVER_START_S, proc)
+            wait_http(f"http://127.0.0.1:{port}/health", SERVER_START_S, proc=proc)
         except Exception as exc:
             tail = (root / "server.log").read_text()[-3000:]
             raise RuntimeError(f"mlflow server ({backend}) did not start ({exc}):\n{tail}") from None

@@ -48,9 +48,14 @@ def free_port() -> int:
 
 
 def wait_http(
-    url: str, timeout_s: float, headers: dict[str, str] | None = None, ok_codes: tuple[int, ...] = ()
+    url: str,
+    timeout_s: float,
+    headers: dict[str, str] | None = None,
+    ok_codes: tuple[int, ...] = (),
+    proc: subprocess.Popen | None = None,
 ) -> None:
-    """Wait until ``url`` answers 2xx (or one of ``ok_codes``); re-raise the last error after ``timeout_s``."""
+    """Wait until ``url`` answers 2xx (or one of ``ok_codes``); re-raise the last error after ``timeout_s``,
+    or as soon as ``proc`` (the server, if given) has ended."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -59,10 +64,10 @@ def wait_http(
         except urllib.error.HTTPError as err:
             if err.code in ok_codes:
                 return
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or (proc is not None and proc.poll() is not None):
                 raise
         except Exception:
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or (proc is not None and proc.poll() is not None):
                 raise
         time.sleep(0.5)
 
