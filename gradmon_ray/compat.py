@@ -31,7 +31,7 @@ Private uses kept here (Ray 2.60 / torch 2.x):
 - ``torch._utils._flatten_dense_tensors`` (``flatten_dense``): torch has no public one-call flatten.
 - ``torch.utils._python_dispatch.TorchDispatchMode`` (``torch_dispatch_mode``): exported nowhere public.
 - ``torch._foreach_norm``, ``torch._foreach_mul_``, ``_foreach_copy_``, ``_foreach_sub_``,
-  ``_foreach_add_`` (the ``foreach_*`` functions): torch has no public per-tensor norm list or
+  ``_foreach_add_``, ``_foreach_clamp_max`` (the ``foreach_*`` functions): torch has no public per-tensor norm list or
   in-place list ops; ``clip_grad_norm_`` uses the same kernels.  ``clip_grads_with_norm_`` is
   public but multiplies by ``max_norm / (total_norm + 1e-6)``, which is not a given factor bit
   for bit, so it does not replace ``_foreach_mul_`` here.
@@ -206,9 +206,15 @@ def is_rays_driver_sigterm_handler(handler: Any) -> bool:
     )
 
 
-def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor's 2-norm, as one fused kernel per device and dtype (what ``clip_grad_norm_`` runs)."""
-    return list(torch._foreach_norm(tensors))
+def foreach_norm(tensors: list[torch.Tensor], ord: float = 2.0) -> list[torch.Tensor]:
+    """Each tensor's ``ord``-norm (1, 2 or inf: CUDA's fused route), as one fused kernel per device
+    and dtype (what ``clip_grad_norm_`` runs)."""
+    return list(torch._foreach_norm(tensors, ord))
+
+
+def foreach_clamp_max(tensors: list[torch.Tensor], bound: float) -> list[torch.Tensor]:
+    """Each tensor clamped at ``bound`` from above, as new tensors, in one multi-tensor op."""
+    return list(torch._foreach_clamp_max(tensors, bound))
 
 
 def torch_dispatch_mode() -> type:

@@ -22,7 +22,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from gradmon_ray.telemetry.accumulator import IterationAccumulator, StackedNorms, reduce_and_copy
+from gradmon_ray.telemetry.accumulator import IterationAccumulator, reduce_and_copy
+from gradmon_ray.telemetry.norm_records import StackedNorms
 
 logger = logging.getLogger(__name__)
 

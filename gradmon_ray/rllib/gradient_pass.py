@@ -22,7 +22,8 @@ from ray.rllib.utils.typing import ModuleID, ParamDict
 
 from gradmon_ray.rllib.module_telemetry import FoundInfFlags
 from gradmon_ray.telemetry import GradientNormPlan, GradientNorms
-from gradmon_ray.telemetry.accumulator import NormRecords
+from gradmon_ray.telemetry.norm_plan import PackedNorms
+from gradmon_ray.telemetry.norm_records import NormRecords
 
 
 class GradmonGradientPass:
@@ -32,15 +33,13 @@ class GradmonGradientPass:
         """ONE norm plan and ONE record list for all monitored modules (per minibatch: one pass, one append)."""
         monitors = list(self._monitors.values())
         self._norm_plan = GradientNormPlan.for_modules([(m.groups, m.params) for m in monitors])
-        self._norm_records = NormRecords(self._norm_plan.slots)
-        self._pending_norms: GradientNorms | None = None
-        self._measured_for_modules = False
-        self._postprocessed: set[ModuleID] = set()
         skip = bool(self.config.torch_skip_nan_gradients)
         # Per module, whether a non-finite minibatch counts as skipped here (a GradScaler counts its own).
-        self._skip_mask = torch.tensor(
-            [float(skip and m.grad_scaler is None) for m in monitors], device=self.device or "cpu"
-        )
+        skip_mask = torch.tensor([float(skip and m.grad_scaler is None) for m in monitors], device=self.device or "cpu")
+        self._norm_records = NormRecords(self._norm_plan.slots, skip_mask)
+        self._pending_norms: PackedNorms | None = None
+        self._measured_for_modules = False
+        self._postprocessed: set[ModuleID] = set()
 
     @override(Learner)
     def postprocess_gradients(self, gradients_dict: ParamDict) -> ParamDict:
@@ -68,7 +67,7 @@ class GradmonGradientPass:
             module_id=module_id, config=config, module_gradients_dict=module_gradients_dict
         )
 
-    def _measure(self) -> GradientNorms:
+    def _measure(self) -> PackedNorms:
         """Every monitored module's norms in one pass (batched), then each module's own follow-up."""
         self._postprocessed: set[ModuleID] = set()
         for module_id, monitor in self._monitors.items():
@@ -76,11 +75,12 @@ class GradmonGradientPass:
         norms = self._norm_plan.compute_all()
         for index, monitor in enumerate(self._monitors.values()):
             if monitor.needs_own_norms:
-                monitor.after_norms(self._module_norms(norms, index))
+                own = self._module_norms(norms, index) if monitor.noise is not None else None
+                monitor.after_norms(norms.flags[index], own)
         return norms
 
-    def _module_norms(self, norms: GradientNorms, index: int) -> GradientNorms:
-        """Module ``index``'s slice of a batched ``GradientNorms`` (views, no kernel)."""
+    def _module_norms(self, norms: PackedNorms, index: int) -> GradientNorms:
+        """Module ``index``'s norms out of the packed ones (a few kernels: the noise-scale path only)."""
         return GradientNorms(
             self._norm_plan.slots.module_heads(norms.head_norms, index),
             norms.global_norm[index],
@@ -97,13 +97,12 @@ class GradmonGradientPass:
         norms = self._pending_norms if self._pending_norms is not None else self._measure()
         self._pending_norms = None
         self._postprocessed = set()
-        found = norms.found_nonfinite
         skip_nonfinite = bool(self.config.torch_skip_nan_gradients)
         with ExitStack() as stack:
             flags = stack.enter_context(FoundInfFlags())
             dropped: set[int] = set()
             for index, (module_id, monitor) in enumerate(self._monitors.items()):
-                params = monitor.prepare_step(self._optimizers_of(module_id), skip_nonfinite, flags, found[index])
+                params = monitor.prepare_step(self._optimizers_of(module_id), skip_nonfinite, flags, norms.flags[index])
                 stack.enter_context(monitor.scaled_update())
                 for param in params:
                     param.grad = None
@@ -112,4 +111,4 @@ class GradmonGradientPass:
                 gradients_dict = {ref: g for ref, g in gradients_dict.items() if id(ref) not in dropped}
             super().apply_gradients(gradients_dict)
         if self.gradmon.telemetry:
-            self._norm_records.add(norms, found * self._skip_mask)  # one record for every module
+            self._norm_records.add(norms)  # one record for every module; the skips are derived at the drain

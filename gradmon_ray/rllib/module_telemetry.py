@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import tree  # dm-tree, an RLlib dependency: actions may be nested (a Dict action space)
 
 from gradmon_ray import compat
 from gradmon_ray.distributed import NoiseScaleHook
 from gradmon_ray.optim.scaled_step import UpdateScaler
 from gradmon_ray.rllib.head_health import HeadHealthRecorder, head_sizes
-from gradmon_ray.rllib.heads import action_heads, declared_value_heads, head_parameter_groups
+from gradmon_ray.rllib.heads import action_heads, declared_value_heads, head_parameter_groups, per_head_logp
 from gradmon_ray.rllib.settings import GradmonSettings, VGSSettings
 from gradmon_ray.telemetry import (
     GradientNorms,
@@ -81,6 +82,8 @@ class ModuleTelemetry:
         self.accumulator = IterationAccumulator(self.tracker.layout, device=device)
         self.last_telemetry: IterationTelemetry | None = None
         self._logp_rows = 0  # rows of the minibatch's log-probs (host-side shape), for the noise scale
+        self._rl_module = rl_module
+        self._latch_inputs: list[tuple[torch.Tensor, Any, torch.Tensor | None]] = []
         self.noise_hook = NoiseScaleHook(groups, device, scale=self._loss_scale)  # lanes always reduced
         self.noise: NoiseScaleTracker | None = None
         self.scaler_lanes = torch.zeros(2, dtype=torch.float64, device=device)
@@ -114,6 +117,33 @@ class ModuleTelemetry:
             self.noise = NoiseScaleTracker([*self.groups, GLOBAL_ENTRY], beta=settings.noise_ema_beta)
 
     # --- per minibatch -------------------------------------------------------------------
+    def record_latch_inputs(self, logits: torch.Tensor, actions: Any, mask: torch.Tensor | None) -> None:
+        """Keep the minibatch's detached action-distribution inputs, taken actions and loss mask
+        by reference (no kernel): ``flush_latch_inputs`` turns the step's into log-probs at once."""
+        self._logp_rows = logits.shape[0]
+        self._latch_inputs.append((logits, actions, mask))
+
+    def flush_latch_inputs(self) -> None:
+        """The step's per-head log-probs of the taken actions (``heads.per_head_logp``), in one
+        pass over every minibatch recorded by ``record_latch_inputs``, into the accumulator (at
+        the drain: a fixed number of kernels a step, none a minibatch)."""
+        inputs, self._latch_inputs = self._latch_inputs, []
+        if not inputs:
+            return
+        logits = torch.cat([x for x, _, _ in inputs])
+        actions = tree.map_structure(lambda *parts: torch.cat(parts), *(a for _, a, _ in inputs))
+        masks = [m for _, _, m in inputs]
+        mask = None
+        if any(m is not None for m in masks):
+            mask = torch.cat(
+                [
+                    torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device) if m is None else m.bool()
+                    for (x, _, _), m in zip(inputs, masks, strict=True)
+                ]
+            )
+        logp = per_head_logp(self._rl_module, logits, actions, len(self.tracker.latch_heads))
+        self.accumulator.add_logp(logp, mask)
+
     def record_logp(self, per_head_logp: torch.Tensor, mask: torch.Tensor | None) -> None:
         """Keep the minibatch's ``[B, latch heads]`` log-probs and loss mask by reference (no kernel)."""
         self._logp_rows = per_head_logp.shape[0]
@@ -135,9 +165,11 @@ class ModuleTelemetry:
             for optimizer in optimizers:
                 self.grad_scaler.unscale_(optimizer)
 
-    def after_norms(self, norms: GradientNorms) -> None:
-        """After the norm pass (DDP's all-reduce done, before clipping): the noise-scale lanes, then VGS."""
-        if self.noise is not None:
+    def after_norms(self, found: torch.Tensor, norms: GradientNorms | None) -> None:
+        """After the norm pass (DDP's all-reduce done, before clipping; ``found``: the module's
+        0-d non-finite flag, ``norms``: its norms where the noise scale needs them): the
+        noise-scale lanes, then VGS."""
+        if self.noise is not None and norms is not None:
             self.noise_hook.add_big(norms.head_norms, norms.global_norm, self._logp_rows)
             self._logp_rows = 0  # a minibatch without this module's log-probs has no rows
         if self.vgs is not None:
@@ -145,9 +177,9 @@ class ModuleTelemetry:
             # must not teach VGS either.  Gradient mode scales before RLlib's clipping;
             # update mode scales the optimizer's step.
             if self.update_scaler is None:
-                self.vgs.scale_gradients(skip=norms.found_nonfinite)
+                self.vgs.scale_gradients(skip=found)
             else:
-                self._vgs_factor = self.vgs.observe(skip=norms.found_nonfinite, scale_gradients=False)
+                self._vgs_factor = self.vgs.observe(skip=found, scale_gradients=False)
             self.vgs.step()
 
     def prepare_step(

@@ -4,8 +4,9 @@ Every monitored module of the learner's ``MultiRLModule`` (one for single-agent 
 them, or ``gradmon.modules``, for multi-agent) gets a ``ModuleTelemetry``.  Per minibatch,
 everything stays on the learner's device (nothing syncs with the host):
 
-1. after the loss, the per-head log-probs of the taken actions -> NaN/Inf flags
-   (``heads.per_head_logp``; a subclass with its own loss calls ``record_logp``);
+1. after the loss, references to the action-distribution inputs and the taken actions: the
+   per-head log-probs of the step's actions (``heads.per_head_logp``) -> NaN/Inf flags, once
+   per step over all its minibatches (a subclass whose loss has them calls ``record_logp``);
 2. after backward (and the cross-learner average, ``rllib.module_sync``), before clipping
    (``postprocess_gradients``): per-head norms, global norms, exact NaN/Inf element counts of
    ALL monitored modules in one pass (``GradientNormPlan.for_modules``); VGS scales the
@@ -49,7 +50,7 @@ from ray.rllib.utils.typing import ModuleID
 from gradmon_ray import compat
 from gradmon_ray.distributed import LearnerCollective
 from gradmon_ray.rllib.gradient_pass import GradmonGradientPass
-from gradmon_ray.rllib.heads import latch_heads, per_head_logp
+from gradmon_ray.rllib.heads import latch_heads
 from gradmon_ray.rllib.module_changes import ModuleChanges
 from gradmon_ray.rllib.module_sync import SparseSafeModuleSync
 from gradmon_ray.rllib.module_telemetry import ModuleTelemetry, resolve_module
@@ -171,10 +172,10 @@ class GradmonMonitor(
         loss = super().compute_loss_for_module(module_id=module_id, config=config, batch=batch, fwd_out=fwd_out)
         monitor = self._monitors.get(module_id)
         if monitor is not None and self.gradmon.telemetry:
-            module = self.module[module_id].unwrapped()
+            # References only: the latches' log-probs are computed once per step, over all its
+            # minibatches (``ModuleTelemetry.flush_latch_inputs``), not once per minibatch.
             logits = fwd_out[Columns.ACTION_DIST_INPUTS].detach()
-            logp = per_head_logp(module, logits, batch[Columns.ACTIONS], len(monitor.tracker.latch_heads))
-            self.record_logp(logp, batch.get(Columns.LOSS_MASK), module_id=module_id)
+            monitor.record_latch_inputs(logits, batch[Columns.ACTIONS], batch.get(Columns.LOSS_MASK))
             self.record_head_inputs(logits, batch, module_id=module_id)
         return loss
 

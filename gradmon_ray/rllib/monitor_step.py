@@ -155,6 +155,7 @@ class GradmonReporting:
         )
         parts = []
         for index, monitor in enumerate(self._monitors.values()):
+            monitor.flush_latch_inputs()
             empty = monitor.scaler_lanes[:0]
             health = monitor.head_health.lanes() if self.gradmon.telemetry else empty
             local = _local_segments(monitor).pack()

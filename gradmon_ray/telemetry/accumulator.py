@@ -14,66 +14,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from gradmon_ray.telemetry.head_assignment import HeadSlots
 from gradmon_ray.telemetry.lane_layout import TelemetryLayout
 from gradmon_ray.telemetry.norm_plan import GradientNorms
-
-
-@dataclass(frozen=True)
-class StackedNorms:
-    """A step's per-minibatch norm records of one module, stacked: ``[minibatches, ...]`` tensors."""
-
-    head_norms: torch.Tensor
-    """[minibatches, heads]"""
-    scalars: torch.Tensor
-    """[4, minibatches]: global norm, NaN count, Inf count, skipped flag."""
-
-    @classmethod
-    def of(cls, records: list[tuple[GradientNorms, torch.Tensor]]) -> StackedNorms:
-        """Stack ``(norms, skipped)`` records: two stack calls, not five (~20 us each on a CPU); batched
-        records (``[modules]`` fields) give ``scalars`` of ``[4, minibatches, modules]``."""
-        fields = list(
-            zip(*((n.head_norms, n.global_norm, n.nan_count, n.inf_count, s) for n, s in records), strict=True)
-        )
-        per_module = fields[1][0].shape  # () for one module's records, (modules,) for batched ones
-        scalars = torch.stack(fields[1] + fields[2] + fields[3] + fields[4]).reshape(4, len(records), *per_module)
-        return cls(torch.stack(fields[0]), scalars)
-
-
-class NormRecords:
-    """A learner's per-minibatch norm records of ALL its modules (``GradientNormPlan.compute_all``):
-    one list append per minibatch, whatever the number of modules; ``module`` slices one module's
-    stacked records out at the drain."""
-
-    def __init__(self, slots: HeadSlots) -> None:
-        self.slots = slots
-        self._records: list[tuple[GradientNorms, torch.Tensor]] = []
-        self._stacked: StackedNorms | None = None
-
-    def add(self, norms: GradientNorms, skipped: torch.Tensor) -> None:
-        """Record one minibatch of every module (batched ``norms``, ``skipped`` [modules]): no kernel."""
-        self._records.append((norms, skipped))
-
-    def module(self, index: int) -> StackedNorms | None:
-        """Module ``index``'s records of the step (None without a minibatch); stacks all modules once."""
-        if self._stacked is None and self._records:
-            self._stacked = StackedNorms.of(self._records)
-        if self._stacked is None:
-            return None
-        return StackedNorms(
-            self.slots.module_heads(self._stacked.head_norms, index),
-            self._stacked.scalars[:, :, index],
-        )
-
-    def clear(self) -> None:
-        """Start the next step."""
-        self._records = []
-        self._stacked = None
+from gradmon_ray.telemetry.norm_records import StackedNorms
 
 
 class IterationAccumulator:

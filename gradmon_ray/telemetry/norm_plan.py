@@ -1,12 +1,28 @@
 """The per-minibatch norm pass: every head's norm, the global norm, NaN/Inf counts (TELE-300/301/310/320).
 
-``GradientNormPlan`` precomputes which gradient goes to which head of which module once, then
-computes, per minibatch and for ALL the modules it covers at once, the same numbers as
-``head_norms.per_head_grad_norms`` per head, plus each module's global norm and exact NaN/Inf
-element counts: a fixed handful of kernels whatever the number of modules, and no host read on
-any device (Megatron's ``clip_grads.py`` pattern: one norm pass over every gradient).  The
-CPU runs the same code as an accelerator, so counting the ops a CPU update dispatches
-(``tests/rllib/test_host_reads.py``) tells what a GPU update launches and waits for.
+``GradientNormPlan`` precomputes, once per pattern of present gradients, which contiguous piece
+of which gradient goes to which head of which module, then measures ALL the modules it covers
+per minibatch with nine dispatched ops whatever the number of modules, tensors and heads, and no
+host read on any device (Megatron's ``clip_grads.py`` pattern: one norm pass over every gradient):
+
+1. one multi-tensor copy of every gradient into a persistent flat float32 buffer;
+2. ``x * 0`` into the buffer's first half (NaN exactly where ``x`` is NaN or +-Inf);
+3. one multi-tensor 2-norm of the second half's pieces: each whole gradient, and each run of
+   rows of a row-split parameter (a policy output layer) that one head takes, are contiguous
+   ranges of the buffer, so their views are made once;
+4. ``ne(buffer, buffer)`` in place: 1.0 where non-finite (first half), where NaN (second half);
+5. one multi-tensor 1-norm of each module's two blocks of marks: exact element counts;
+6. the skip flags: the non-finite counts clamped at 1 (``found_inf`` of fused optimizers);
+7-9. one ``stack``, one ``pow`` (squares of the norms, counts as they are) and one ``index_add``
+   into a per-pattern base vector that is NaN where a head (or a module) has no gradient.
+
+The result stays packed (``PackedNorms``): the square roots and the Inf counts (non-finite minus
+NaN) are taken once per step, at the drain, over every minibatch at once.  Why eager and not
+``torch.compile``: a GPU minibatch of a small policy is launch-bound (~27 us an op on an H200),
+and Inductor emits one reduction kernel per gradient tensor, where the multi-tensor ops above
+launch one kernel per op (per ~100 tensors).  The CPU runs the same code as an accelerator, so
+counting the ops a CPU update dispatches (``tests/rllib/test_host_reads.py``) tells what a GPU
+update launches and waits for.
 """
 
 from __future__ import annotations
@@ -18,7 +34,6 @@ from typing import NamedTuple
 import torch
 
 from gradmon_ray import compat
-from gradmon_ray.compile_on_demand import Kernel, wants_compile
 from gradmon_ray.telemetry.head_assignment import HeadSlots
 from gradmon_ray.telemetry.head_norms import HeadPart
 
@@ -43,71 +58,72 @@ class GradientNorms:
         return ((self.nan_count + self.inf_count) > 0).to(torch.float32)
 
 
-def squares_and_counts(grads: list[torch.Tensor]) -> torch.Tensor:
-    """``[3, tensors]``: per tensor ``sum(g^2)``, its NaN and its +-Inf element counts (float32).
+@dataclass(frozen=True)
+class PackedNorms:
+    """``GradientNormPlan.compute_all``'s result for one minibatch of every module, as computed:
+    no kernel has run beyond the plan's nine.  The ``GradientNorms`` fields are derived on access
+    (a few kernels each: the drain derives them once for the whole step, ``NormRecords``)."""
 
-    Compiled (large models on an accelerator), each tensor is read ONCE for all three
-    reductions and nothing gradient-sized is allocated; eagerly it is three passes per tensor.
-    """
-    rows = []
-    for grad in grads:
-        x = grad.float()
-        rows.append(torch.stack([(x * x).sum(), (x != x).sum().float(), torch.isinf(x).sum().float()]))
-    return torch.stack(rows, dim=1)
+    packed: torch.Tensor
+    """float32 ``[heads + 3 * modules]``: per head the sum of squares of its gradient elements (NaN:
+    no gradient), then per module the sum of squares of all its gradients (NaN: none), its number
+    of non-finite (NaN or +-Inf) elements and its number of NaN elements."""
+    flags: tuple[torch.Tensor, ...]
+    """Per module, a 0-d float32: 1.0 where any of its gradient elements is NaN/Inf, else 0.0
+    (the skip flag, which fused optimizers take as ``found_inf``)."""
+    num_heads: int
+
+    @property
+    def num_modules(self) -> int:
+        return len(self.flags)
+
+    def _module_part(self, k: int) -> torch.Tensor:
+        """The ``k``-th per-module lane block (0: global squares, 1: non-finite counts, 2: NaN counts)."""
+        start = self.num_heads + k * self.num_modules
+        return self.packed[start : start + self.num_modules]
+
+    @property
+    def head_norms(self) -> torch.Tensor:
+        return self.packed[: self.num_heads].sqrt()
+
+    @property
+    def global_norm(self) -> torch.Tensor:
+        return self._module_part(0).sqrt()
+
+    @property
+    def nonfinite_count(self) -> torch.Tensor:
+        return self._module_part(1)
+
+    @property
+    def nan_count(self) -> torch.Tensor:
+        return self._module_part(2)
+
+    @property
+    def inf_count(self) -> torch.Tensor:
+        return self._module_part(1) - self._module_part(2)
+
+    @property
+    def found_nonfinite(self) -> torch.Tensor:
+        return torch.stack(self.flags)
+
+    def unpacked(self) -> GradientNorms:
+        """The same numbers as a batched ``GradientNorms`` (a few kernels)."""
+        return GradientNorms(self.head_norms, self.global_norm, self.nan_count, self.inf_count)
 
 
-class CountBuffers(NamedTuple):
-    """Persistent buffers of ``squares_and_nonfinite_counts`` for one pattern of present gradients:
-    3 floats per gradient element, allocated once (a fresh allocation every minibatch costs a CPU
-    as much as a pass over it)."""
+class _Pattern(NamedTuple):
+    """The plan's buffers and index for one pattern of present gradients (``GradientNormPlan._pattern``)."""
 
-    flat: torch.Tensor  # [elements] float32: the gradients, concatenated
-    targets: list[torch.Tensor]  # views of ``flat`` shaped like each gradient (the copy's targets)
-    marks: torch.Tensor  # [2 * elements]: the non-finite marks, then the NaN marks
-    blocks: list[torch.Tensor]  # views of ``marks``: each block's non-finite marks, then its NaN marks
-
-    @classmethod
-    def like(cls, grads: list[torch.Tensor], sizes: list[int]) -> CountBuffers:
-        """Buffers for ``grads`` (float32 whatever their dtype) counted in consecutive blocks of ``sizes`` elements."""
-        n = sum(g.numel() for g in grads)
-        flat = torch.empty(n, dtype=torch.float32, device=grads[0].device)
-        targets = [view.view(g.shape) for view, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)]
-        marks = flat.new_empty(2 * n)
-        return cls(flat, targets, marks, list(marks.split(sizes + sizes)))
-
-
-def squares_and_nonfinite_counts(grads: list[torch.Tensor], buffers: CountBuffers) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(per tensor sum(g^2) [tensors], [2, blocks])``: the second holds the non-finite (NaN or
-    +-Inf) and the NaN element counts of each block of ``buffers`` (consecutive gradients), exact
-    below 2^22 elements of a kind per block.
-
-    Float arithmetic instead of ``isnan``/``isinf``: on a CPU, comparisons and bool sums are not
-    vectorised (5-10x slower), and ``x * 0`` is NaN exactly at a NaN or an Inf, ``clamp(x, -1, 1)
-    * 0`` exactly at a NaN.  A block's count is the squared 2-norm of its 0/1 marks, so ONE
-    multi-tensor norm (``_foreach_norm``, as ``clip_grad_norm_`` runs) gives every tensor's norm
-    and every block's counts, however many there are.
-    """
-    flat, marks, n = buffers.flat, buffers.marks, buffers.flat.numel()
-    compat.foreach_copy_(buffers.targets, grads)
-    torch.mul(flat, 0.0, out=marks[:n])
-    torch.clamp(flat, -1.0, 1.0, out=marks[n:]).mul_(0.0)
-    marks.nan_to_num_(nan=1.0)
-    norms = torch.stack(compat.foreach_norm([*grads, *buffers.blocks])).float()
-    squares = norms * norms
-    return squares[: len(grads)], squares[len(grads) :].round().reshape(2, len(buffers.blocks) // 2)
-
-
-class _Index(NamedTuple):
-    """The plan's tensors for one pattern of present gradients (see ``GradientNormPlan._index_for``)."""
-
-    whole: torch.Tensor  # slot of each present gradient (a row-split parameter's: its module's trunk slot)
-    module_of: torch.Tensor  # module of each present gradient
-    module_sizes: list[int]  # present gradient elements per module (the count blocks)
-    row_params: tuple[tuple[int, int], ...]  # (position in params, row count) of row-split params with a gradient
-    rows: torch.Tensor  # slot of each of their rows, concatenated (rows no head takes: the trunk slot)
-    has_grad: torch.Tensor  # per head of every module: does any part of it have a gradient
-    module_has_grad: torch.Tensor | None  # per module: any gradient at all (None: every module has one)
-    buffers: list[CountBuffers]  # the eager counts' buffers, made at the first eager compute (empty until then)
+    buffer: torch.Tensor  # [2 * elements] float32: marks | gradient values, persistent
+    targets: list[torch.Tensor]  # views of the second half shaped like each present gradient (the copy's targets)
+    zeros_in: torch.Tensor  # the second half (input of ``x * 0``)
+    zeros_out: torch.Tensor  # the first half (its output)
+    pieces: list[torch.Tensor]  # 1-D views of the second half: whole gradients, runs of rows of one head
+    blocks: list[torch.Tensor]  # per module: its non-finite marks, then per module its NaN marks
+    head_pieces: tuple[int, ...]  # which pieces belong to a head (the trunk's only to the global norms)
+    index: torch.Tensor  # destination in the packed vector of each stacked value
+    exponents: torch.Tensor  # 2 for a norm (its square), 1 for a count
+    base: torch.Tensor  # the packed vector before the sums: NaN where a head/module has no gradient, else 0
 
 
 class GradientNormPlan:
@@ -119,84 +135,85 @@ class GradientNormPlan:
     counts cover, always over whole tensors.  ``GradientNormPlan.for_modules`` covers several
     (a learner's monitored modules): one ``compute_all`` per minibatch for all of them.  Two
     heads may take disjoint rows of one parameter; overlapping rows, or a parameter taken whole
-    by one head and by rows by another, raise ``ValueError``.
-
-    Kernels per minibatch, whatever the number of modules and tensors
-    (``squares_and_nonfinite_counts``): one concatenation, four elementwise passes, ONE
-    multi-tensor norm for the tensors' norms and the modules' counts, two ``index_add_`` and the
-    final arithmetic; plus one row-wise norm per parameter split by rows between heads.
-    With ``fused_counts`` (``"auto"``: from ``AUTO_COMPILE_MIN_PARAMETERS`` gradient elements,
-    on an accelerator) ``squares_and_counts`` compiled reads every gradient once for the norms
-    and the counts together, with no copy.
+    by one head and by rows by another, raise ``ValueError``.  Per minibatch: nine dispatched
+    ops (the module docstring), whatever the number of modules, tensors and heads.
     """
 
-    def __init__(
-        self,
-        groups: Mapping[str, Iterable[HeadPart]],
-        all_params: Iterable[torch.nn.Parameter],
-        *,
-        fused_counts: str = "auto",
-    ) -> None:
-        self._setup([(groups, all_params)], fused_counts)
+    def __init__(self, groups: Mapping[str, Iterable[HeadPart]], all_params: Iterable[torch.nn.Parameter]) -> None:
+        self._setup([(groups, all_params)])
 
     @classmethod
     def for_modules(
-        cls,
-        modules: Sequence[tuple[Mapping[str, Iterable[HeadPart]], Iterable[torch.nn.Parameter]]],
-        *,
-        fused_counts: str = "auto",
+        cls, modules: Sequence[tuple[Mapping[str, Iterable[HeadPart]], Iterable[torch.nn.Parameter]]]
     ) -> GradientNormPlan:
         """One plan over several modules' ``(groups, all_params)``, in order; parameters must not repeat."""
         plan = cls.__new__(cls)
-        plan._setup(modules, fused_counts)
+        plan._setup(modules)
         return plan
 
-    def _setup(
-        self,
-        modules: Sequence[tuple[Mapping[str, Iterable[HeadPart]], Iterable[torch.nn.Parameter]]],
-        fused_counts: str,
-    ) -> None:
+    def _setup(self, modules: Sequence[tuple[Mapping[str, Iterable[HeadPart]], Iterable[torch.nn.Parameter]]]) -> None:
         self.slots = HeadSlots([(dict(groups), tuple(params)) for groups, params in modules])
         self.params = self.slots.params
         """Every module's trainable parameters, module after module."""
         self.head_names: tuple[str, ...] = self.slots.head_names[0] if len(self.slots.head_names) == 1 else ()
         """The one module's heads (empty for a plan over several modules: ``slots.head_names``)."""
-        numel = sum(p.numel() for p in self.params)
-        self._fused = Kernel(squares_and_counts, compile=True, label="gradient norms")
-        self._use_fused = wants_compile(fused_counts, numel)
-        # Cache of the index tensors per pattern of present grads, so that the steady state
-        # builds no tensors from host data.
-        self._index_cache: dict[tuple[bool, ...], _Index] = {}
+        self._rows_of = dict(self.slots.row_params)
+        # Per pattern of present grads, so that the steady state builds no tensor from host data.
+        self._patterns: dict[tuple[bool, ...], _Pattern] = {}
 
-    def _index_for(self, present: tuple[bool, ...], device: torch.device) -> _Index:
-        cached = self._index_cache.get(present)
-        if cached is None or cached.whole.device != device:
-            slots = self.slots
-            kept = [i for i, ok in enumerate(present) if ok]
-            row_params = [(pos, row_slots) for pos, row_slots in slots.row_params if present[pos]]
-            row_index = [s for _, row_slots in row_params for s in row_slots]
-            has_grad = [False] * slots.trunk_base
-            for s in [*(slots.whole[i] for i in kept), *row_index]:
-                if s < slots.trunk_base:
-                    has_grad[s] = True
-            module_sizes = [0] * slots.num_modules
-            for i in kept:
-                module_sizes[slots.module_of[i]] += self.params[i].numel()
-
-            def longs(values: list[int]) -> torch.Tensor:
-                return torch.tensor(values, dtype=torch.long, device=device)
-
-            cached = _Index(
-                longs([slots.whole[i] for i in kept]),
-                longs([slots.module_of[i] for i in kept]),
-                module_sizes,
-                tuple((pos, len(row_slots)) for pos, row_slots in row_params),
-                longs(row_index),
-                torch.tensor(has_grad, dtype=torch.bool, device=device),
-                None if all(module_sizes) else torch.tensor([n > 0 for n in module_sizes], device=device),
-                [],
-            )
-            self._index_cache[present] = cached
+    def _pattern(self, present: tuple[bool, ...], grads: list[torch.Tensor]) -> _Pattern:
+        cached = self._patterns.get(present)
+        device = grads[0].device
+        if cached is not None and cached.buffer.device == device:
+            return cached
+        slots = self.slots
+        kept = [i for i, ok in enumerate(present) if ok]
+        n = sum(g.numel() for g in grads)
+        buffer = torch.empty(2 * n, dtype=torch.float32, device=device)
+        values = buffer[n:]
+        targets = [v.view(g.shape) for v, g in zip(values.split([g.numel() for g in grads]), grads, strict=True)]
+        pieces: list[torch.Tensor] = []
+        piece_slot: list[int] = []
+        piece_module: list[int] = []
+        module_sizes = [0] * slots.num_modules
+        for i, target in zip(kept, targets, strict=True):
+            flat, module = target.reshape(-1), slots.module_of[i]
+            module_sizes[module] += flat.numel()
+            if i in self._rows_of:  # rows are contiguous in a row-major gradient: one piece per run of rows
+                runs, row = _runs(self._rows_of[i]), flat.numel() // target.shape[0]
+            else:
+                runs, row = [(0, flat.numel(), slots.whole[i])], 1
+            for start, stop, slot in runs:
+                pieces.append(flat[start * row : stop * row])
+                piece_slot.append(slot)
+                piece_module.append(module)
+        h, m = slots.trunk_base, slots.num_modules
+        blocks = list(buffer.split(module_sizes + module_sizes))  # the marks: non-finite per module, then NaN
+        head_pieces = tuple(k for k, slot in enumerate(piece_slot) if slot < h)
+        destinations = [
+            *(piece_slot[k] for k in head_pieces),
+            *(h + mod for mod in piece_module),
+            *(h + m + mod for mod in range(m)),
+            *(h + 2 * m + mod for mod in range(m)),
+        ]
+        base = torch.full((h + 3 * m,), float("nan"), device=device)
+        base[[piece_slot[k] for k in head_pieces]] = 0.0
+        base[[h + mod for mod in piece_module]] = 0.0
+        base[h + m :] = 0.0
+        norms = len(head_pieces) + len(pieces)
+        cached = _Pattern(
+            buffer,
+            targets,
+            values,
+            buffer[:n],
+            pieces,
+            blocks,
+            head_pieces,
+            torch.tensor(destinations, dtype=torch.long, device=device),
+            torch.tensor([2.0] * norms + [1.0] * (2 * m), device=device),
+            base,
+        )
+        self._patterns[present] = cached
         return cached
 
     def compute(self) -> GradientNorms:
@@ -211,51 +228,34 @@ class GradientNormPlan:
             batched.inf_count.reshape(()),
         )
 
-    def compute_all(self) -> GradientNorms:
-        """Every module's norms at once, batched (see ``GradientNorms``); no host read."""
+    def compute_all(self) -> PackedNorms:
+        """Every module's norms at once, packed (see ``PackedNorms``); nine ops, no host read."""
         present = tuple(p.grad is not None for p in self.params)
         grads = [p.grad for p, ok in zip(self.params, present, strict=True) if ok]
         slots = self.slots
+        h, m = slots.trunk_base, slots.num_modules
         if not grads:
             device = self.params[0].device if self.params else torch.device("cpu")
-            zeros = torch.zeros(slots.num_modules, device=device)
-            nan = torch.full((slots.trunk_base,), float("nan"), device=device)
-            return GradientNorms(nan, torch.full_like(zeros, float("nan")), zeros, zeros.clone())
-        index = self._index_for(present, grads[0].device)
-        if self._use_fused and grads[0].device.type != "cpu":
-            per_tensor = self._fused(grads)
-            squares = per_tensor[0]
-            counts = torch.zeros(2, slots.num_modules, device=squares.device).index_add_(
-                1, index.module_of, per_tensor[1:]
-            )
-            nan_count, inf_count = counts[0], counts[1]
+            packed = torch.cat([torch.full((h + m,), float("nan"), device=device), torch.zeros(2 * m, device=device)])
+            return PackedNorms(packed, tuple(torch.zeros((), device=device) for _ in range(m)), h)
+        pattern = self._pattern(present, grads)
+        compat.foreach_copy_(pattern.targets, grads)
+        torch.mul(pattern.zeros_in, 0.0, out=pattern.zeros_out)
+        norms = compat.foreach_norm(pattern.pieces)
+        torch.ne(pattern.buffer, pattern.buffer, out=pattern.buffer)
+        counts = compat.foreach_norm(pattern.blocks, ord=1)
+        flags = tuple(compat.foreach_clamp_max(counts[:m], 1.0))
+        values = torch.stack([*(norms[k] for k in pattern.head_pieces), *norms, *counts])
+        packed = torch.index_add(pattern.base, 0, pattern.index, torch.pow(values, pattern.exponents))
+        return PackedNorms(packed, flags, h)
+
+
+def _runs(row_slots: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """``(start, stop, slot)`` of each run of consecutive rows that go to the same slot."""
+    runs: list[tuple[int, int, int]] = []
+    for row, slot in enumerate(row_slots):
+        if runs and runs[-1][2] == slot:
+            runs[-1] = (runs[-1][0], row + 1, slot)
         else:
-            if not index.buffers:
-                index.buffers.append(CountBuffers.like(grads, index.module_sizes))
-            squares, (nonfinite, nan_count) = squares_and_nonfinite_counts(grads, index.buffers[0])
-            inf_count = nonfinite - nan_count
-        head_norms, global_norm = self._head_and_global(squares, index)
-        return GradientNorms(head_norms, global_norm, nan_count, inf_count)
-
-    def _head_and_global(self, squares: torch.Tensor, index: _Index) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-tensor squared norms -> (per-head norms, NaN for a head without gradients; per-module global norms).
-
-        A row-split parameter's whole square lands in its module's trunk slot; the squares of its
-        rows, from one row-wise norm (a view: no copy for a contiguous gradient), in their heads."""
-        slots = self.slots
-        per_slot = torch.zeros(slots.num_slots, device=squares.device).index_add_(0, index.whole, squares)
-        if index.row_params:
-            row_norms = torch.cat(
-                [
-                    torch.linalg.vector_norm(self.params[pos].grad.reshape(n, -1), dim=1)  # type: ignore[union-attr]
-                    for pos, n in index.row_params
-                ]
-            ).float()
-            per_slot.index_add_(0, index.rows, row_norms * row_norms)
-        global_sq = torch.zeros(slots.num_modules, device=squares.device).index_add_(0, index.module_of, squares)
-        heads = per_slot[: slots.trunk_base]
-        head_norms = torch.where(index.has_grad, heads.sqrt(), float("nan"))
-        global_norm = global_sq.sqrt()
-        if index.module_has_grad is not None:  # a module this minibatch did not train: missing, not 0
-            global_norm = torch.where(index.module_has_grad, global_norm, float("nan"))
-        return head_norms, global_norm
+            runs.append((row, row + 1, slot))
+    return runs

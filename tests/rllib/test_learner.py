@@ -183,10 +183,10 @@ def test_noise_scale_rows_count_each_minibatch_of_the_modules_own_log_probs():
         heads = len(monitor.groups)
         norms = GradientNorms(torch.ones(heads), torch.tensor(2.0), torch.zeros(()), torch.zeros(()))
         monitor.record_logp(torch.zeros(16, len(monitor.tracker.latch_heads)), None)
-        monitor.after_norms(norms)  # a minibatch with 16 of its rows
-        monitor.after_norms(norms)  # a minibatch without its rows
+        monitor.after_norms(norms.found_nonfinite, norms)  # a minibatch with 16 of its rows
+        monitor.after_norms(norms.found_nonfinite, norms)  # a minibatch without its rows
         monitor.record_logp(torch.zeros(8, len(monitor.tracker.latch_heads)), None)
-        monitor.after_norms(norms)
+        monitor.after_norms(norms.found_nonfinite, norms)
         assert monitor.noise_hook.take_rows() == 16 + 0 + 8
     finally:
         learner.shutdown()

@@ -11,7 +11,7 @@ import torch
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.telemetry import GradientNormPlan, GradientNorms, IterationAccumulator, TelemetryTracker
-from gradmon_ray.telemetry.accumulator import NormRecords
+from gradmon_ray.telemetry.norm_records import NormRecords
 
 REPORTED = ("op", "slot", "value")
 ACTION = ("op", "slot")

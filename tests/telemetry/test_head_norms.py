@@ -228,47 +228,77 @@ def test_worst_head_prefers_severity_then_distance_from_healthy_centre():
     assert worst_head({"a": 0.001, "b": 100.0})[1] in {"dead", "exploding"}
 
 
-def _numpy_squares_and_counts(grads: list[torch.Tensor]) -> tuple[np.ndarray, int, int]:
-    arrays = [g.detach().double().numpy().ravel() for g in grads]
-    with np.errstate(over="ignore", invalid="ignore"):
-        squares = np.array([np.sum(a * a) for a in arrays])
-    return squares, sum(int(np.isnan(a).sum()) for a in arrays), sum(int(np.isinf(a).sum()) for a in arrays)
-
-
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_squares_and_counts_against_numpy(compiled: bool):
-    """The accelerator path's fused reduction (one read per gradient when compiled): per-tensor
-    sums of squares and exact NaN/Inf counts, checked against numpy in float64."""
-    from gradmon_ray.compile_on_demand import Kernel
-    from gradmon_ray.telemetry.norm_plan import squares_and_counts
+def test_plan_counts_and_norms_against_numpy_for_several_modules_with_row_heads():
+    """Three modules, one with a row-split output layer, NaN/+-Inf sprinkled over heads and trunks:
+    every head norm, global norm and exact NaN/Inf element count, and each module's skip flag,
+    against numpy in float64 over the same gradients (a different code path: no packing, no
+    multi-tensor ops, no index)."""
+    from gradmon_ray.telemetry.head_norms import ParamRows
 
     gen = torch.Generator().manual_seed(3)
-    grads = [torch.randn(shape, generator=gen) for shape in [(7, 5), (5,), (3, 4, 2), (1,)]]
-    grads[0][1, 2] = float("nan")
-    grads[0][4, 4] = float("nan")
-    grads[2][0, 1, 1] = float("inf")
-    grads[2][2, 3, 0] = float("-inf")
-    grads[2][1, 0, 0] = float("nan")
-    kernel = Kernel(squares_and_counts, compile=compiled, label="test")
-    for _ in range(2):  # the compiled function's second call runs the cached code
-        squares, nan_counts, inf_counts = kernel(grads)
-    assert kernel.compiled is compiled
-    want_squares, want_nan, want_inf = _numpy_squares_and_counts(grads)
-    assert nan_counts.tolist() == [2, 0, 1, 0] and inf_counts.tolist() == [0, 0, 2, 0]
-    assert (nan_counts.sum().item(), inf_counts.sum().item()) == (want_nan, want_inf)
-    assert np.isnan(squares[0].item()) and np.isnan(squares[2].item())  # any NaN poisons the tensor's norm
-    np.testing.assert_allclose(squares[[1, 3]].numpy(), want_squares[[1, 3]], rtol=1e-6)
+    modules, arrays = [], []
+    for m in range(3):
+        w = torch.nn.Parameter(torch.zeros(6, 4))
+        b = torch.nn.Parameter(torch.zeros(6))
+        trunk = torch.nn.Parameter(torch.zeros(5, 3))
+        for p in (w, b, trunk):
+            p.grad = torch.randn(p.shape, generator=gen)
+        if m == 1:
+            groups = {"x": [ParamRows(w, slice(0, 2)), ParamRows(b, slice(0, 2))], "y": [ParamRows(w, slice(3, 6))]}
+            w.grad[4, 1] = float("nan")
+            trunk.grad[0, 0] = float("inf")
+            trunk.grad[1, 2] = float("-inf")
+        else:
+            groups = {"x": [w], "y": [b]}
+            if m == 2:
+                b.grad[0] = float("nan")
+                b.grad[5] = float("nan")
+        modules.append((groups, [w, b, trunk]))
+        arrays.append([p.grad.double().numpy().copy() for p in (w, b, trunk)])
+    result = GradientNormPlan.for_modules(modules).compute_all()
+
+    def norm(*parts):
+        with np.errstate(invalid="ignore", over="ignore"):
+            return math.sqrt(sum(float(np.sum(a * a)) for a in parts))
+
+    w1, b1, _ = arrays[1]
+    want_heads = [
+        norm(arrays[0][0]), norm(arrays[0][1]),
+        norm(w1[0:2], b1[0:2]), norm(w1[3:6]),
+        norm(arrays[2][0]), norm(arrays[2][1]),
+    ]  # fmt: skip
+    np.testing.assert_allclose(result.head_norms.numpy(), want_heads, rtol=1e-6)
+    every = [np.concatenate([a.ravel() for a in module]) for module in arrays]
+    np.testing.assert_allclose(result.global_norm.numpy(), [norm(e) for e in every], rtol=1e-6)
+    assert result.nan_count.tolist() == [float(np.isnan(e).sum()) for e in every] == [0.0, 1.0, 2.0]
+    assert result.inf_count.tolist() == [float(np.isinf(e).sum()) for e in every] == [0.0, 2.0, 0.0]
+    assert [f.item() for f in result.flags] == [0.0, 1.0, 1.0]
+    assert result.found_nonfinite.tolist() == [0.0, 1.0, 1.0]
 
 
-def test_fused_counts_mode_is_validated_and_auto_follows_the_size():
-    p = torch.nn.Parameter(torch.zeros(10))
-    assert not GradientNormPlan({"h": [p]}, [p])._use_fused  # "auto", 10 elements
-    assert GradientNormPlan({"h": [p]}, [p], fused_counts="on")._use_fused
-    big = torch.nn.Parameter(torch.zeros(1_000_000))
-    assert GradientNormPlan({"h": [big]}, [big])._use_fused
-    assert not GradientNormPlan({"h": [big]}, [big], fused_counts="off")._use_fused
-    with pytest.raises(ValueError, match="one of"):
-        GradientNormPlan({"h": [p]}, [p], fused_counts="yes")
+def test_plan_dispatches_nine_ops_whatever_the_modules_tensors_and_heads():
+    """The norm pass is a fixed launch group: nine dispatched ops (``OpCounter``) for 1 module of 2
+    tensors as for 8 modules of 3 tensors with row-split heads, once the pattern's buffers exist;
+    none of them reads the host.  A per-tensor or per-module op in the pass makes the counts grow."""
+    from gradmon_ray.telemetry.head_norms import ParamRows
+    from gradmon_ray.telemetry.op_counts import OpCounter
+
+    counts = {}
+    for modules in (1, 8):
+        spec = []
+        for m in range(modules):
+            w, b, trunk = (torch.nn.Parameter(torch.zeros(shape)) for shape in [(4, 3), (4,), (3, 3)])
+            for p in (w, b, trunk):
+                p.grad = torch.randn(p.shape)
+            rows = m % 2 == 1
+            groups = {"x": [ParamRows(w, slice(0, 2))], "y": [ParamRows(w, slice(2, 4)), b]} if rows else {"x": [w]}
+            spec.append((groups, [w, b, trunk] if rows or modules > 1 else [w, trunk]))
+        plan = GradientNormPlan.for_modules(spec)
+        plan.compute_all()  # the pattern's buffers and index
+        with OpCounter() as counter:
+            plan.compute_all()
+        counts[modules] = (counter.ops, counter.num_host_reads)
+    assert counts == {1: (9, 0), 8: (9, 0)}, counts
 
 
 def test_per_head_grad_norms_without_any_gradient_are_nan_on_the_parameters_device():

@@ -185,14 +185,13 @@ def test_random_row_splits_equal_numpy(rows, cols, seed, data):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fused", ["off", "on"])
-def test_row_heads_on_cuda_do_not_sync(fused):
+def test_row_heads_on_cuda_do_not_sync():
     dev = torch.device("cuda")
     w, b = torch.nn.Parameter(torch.randn(7, 3, device=dev)), torch.nn.Parameter(torch.randn(7, device=dev))
     for p in (w, b):
         p.grad = torch.randn_like(p)
     groups = {"a": [ParamRows(w, slice(0, 3)), ParamRows(b, slice(0, 3))], "b": [ParamRows(w, slice(3, 7))]}
-    plan = GradientNormPlan(groups, [w, b], fused_counts=fused)
+    plan = GradientNormPlan(groups, [w, b])
     plan.compute()  # builds (and caches) the index tensors from host data
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
