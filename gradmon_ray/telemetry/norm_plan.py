@@ -2,33 +2,40 @@
 
 ``GradientNormPlan`` precomputes, once per pattern of present gradients, which contiguous piece
 of which gradient goes to which head of which module, then measures ALL the modules it covers
-per minibatch with nine dispatched ops whatever the number of modules, tensors and heads, and no
-host read on any device (Megatron's ``clip_grads.py`` pattern: one norm pass over every gradient):
+per minibatch with seven dispatched ops whatever the number of modules, tensors and heads, and
+no host read on any device (Megatron's ``clip_grads.py`` pattern: one norm pass over every
+gradient):
 
-1. one multi-tensor copy of every gradient into a persistent flat float32 buffer;
-2. ``x * 0`` into the buffer's first half (NaN exactly where ``x`` is NaN or +-Inf);
-3. one multi-tensor 2-norm of the second half's pieces: each whole gradient, and each run of
-   rows of a row-split parameter (a policy output layer) that one head takes, are contiguous
-   ranges of the buffer, so their views are made once;
-4. ``ne(buffer, buffer)`` in place: 1.0 where non-finite (first half), where NaN (second half);
-5. one multi-tensor 1-norm of each module's two blocks of marks: exact element counts;
-6. the skip flags: the non-finite counts clamped at 1 (``found_inf`` of fused optimizers);
-7-9. one ``stack``, one ``pow`` (squares of the norms, counts as they are) and one ``index_add``
-   into a per-pattern base vector that is NaN where a head (or a module) has no gradient.
+1. one multi-tensor copy of every gradient into the second half of a persistent flat float32
+   buffer (``x``);
+2. ``x * 0`` into its first half: NaN exactly where ``x`` is NaN or +-Inf;
+3. ``ne(buffer, buffer)`` into a marks buffer: 1.0 where non-finite (first half), where NaN
+   (second half), else 0.0;
+4. ONE multi-tensor 2-norm (``_foreach_norm``, what ``clip_grad_norm_`` runs) of the gradient
+   pieces and of each module's two blocks of marks.  Each whole gradient, and each run of rows of
+   a row-split parameter (a policy output layer) that one head takes, is a contiguous range of
+   ``x``, so every view is made once per pattern; a block's squared norm is its count;
+5-7. one ``stack``, one ``pow`` (squares) and one ``index_add`` into a per-pattern base vector
+   that is NaN where a head (or a module) has no gradient.
 
-The result stays packed (``PackedNorms``): the square roots and the Inf counts (non-finite minus
-NaN) are taken once per step, at the drain, over every minibatch at once.  Why eager and not
-``torch.compile``: a GPU minibatch of a small policy is launch-bound (~27 us an op on an H200),
-and Inductor emits one reduction kernel per gradient tensor, where the multi-tensor ops above
-launch one kernel per op (per ~100 tensors).  The CPU runs the same code as an accelerator, so
-counting the ops a CPU update dispatches (``tests/rllib/test_host_reads.py``) tells what a GPU
-update launches and waits for.
+The result stays packed (``PackedNorms``): square roots, rounded counts and Inf counts
+(non-finite minus NaN) are taken once per step, at the drain, over every minibatch at once; the
+skip flags (``found_inf`` of fused optimizers: one more op) only where something reads them.
+Counts are exact up to 2.8 million non-finite elements of a kind per module and minibatch
+(a float32 square root squared and rounded), within a part in 10^7 beyond.
+
+Why eager and not ``torch.compile``: a GPU minibatch of a small policy is launch-bound (~27 us
+an op on an H200), and Inductor emits one reduction kernel per gradient tensor, where each
+multi-tensor op above launches one kernel per ~100 tensors.  The CPU runs the same code as an
+accelerator, so counting the ops a CPU update dispatches (``tests/rllib/test_host_reads.py``)
+tells what a GPU update launches and waits for.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -61,21 +68,26 @@ class GradientNorms:
 @dataclass(frozen=True)
 class PackedNorms:
     """``GradientNormPlan.compute_all``'s result for one minibatch of every module, as computed:
-    no kernel has run beyond the plan's nine.  The ``GradientNorms`` fields are derived on access
-    (a few kernels each: the drain derives them once for the whole step, ``NormRecords``)."""
+    no kernel has run beyond the plan's seven.  The ``GradientNorms`` fields are derived on access
+    (a few kernels each: a learner's drain derives them once for the whole step, ``NormRecords``)."""
 
     packed: torch.Tensor
     """float32 ``[heads + 3 * modules]``: per head the sum of squares of its gradient elements (NaN:
     no gradient), then per module the sum of squares of all its gradients (NaN: none), its number
-    of non-finite (NaN or +-Inf) elements and its number of NaN elements."""
-    flags: tuple[torch.Tensor, ...]
-    """Per module, a 0-d float32: 1.0 where any of its gradient elements is NaN/Inf, else 0.0
-    (the skip flag, which fused optimizers take as ``found_inf``)."""
+    of non-finite (NaN or +-Inf) elements and its number of NaN elements, both unrounded (round them)."""
+    mark_norms: tuple[torch.Tensor, ...]
+    """Per module, the 0-d 2-norm of its non-finite marks (``sqrt`` of its count): 0 where none."""
     num_heads: int
 
     @property
     def num_modules(self) -> int:
-        return len(self.flags)
+        return len(self.mark_norms)
+
+    @cached_property
+    def flags(self) -> tuple[torch.Tensor, ...]:
+        """Per module, a 0-d float32: exactly 1.0 where any of its gradient elements is NaN/Inf,
+        else 0.0 (the skip flag: fused optimizers take it as ``found_inf``).  One op, on first access."""
+        return tuple(compat.foreach_clamp_max(list(self.mark_norms), 1.0))
 
     def _module_part(self, k: int) -> torch.Tensor:
         """The ``k``-th per-module lane block (0: global squares, 1: non-finite counts, 2: NaN counts)."""
@@ -92,37 +104,31 @@ class PackedNorms:
 
     @property
     def nonfinite_count(self) -> torch.Tensor:
-        return self._module_part(1)
+        return self._module_part(1).round()
 
     @property
     def nan_count(self) -> torch.Tensor:
-        return self._module_part(2)
+        return self._module_part(2).round()
 
     @property
     def inf_count(self) -> torch.Tensor:
-        return self._module_part(1) - self._module_part(2)
+        return self.nonfinite_count - self.nan_count
 
     @property
     def found_nonfinite(self) -> torch.Tensor:
         return torch.stack(self.flags)
 
-    def unpacked(self) -> GradientNorms:
-        """The same numbers as a batched ``GradientNorms`` (a few kernels)."""
-        return GradientNorms(self.head_norms, self.global_norm, self.nan_count, self.inf_count)
-
 
 class _Pattern(NamedTuple):
     """The plan's buffers and index for one pattern of present gradients (``GradientNormPlan._pattern``)."""
 
-    buffer: torch.Tensor  # [2 * elements] float32: marks | gradient values, persistent
+    buffer: torch.Tensor  # [2 * elements] float32: x * 0 | the gradient values x, persistent
+    halves: tuple[torch.Tensor, torch.Tensor]  # its two halves (views made once)
     targets: list[torch.Tensor]  # views of the second half shaped like each present gradient (the copy's targets)
-    zeros_in: torch.Tensor  # the second half (input of ``x * 0``)
-    zeros_out: torch.Tensor  # the first half (its output)
-    pieces: list[torch.Tensor]  # 1-D views of the second half: whole gradients, runs of rows of one head
-    blocks: list[torch.Tensor]  # per module: its non-finite marks, then per module its NaN marks
+    marks: torch.Tensor  # [2 * elements] float32: non-finite marks | NaN marks
+    normed: list[torch.Tensor]  # 1-D views: the gradient pieces, then each module's non-finite, then NaN marks
     head_pieces: tuple[int, ...]  # which pieces belong to a head (the trunk's only to the global norms)
     index: torch.Tensor  # destination in the packed vector of each stacked value
-    exponents: torch.Tensor  # 2 for a norm (its square), 1 for a count
     base: torch.Tensor  # the packed vector before the sums: NaN where a head/module has no gradient, else 0
 
 
@@ -170,8 +176,7 @@ class GradientNormPlan:
         kept = [i for i, ok in enumerate(present) if ok]
         n = sum(g.numel() for g in grads)
         buffer = torch.empty(2 * n, dtype=torch.float32, device=device)
-        values = buffer[n:]
-        targets = [v.view(g.shape) for v, g in zip(values.split([g.numel() for g in grads]), grads, strict=True)]
+        targets = [v.view(g.shape) for v, g in zip(buffer[n:].split([g.numel() for g in grads]), grads, strict=True)]
         pieces: list[torch.Tensor] = []
         piece_slot: list[int] = []
         piece_module: list[int] = []
@@ -188,29 +193,25 @@ class GradientNormPlan:
                 piece_slot.append(slot)
                 piece_module.append(module)
         h, m = slots.trunk_base, slots.num_modules
-        blocks = list(buffer.split(module_sizes + module_sizes))  # the marks: non-finite per module, then NaN
+        marks = torch.empty_like(buffer)
         head_pieces = tuple(k for k, slot in enumerate(piece_slot) if slot < h)
         destinations = [
             *(piece_slot[k] for k in head_pieces),
-            *(h + mod for mod in piece_module),
-            *(h + m + mod for mod in range(m)),
-            *(h + 2 * m + mod for mod in range(m)),
+            *(h + module for module in piece_module),
+            *range(h + m, h + 3 * m),  # the marks' blocks: non-finite per module, then NaN per module
         ]
         base = torch.full((h + 3 * m,), float("nan"), device=device)
         base[[piece_slot[k] for k in head_pieces]] = 0.0
-        base[[h + mod for mod in piece_module]] = 0.0
+        base[[h + module for module in piece_module]] = 0.0
         base[h + m :] = 0.0
-        norms = len(head_pieces) + len(pieces)
         cached = _Pattern(
             buffer,
+            (buffer[:n], buffer[n:]),
             targets,
-            values,
-            buffer[:n],
-            pieces,
-            blocks,
+            marks,
+            [*pieces, *marks.split(module_sizes + module_sizes)],
             head_pieces,
             torch.tensor(destinations, dtype=torch.long, device=device),
-            torch.tensor([2.0] * norms + [1.0] * (2 * m), device=device),
             base,
         )
         self._patterns[present] = cached
@@ -229,7 +230,7 @@ class GradientNormPlan:
         )
 
     def compute_all(self) -> PackedNorms:
-        """Every module's norms at once, packed (see ``PackedNorms``); nine ops, no host read."""
+        """Every module's norms at once, packed (see ``PackedNorms``); seven ops, no host read."""
         present = tuple(p.grad is not None for p in self.params)
         grads = [p.grad for p, ok in zip(self.params, present, strict=True) if ok]
         slots = self.slots
@@ -240,14 +241,13 @@ class GradientNormPlan:
             return PackedNorms(packed, tuple(torch.zeros((), device=device) for _ in range(m)), h)
         pattern = self._pattern(present, grads)
         compat.foreach_copy_(pattern.targets, grads)
-        torch.mul(pattern.zeros_in, 0.0, out=pattern.zeros_out)
-        norms = compat.foreach_norm(pattern.pieces)
-        torch.ne(pattern.buffer, pattern.buffer, out=pattern.buffer)
-        counts = compat.foreach_norm(pattern.blocks, ord=1)
-        flags = tuple(compat.foreach_clamp_max(counts[:m], 1.0))
-        values = torch.stack([*(norms[k] for k in pattern.head_pieces), *norms, *counts])
-        packed = torch.index_add(pattern.base, 0, pattern.index, torch.pow(values, pattern.exponents))
-        return PackedNorms(packed, flags, h)
+        torch.mul(pattern.halves[1], 0.0, out=pattern.halves[0])
+        torch.ne(pattern.buffer, pattern.buffer, out=pattern.marks)
+        norms = compat.foreach_norm(pattern.normed)
+        pieces = len(norms) - 2 * m
+        values = torch.stack([*(norms[k] for k in pattern.head_pieces), *norms])
+        packed = torch.index_add(pattern.base, 0, pattern.index, values * values)
+        return PackedNorms(packed, tuple(norms[pieces : pieces + m]), h)
 
 
 def _runs(row_slots: tuple[int, ...]) -> list[tuple[int, int, int]]:
