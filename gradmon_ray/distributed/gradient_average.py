@@ -49,17 +49,25 @@ class ModuleGradientAverage:
         self.group = group
         self.presence: Presence | None = None
         """This update's presence (None until ``exchange_presence``; ``new_update`` resets it)."""
+        self._marks: dict[tuple[bool, ...], torch.Tensor] = {}  # this learner's 0/1 marks per pattern, on the device
 
     def new_update(self) -> None:
         """Forget this update's presence: the next ``average`` exchanges it again."""
         self.presence = None
 
     def exchange_presence(self) -> Presence:
-        """Which parameters got a gradient on how many learners (one small SUM, one host read)."""
+        """Which parameters got a gradient on how many learners (one small SUM, one host read;
+        the marks are built from host data once per pattern of present gradients)."""
         import torch.distributed as dist
 
         device = self.params[0].device if self.params else torch.device("cpu")
-        marks = torch.tensor([float(p.grad is not None) for p in self.params], device=device)
+        present = tuple(p.grad is not None for p in self.params)
+        cached = self._marks.get(present)
+        if cached is None or cached.device != device:
+            # Made from host data once per pattern: a pageable host->device copy waits for the
+            # device on a GPU, and would be a second sync per update besides the read below.
+            cached = self._marks[present] = torch.tensor([float(ok) for ok in present], device=device)
+        marks = cached.clone()
         dist.all_reduce(marks, group=self.group)
         counts = [round(v) for v in marks.tolist()]
         per_module = [0] * len(self.modules)

@@ -10,6 +10,7 @@ the probe or training.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -43,8 +44,15 @@ def logit_l2(module: torch.nn.Module, batch: Mapping[str, Any], fwd_out: Mapping
 def uniform_prior_kl(module: torch.nn.Module, batch: Mapping[str, Any], fwd_out: Mapping[str, Any]) -> torch.Tensor:
     """Mean over valid rows of the sum over heads of KL(pi_head || uniform) = log K_head - H_head."""
     dist = module.get_train_action_dist_cls().from_logits(fwd_out[Columns.ACTION_DIST_INPUTS])
-    log_k = torch.tensor([math.log(k) for k in dist.head_sizes], device=dist.logits.device)
+    log_k = _log_sizes(tuple(dist.head_sizes), dist.logits.device)
     return masked_mean((log_k - dist.per_head_entropy()).sum(-1), batch.get(Columns.LOSS_MASK))
+
+
+@functools.cache
+def _log_sizes(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``log K`` per head on ``device``, made once (a tensor from host data every minibatch is a
+    pageable host->device copy: a wait on a GPU).  Never written to, so sharing it is safe."""
+    return torch.tensor([math.log(k) for k in sizes], device=device)
 
 
 def weight_l2(module: torch.nn.Module, batch: Mapping[str, Any], fwd_out: Mapping[str, Any]) -> torch.Tensor:

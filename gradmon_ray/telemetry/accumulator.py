@@ -12,7 +12,6 @@ cross-learner reduction packs.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import numpy as np
@@ -178,19 +177,14 @@ def reduce_and_copy(
     return host.numpy()
 
 
-_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)  # bfloat16 has no numpy dtype
-
-
 def _nonfinite_flags(
     nan_rows: tuple[torch.Tensor, ...], inf_rows: tuple[torch.Tensor, ...], masks: tuple[torch.Tensor | None, ...]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per head, whether any kept row of the iteration's records holds a NaN, resp. a +-Inf.
 
-    On a CPU, one sum over all the log-probs decides first: a finite sum means every element is
-    finite (IEEE: a NaN or an Inf never sums back to a finite value; a sum that overflows only
-    sends us to the exact path), and reading a CPU tensor is no device sync.  That common case
-    costs a concatenation and a sum instead of about ten passes.  On an accelerator the exact
-    path always runs (a branch on a device value would be a host sync before the drain's copy).
+    The CPU runs what an accelerator runs (no branch on a value: that would be a host sync
+    before the drain's copy), so counting a CPU update's ops and host reads tells what a GPU's
+    drain costs.
 
     The exact tests are written as float arithmetic and column sums (``nan_to_num`` twice, minus
     the cleaned values, is exactly 1 where the element was NaN, resp. +-Inf, and 0 elsewhere)
@@ -200,15 +194,6 @@ def _nonfinite_flags(
     nan_src = torch.cat(nan_rows)
     same = all(a is b for a, b in zip(nan_rows, inf_rows, strict=True))
     inf_src = nan_src if same else torch.cat(inf_rows)
-    if nan_src.device.type == "cpu" and nan_src.dtype in _NUMPY_FLOATS and inf_src.dtype in _NUMPY_FLOATS:
-        # numpy's sum, not torch's: an iteration's log-probs (tens of thousands of floats) are
-        # past torch's parallel grain size (32768), and torch's sum took ~0.1 ms inside a
-        # learner (py-spy), several times its cost in isolation.
-        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is the answer, not a warning
-            total = float(nan_src.numpy().sum()) + (0.0 if same else float(inf_src.numpy().sum()))
-        if math.isfinite(total):
-            none = torch.zeros(nan_src.shape[-1], dtype=torch.bool)
-            return none, none
     nan_at = torch.nan_to_num(nan_src, nan=1.0, posinf=0.0, neginf=0.0) - torch.nan_to_num(
         nan_src, nan=0.0, posinf=0.0, neginf=0.0
     )

@@ -78,7 +78,8 @@ class NormRecords:
         packed = torch.stack([n.packed for n, _ in records])  # type: ignore[union-attr]
         h, m = self.slots.trunk_base, self.slots.num_modules
         roots = packed[:, : h + m].sqrt()
-        nonfinite, nan = packed[:, h + m : h + 2 * m], packed[:, h + 2 * m :]
+        counts = packed[:, h + m :].round()  # squared float32 norms of 0/1 marks: integers up to rounding
+        nonfinite, nan = counts[:, :m], counts[:, m:]
         scalars = torch.stack([roots[:, h:], nan, nonfinite - nan, self._derived_skips(nonfinite)])
         return StackedNorms(roots[:, :h], scalars)
 

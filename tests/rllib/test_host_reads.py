@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 
 from gradmon_ray.config import GradmonConfig
@@ -111,20 +112,33 @@ def test_no_host_read_per_minibatch_beyond_stock_rllib(counted):
     minibatches = stock.calls
     assert minibatches == gradmon.calls >= MINIBATCHES
     # Stock's masked means index with the loss mask (``data[mask]``, 5 terms and one backward
-    # ``index_put``) besides RLlib's ``_compute_off_policyness`` (one ``data[mask]`` per module).
-    assert stock.host_reads == {"aten::index": 6 * modules * minibatches, "aten::index_put": modules * minibatches}
+    # ``index_put``) besides RLlib's ``_compute_off_policyness`` (one ``data[mask]`` per module);
+    # its loss also copies host data to the device twice: ``torch.tensor(0.0, device=...)`` for
+    # the KL term when ``use_kl_loss`` is off, and ``explained_variance``'s
+    # ``torch.tensor([-1.0]).to(pred.device)`` (RLlib 2.60's ``ppo_torch_learner.py`` and
+    # ``utils/torch_utils.py``): pageable host->device copies, a wait on a GPU.
+    per_module = modules * minibatches
+    assert stock.host_reads == {
+        "aten::index": 6 * per_module,
+        "aten::index_put": per_module,
+        "torch.tensor(device=)": per_module,
+        "Tensor.to": per_module,
+    }
     assert drop_in.host_reads == stock.host_reads, "the drop-in adds no host read to stock's loss and step"
     # GradmonPPOTorchLearner's loss masks with ``where``: only RLlib's ``_compute_off_policyness`` is left.
     assert gradmon.host_reads == {"aten::index": modules * minibatches}, dict(gradmon.host_reads)
 
 
-def test_whole_update_adds_no_host_read_outside_the_minibatches(counted):
-    """Outside the minibatches, every arm reads the host the same number of times (RLlib's metric
-    reduction): gradmon's once-per-step drain is one host copy of a device buffer, which on a CPU
-    is no copy at all, and nothing else."""
+def test_whole_update_adds_one_host_read_outside_the_minibatches(counted):
+    """Outside the minibatches, gradmon reads the host exactly once more than stock RLlib (whose
+    metric reduction reads it too): the once-per-step drain's one copy of one packed buffer
+    (``Tensor.cpu``), whatever the number of modules, and nothing else."""
     _, _, counts = counted
-    outside = {arm: c[2].num_host_reads - c[0].num_host_reads for arm, c in counts.items()}
-    assert outside["drop-in"] == outside["gradmon"] == outside["stock-fused"] > 0, outside
+    outside = {arm: c[2].host_reads - c[0].host_reads for arm, c in counts.items()}
+    stock = outside["stock-fused"]
+    assert stock.total() > 0, stock
+    for arm in ("drop-in", "gradmon"):
+        assert outside[arm] - stock == {"Tensor.cpu": 1} and stock - outside[arm] == {}, (arm, outside)
 
 
 def test_the_norm_pass_launches_the_same_kernels_for_1_2_and_8_modules():
@@ -145,3 +159,102 @@ def test_the_norm_pass_launches_the_same_kernels_for_1_2_and_8_modules():
         assert views[modules] <= tensors + 12 * modules, (modules, views[modules], tensors)
         learner.shutdown()
     assert kernels[1] == kernels[2] == kernels[8], kernels
+
+
+def test_two_learners_add_one_host_read_per_update_for_the_gradient_average(world):
+    """A drop-in as one of two learners (``num_learners=2``, a real one-process gloo world: RLlib's
+    DDP modules, gradmon's own gradient average, ``rllib.module_sync``) against a stock single
+    learner on the same batch: per update two host reads beyond stock's, whatever the number of
+    minibatches: the presence exchange's one read of the learners' marks (``Tensor.tolist``, in
+    the first minibatch) and the drain's one copy (``Tensor.cpu``); the per-minibatch average is
+    one flat all-reduce, no read.  Bugs this catches: marks built
+    from host data every update (a host->device copy: a second sync), a read per minibatch in the
+    average."""
+    from tests.peer.pairs import HEADS, build_pair, cartpole_config, sample_batch
+
+    stock_config = cartpole_config("ppo", PPOTorchLearner, agents=2)
+    config = cartpole_config("ppo", with_gradmon(PPOTorchLearner), agents=2, gradmon={"heads": HEADS})
+    config.learners(num_learners=2)
+    stock, learner = build_pair(stock_config, config)
+    batch = sample_batch(stock_config, stock, num_timesteps=128)
+    counts = {}
+    for name, arm in (("stock", stock), ("two-learners", learner)):
+        arm.update(batch=batch, timesteps={}, num_epochs=1, minibatch_size=32)  # the patterns' buffers
+        per_minibatch = OpCounter()
+        with counting_calls(arm, "_update", per_minibatch), OpCounter() as whole:
+            arm.update(batch=batch, timesteps={}, num_epochs=1, minibatch_size=32)
+        counts[name] = (per_minibatch, whole)
+    (stock_mb, stock_whole), (mb, whole) = counts["stock"], counts["two-learners"]
+    assert mb.calls == stock_mb.calls >= 4
+    # The presence is exchanged in the update's first minibatch (then kept for the update).
+    assert mb.host_reads - stock_mb.host_reads == {"Tensor.tolist": 1}, (dict(mb.host_reads), dict(stock_mb.host_reads))
+    assert stock_mb.host_reads - mb.host_reads == {}
+    assert whole.host_reads - stock_whole.host_reads == {"Tensor.tolist": 1, "Tensor.cpu": 1}
+    assert stock_whole.host_reads - whole.host_reads == {}
+    for arm in (stock, learner):
+        arm.shutdown()
+
+
+class _SeededRead(with_gradmon(FusedAdamPPOTorchLearner)):
+    """The drop-in with one host read seeded into every minibatch's loss (``seed``, on the
+    action-distribution inputs), for the counter's own test."""
+
+    seed: Any = None
+
+    def compute_loss_for_module(self, *, module_id: Any, config: Any, batch: dict, fwd_out: dict) -> Any:
+        if type(self).seed is not None:
+            type(self).seed(fwd_out["action_dist_inputs"])
+        return super().compute_loss_for_module(module_id=module_id, config=config, batch=batch, fwd_out=fwd_out)
+
+
+SEEDED_READS = {
+    "tolist": (lambda x: x.tolist(), "Tensor.tolist"),
+    "numpy": (lambda x: x.detach().numpy(), "Tensor.numpy"),
+    "cpu": (lambda x: x.cpu(), "Tensor.cpu"),
+    "item": (lambda x: x.sum().item(), "aten::_local_scalar_dense"),
+    "float": (lambda x: float(x.sum()), "aten::_local_scalar_dense"),
+    "to-cpu": (lambda x: x.to("cpu"), "Tensor.to(cpu)"),
+    "copy-into-host": (lambda x: torch.tensor([0.0]).copy_(x.detach().sum().reshape(1)), "Tensor.copy_"),
+    "tensor-on-device": (lambda x: torch.tensor([1.0], device=x.device), "torch.tensor(device=)"),
+    "host-tensor-to-device": (lambda x: torch.tensor([1.0]).to(x.device), "Tensor.to"),
+    "copy-from-host": (lambda x: x.new_zeros(1).copy_(torch.tensor([1.0])), "Tensor.copy_"),
+}
+
+
+@pytest.fixture(scope="module")
+def seeded_learner():
+    cfg = _config(1)
+    config = local_ppo_config(cfg, _SeededRead)
+    settings = {k: v for k, v in config.learner_config_dict["gradmon"].items() if k not in FULL_LEARNER_KEYS}
+    learner = config.learners(learner_config_dict={"gradmon": settings}).build_learner(spaces=module_spaces(cfg))
+    batch = train_batch(learner, sample_episodes(cfg, learner, cfg.ppo.train_batch_size))
+    update(learner, batch, cfg)
+    yield learner, batch, cfg
+    learner.shutdown()
+
+
+def _minibatch_reads(learner: Any, batch: Any, cfg: GradmonConfig) -> OpCounter:
+    counter = OpCounter()
+    with counting_calls(learner, "_update", counter):
+        update(learner, batch, cfg)
+    return counter
+
+
+@pytest.mark.parametrize("kind", list(SEEDED_READS))
+def test_the_counter_sees_every_kind_of_host_read_seeded_into_an_update(seeded_learner, kind):
+    """Each way a GPU update waits for the device, seeded once into every minibatch of a CPU update,
+    is counted once per minibatch under its name (``op_counts``): device->host reads that never
+    reach the dispatcher on a CPU (``.tolist()``, ``.numpy()``, ``.cpu()``, ``.to("cpu")``, a copy
+    into a host tensor), those that do (``.item()``, ``float(t)``) and pageable host->device
+    copies (a tensor made from host data on the device, moved there, or copied in)."""
+    learner, batch, cfg = seeded_learner
+    seed, name = SEEDED_READS[kind]
+    _SeededRead.seed = None
+    clean = _minibatch_reads(learner, batch, cfg)
+    _SeededRead.seed = staticmethod(seed)
+    try:
+        seeded = _minibatch_reads(learner, batch, cfg)
+    finally:
+        _SeededRead.seed = None
+    assert seeded.calls == clean.calls >= MINIBATCHES
+    assert seeded.host_reads - clean.host_reads == {name: seeded.calls}, dict(seeded.host_reads - clean.host_reads)

@@ -447,3 +447,30 @@ def test_norm_records_give_each_module_its_own_heads_and_scalars():
             every = np.concatenate(grads)
             want = [math.sqrt(np.sum(every**2)), np.isnan(every).sum(), np.isinf(every).sum(), float(skips[k][m])]
             np.testing.assert_allclose(stacked.scalars[:, k].numpy(), want, rtol=1e-6, err_msg=f"{m} {k}")
+
+
+@pytest.mark.parametrize("skip_mask", [None, [0.0, 1.0]], ids=["default", "first-module-never-skips"])
+def test_norm_records_derive_exact_counts_and_skips_at_the_drain(skip_mask):
+    """Records added without skip flags (the learner's path): each module's NaN and Inf counts are
+    exact integers, though the norm pass carries them as squared float32 norms (3 -> 2.9999998
+    unrounded), and a minibatch is skipped where the module had a non-finite element and its
+    ``skip_mask`` entry is 1.  Oracle: the counts set here by hand."""
+    a = [torch.nn.Parameter(torch.zeros(7)), torch.nn.Parameter(torch.zeros(3))]
+    b = [torch.nn.Parameter(torch.zeros(5))]
+    plan = GradientNormPlan.for_modules([({"h": a[:1]}, a), ({"h": b}, b)])
+    records = NormRecords(plan.slots, None if skip_mask is None else torch.tensor(skip_mask))
+    nan, inf = float("nan"), float("inf")
+    a[0].grad = torch.tensor([nan, 1.0, nan, inf, -inf, nan, 2.0])
+    a[1].grad = torch.tensor([inf, 0.0, inf])
+    b[0].grad = torch.ones(5)
+    records.add(plan.compute_all())
+    a[0].grad = torch.ones(7)
+    a[1].grad = torch.ones(3)
+    b[0].grad = torch.tensor([nan, 1.0, 1.0, 1.0, inf])
+    records.add(plan.compute_all())
+    first, second = records.module(0), records.module(1)
+    assert first.scalars[1].tolist() == [3.0, 0.0] and first.scalars[2].tolist() == [4.0, 0.0]
+    assert second.scalars[1].tolist() == [0.0, 1.0] and second.scalars[2].tolist() == [0.0, 1.0]
+    mask = skip_mask or [1.0, 1.0]
+    assert first.scalars[3].tolist() == [mask[0], 0.0] and second.scalars[3].tolist() == [0.0, mask[1]]
+    assert first.scalars[0, 1].item() == pytest.approx(math.sqrt(10.0))

@@ -126,9 +126,8 @@ def test_iteration_logp_flags_are_exact_per_kind_and_respect_the_mask():
 
 
 def test_iteration_logp_flags_finite_values_whose_sum_overflows_never_latch():
-    """The drain's CPU shortcut (a finite sum of all log-probs: nothing to latch) must hand a sum
-    that overflows to -Inf to the exact test, which finds every element finite; and an all-finite
-    iteration next to a later NaN one latches only the head that held the NaN."""
+    """Finite log-probs whose sum overflows to -Inf latch nothing (the test is per element, not a
+    sum); and an all-finite iteration next to a later NaN one latches only the head that held the NaN."""
     from gradmon_ray.telemetry import GradientNorms, IterationAccumulator, TelemetryLayout
 
     layout = TelemetryLayout(num_reported=1, num_action_heads=3)

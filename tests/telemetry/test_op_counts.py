@@ -1,0 +1,40 @@
+"""``telemetry/op_counts.py``: what counts as a host read, on plain tensors (the learner-level seeds
+are in ``tests/rllib/test_host_reads.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+from gradmon_ray.telemetry.op_counts import HOST_CALLS, OpCounter
+
+
+def test_a_host_copy_is_read_once_and_host_data_is_no_device_read():
+    """``.cpu()`` is the one read; reading its result (or a view of it) again is host memory, as on a
+    GPU.  A tensor made from host data without a device is host memory too: reading it, or
+    converting its dtype, is no read; moving it to the device (``.to(device)``) is one."""
+    device_tensor = torch.arange(6.0)
+    with OpCounter() as counter:
+        host = device_tensor.cpu()
+        host.numpy()
+        host[2:].tolist()
+        made = torch.tensor([1.0, 2.0])
+        made.tolist()
+        made.to(torch.float64)
+        made.to(torch.device("cpu"))
+    assert counter.host_reads == {"Tensor.cpu": 1, "Tensor.to": 1}
+
+
+def test_every_counted_name_is_declared():
+    """The names the tests and the bench read are the declared ones (a renamed call would count
+    under a name no assertion expects)."""
+    with OpCounter() as counter:
+        x = torch.ones(2)
+        torch.tensor([0.0]).copy_(x[:1])
+        x.tolist()
+        x.numpy()
+        torch.tensor([1.0], device="cpu")
+        torch.as_tensor([1.0], device="cpu")
+        torch.asarray([1.0], device="cpu")
+        x.to("cpu")  # last: on a CPU it returns x itself, which is a host tensor from then on
+    assert set(counter.host_reads) <= HOST_CALLS
+    assert counter.num_host_reads == 7, dict(counter.host_reads)
