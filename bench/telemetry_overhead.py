@@ -123,7 +123,10 @@ def build_drop_in(cfg: GradmonConfig) -> Any:
     return config.learners(learner_config_dict={"gradmon": settings}).build_learner(spaces=module_spaces(cfg))
 
 
-def build_arms(cfg: GradmonConfig, twin: bool, order: random.Random) -> dict[str, Any]:
+ARMS = ("stock", "stock-fused", "gradmon", "off", "dropin", "gradmon-twin")
+
+
+def build_arms(cfg: GradmonConfig, arms: list[str], order: random.Random) -> dict[str, Any]:
     """The arms, freshly built in a random order, all starting from the same weights.
 
     The build order is drawn anew each time: the allocator places each learner's parameters
@@ -139,11 +142,10 @@ def build_arms(cfg: GradmonConfig, twin: bool, order: random.Random) -> dict[str
         "gradmon": lambda: build_local_learner(cfg),
         "off": lambda: build_local_learner(off),
         "dropin": lambda: build_drop_in(cfg),
+        "gradmon-twin": lambda: build_local_learner(cfg),
     }
-    if twin:
-        builders["gradmon-twin"] = lambda: build_local_learner(cfg)
-    built = {name: builders[name]() for name in order.sample(list(builders), len(builders))}
-    learners = {name: built[name] for name in builders}  # report in the usual order
+    built = {name: builders[name]() for name in order.sample(arms, len(arms))}
+    learners = {name: built[name] for name in ARMS if name in built}  # report in the usual order
     weights = learners["gradmon"].module.get_state()  # every module (one, or one per agent)
     for learner in learners.values():
         learner.module.set_state(weights)
@@ -151,16 +153,19 @@ def build_arms(cfg: GradmonConfig, twin: bool, order: random.Random) -> dict[str
 
 
 def count_per_minibatch(learner: Any, batch: Any, cfg: GradmonConfig) -> dict[str, float]:
-    """Ops, kernels and host reads per minibatch of one ``update`` of ``learner`` on ``batch``,
-    counted inside ``Learner._update`` (one call per minibatch).  Not for the timed rounds: the
-    counting mode slows every op down."""
+    """Ops, kernels and host reads per minibatch of one ``update`` of ``learner`` on ``batch``:
+    inside ``Learner._update`` (one call per minibatch), and of the whole ``update`` divided by
+    its minibatches (``update_ops``: what the once-per-update work adds, spread over them).  Not
+    for the timed rounds: the counting mode slows every op down."""
     counter = OpCounter()
-    with counting_calls(learner, "_update", counter):
+    with counting_calls(learner, "_update", counter), OpCounter() as whole:
         update(learner, batch, cfg)
     return {
         "ops": counter.ops / counter.calls,
+        "update_ops": whole.ops / counter.calls,
         "kernels": counter.kernels / counter.calls,
         "host_reads": counter.num_host_reads / counter.calls,
+        "update_host_reads": whole.num_host_reads / counter.calls,
     }
 
 
@@ -169,14 +174,26 @@ def _num(x: float) -> str:
 
 
 def print_counts(counts: dict[str, dict[str, float]], update_ms: dict[str, float] | None = None) -> None:
-    """One ``arm NAME [update_ms T] ops/minibatch X kernels/minibatch Y host_reads/minibatch Z`` line per arm."""
+    """One ``arm NAME [update_ms T] ops/minibatch X kernels/minibatch Y host_reads/minibatch Z
+    update_ops/minibatch U update_host_reads/minibatch R`` line per arm, then for the arms that
+    wrap stock RLlib the ops they add a minibatch (``added NAME/stock-fused ...``)."""
     for name, c in counts.items():
-        time_field = f" update_ms {update_ms[name]:.2f}" if update_ms is not None else ""
+        time_field = f" update_ms {update_ms[name]:.2f}" if update_ms is not None and name in update_ms else ""
         print(
             f"arm {name}{time_field} ops/minibatch {_num(c['ops'])} kernels/minibatch {_num(c['kernels'])} "
-            f"host_reads/minibatch {_num(c['host_reads'])}",
+            f"host_reads/minibatch {_num(c['host_reads'])} update_ops/minibatch {_num(c['update_ops'])} "
+            f"update_host_reads/minibatch {_num(c['update_host_reads'])}",
             flush=True,
         )
+    base = counts.get("stock-fused")
+    for name in ("dropin", "gradmon"):
+        if base is not None and name in counts:
+            c = counts[name]
+            print(
+                f"added {name}/stock-fused ops/minibatch {_num(c['ops'] - base['ops'])} "
+                f"update_ops/minibatch {_num(c['update_ops'] - base['update_ops'])}",
+                flush=True,
+            )
 
 
 def main() -> None:
@@ -188,7 +205,17 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--agents", type=int, default=0, help="multi-agent variant with this many modules (0: off)")
     parser.add_argument(
+        "--arms",
+        nargs="+",
+        choices=ARMS,
+        default=list(ARMS),
+        help="the arms to run (gradmon always runs; a ratio needs both of its arms)",
+    )
+    parser.add_argument(
         "--no-twin", dest="twin", action="store_false", help="leave out the A/A arm (a second, identical gradmon)"
+    )
+    parser.add_argument(
+        "--no-counts", dest="counts", action="store_false", help="time only: no op counts after the ratios"
     )
     parser.add_argument(
         "--keep-learners",
@@ -212,8 +239,9 @@ def main() -> None:
     if args.agents:
         cfg.env.id = "gradmon/FactoredOpsMultiAgent-v0"
         cfg.env.config = {"num_agents": args.agents}
+    arms = [a for a in ARMS if (a in args.arms or a == "gradmon") and (args.twin or a != "gradmon-twin")]
     order = random.Random(0)
-    learners = build_arms(cfg, args.twin, order)
+    learners = build_arms(cfg, arms, order)
     batch = train_batch(learners["gradmon"], sample_episodes(cfg, learners["gradmon"], cfg.ppo.train_batch_size))
     label = f" agents={args.agents}" if args.agents else ""
 
@@ -242,7 +270,7 @@ def main() -> None:
         return time.perf_counter() - start
 
     names = list(learners)
-    ratios = RATIOS + ([("gradmon", "gradmon-twin")] if args.twin else [])
+    ratios = [(a, b) for a, b in [*RATIOS, ("gradmon", "gradmon-twin")] if a in learners and b in learners]
     per_repeat: list[dict[str, float]] = []
     pair_ratios: list[dict[tuple[str, str], float]] = []
     for repeat in range(args.repeats):
@@ -252,7 +280,7 @@ def main() -> None:
             # buffers cannot bias every repetition of a run the same way.
             for learner in learners.values():
                 learner.shutdown()
-            learners = build_arms(cfg, args.twin, order)
+            learners = build_arms(cfg, arms, order)
         for _ in range(args.warmup):
             for name in names:
                 timed(name)
@@ -284,28 +312,35 @@ def main() -> None:
             f"  {n:12s} median update {statistics.median(meds):8.2f} ms (min {min(meds):.2f}, max {max(meds):.2f}); "
             f"{statistics.median(meds) / minibatches:.3f} ms/minibatch"
         )
-    extra = statistics.median(
-        [
-            (r[("gradmon", "off")] - 1.0) * p["off"] / minibatches * 1e3
-            for r, p in zip(pair_ratios, per_repeat, strict=True)
-        ]
-    )
-    # Counted after every timed round, on the last repetition's (warmed-up) learners: the
-    # extra update each runs under the counting mode cannot perturb a timing.
-    counts = {name: count_per_minibatch(learner, batch, cfg) for name, learner in learners.items()}
-    print_counts(counts, {n: statistics.median(r[n] for r in per_repeat) * 1e3 for n in names})
-    print(f"  telemetry's own time per minibatch: {extra:.3f} ms (paired ratio x off's update; median of repetitions)")
+    if "off" in learners:
+        extra = statistics.median(
+            [
+                (r[("gradmon", "off")] - 1.0) * p["off"] / minibatches * 1e3
+                for r, p in zip(pair_ratios, per_repeat, strict=True)
+            ]
+        )
+        print(
+            f"  telemetry's own time per minibatch: {extra:.3f} ms (paired ratio x off's update; median of repetitions)"
+        )
     for a, b in ratios:
         values = [r[(a, b)] for r in pair_ratios]
         print(
             f"ratio {a}/{b}{label} median {statistics.median(values):.3f} min {min(values):.3f} max {max(values):.3f}",
             flush=True,
         )
-    if args.twin:
+    if "gradmon-twin" in learners:
         print(
             "  (gradmon/gradmon-twin is an A/A comparison of two identical learners: its distance "
-            "from 1.000 is this run's noise floor)"
+            "from 1.000 is this run's noise floor)",
+            flush=True,
         )
+    if args.counts:
+        # After the ratios (a run cut short by a cap still printed them), on the last
+        # repetition's warmed-up learners: the extra update each runs under the counting mode
+        # cannot perturb a timing.  The twin is gradmon again: not counted.
+        counted = {name: learner for name, learner in learners.items() if name != "gradmon-twin"}
+        counts = {name: count_per_minibatch(learner, batch, cfg) for name, learner in counted.items()}
+        print_counts(counts, {n: statistics.median(r[n] for r in per_repeat) * 1e3 for n in names})
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ run_step() {
     esac
     local cmd="$*"
     note "$(printf '%-7s %-22s %4ss  %s' "$name" "$status" "$((SECONDS - t0))" "${cmd//$'\n'/ }")"
-    grep -E '^(ratio |arm |device=|torch |ray smoke|[0-9.]+M parameters|  [a-z-]+ +median |  first step|  telemetry|[0-9]+ (passed|failed|skipped|error)|=+ .*(passed|failed|error|skipped))|^(FAILED|ERROR|SKIPPED) ' "$log" |
+    grep -E '^(ratio |arm |added |device=|torch |ray smoke|[0-9.]+M parameters|  [a-z-]+ +median |  first step|  telemetry|[0-9]+ (passed|failed|skipped|error)|=+ .*(passed|failed|error|skipped))|^(FAILED|ERROR|SKIPPED) ' "$log" |
         sed 's/^/    /' | tee -a "$SUMMARY"
     if [[ $status != ok ]]; then
         echo "    --- last lines of $(basename "$log") ---" | tee -a "$SUMMARY"
@@ -128,9 +128,9 @@ TEL="bench/telemetry_overhead.py"
 # shellcheck disable=SC2206 # the *_ARGS knobs are word-split on purpose
 TEL1_ARGS=(${GPU_CHECK_TEL1_ARGS:---rounds 10 --repeats 3 --warmup 2})
 # shellcheck disable=SC2206
-TEL8_ARGS=(${GPU_CHECK_TEL8_ARGS:---rounds 3 --repeats 2 --warmup 1})
+TEL8_ARGS=(${GPU_CHECK_TEL8_ARGS:---rounds 2 --repeats 3 --warmup 1 --arms stock-fused dropin gradmon gradmon-twin})
 # shellcheck disable=SC2206
-TEL2_ARGS=(${GPU_CHECK_TEL2_ARGS:---rounds 5 --repeats 2 --warmup 1})
+TEL2_ARGS=(${GPU_CHECK_TEL2_ARGS:---rounds 4 --repeats 3 --warmup 1})
 # shellcheck disable=SC2206
 VGS_ARGS=(${GPU_CHECK_VGS_ARGS:---sizes 0 1 10 --steps 30 --repeats 3})
 
