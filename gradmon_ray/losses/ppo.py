@@ -105,31 +105,39 @@ def ppo_loss_terms(
     per_head_entropy = dist.per_head_entropy()
     entropy = per_head_entropy.sum(-1)
 
-    if use_kl_loss:
-        if prev_dist is None:
-            raise ValueError("use_kl_loss needs the sampling policy's distribution")
-        mean_kl = masked_mean(prev_dist.kl(dist), mask, valid)
-    else:
-        mean_kl = torch.zeros((), device=surrogate.device)
-
-    if values is not None:
+    if use_kl_loss and prev_dist is None:
+        raise ValueError("use_kl_loss needs the sampling policy's distribution")
+    has_critic = values is not None
+    if has_critic:
         vf_loss = torch.pow(values - value_targets, 2.0)
         vf_loss_clipped = torch.clamp(vf_loss, 0, vf_clip_param)
-        mean_vf_loss = masked_mean(vf_loss_clipped, mask, valid)
-        mean_vf_unclipped = masked_mean(vf_loss, mask, valid)
     else:
         values = torch.zeros_like(surrogate)
-        vf_loss_clipped = mean_vf_loss = mean_vf_unclipped = torch.zeros((), device=surrogate.device)
+    # Every masked mean of the loss at once: one stack, one masked sum, one division (one masked
+    # mean per term was four dispatched ops each, forward, and as many backward: a GPU minibatch
+    # is launch-bound).  The total is their linear combination, as a mean is linear.
+    columns = [surrogate, entropy]
+    if has_critic:
+        columns += [vf_loss_clipped, vf_loss]
+    if use_kl_loss:
+        columns.append(prev_dist.kl(dist))  # type: ignore[union-attr]
+    means = masked_mean(torch.stack(columns, dim=-1), mask, valid).unbind()
+    policy, mean_entropy = -means[0], means[1]
+    zero = torch.zeros((), device=surrogate.device)
+    mean_vf_loss, mean_vf_unclipped = (means[2], means[3]) if has_critic else (zero, zero)
+    mean_kl = means[-1] if use_kl_loss else zero
 
-    total = masked_mean(-surrogate + vf_loss_coeff * vf_loss_clipped - entropy_coeff * entropy, mask, valid)
+    total = policy - entropy_coeff * mean_entropy
+    if has_critic:
+        total = total + vf_loss_coeff * mean_vf_loss
     if use_kl_loss:
         total = total + kl_coeff * mean_kl
     return PPOLossTerms(
         total=total,
-        policy=-masked_mean(surrogate, mask, valid),
+        policy=policy,
         value=mean_vf_loss,
         value_unclipped=mean_vf_unclipped,
-        entropy=masked_mean(entropy, mask, valid),
+        entropy=mean_entropy,
         kl=mean_kl,
         per_head_logp=per_head_logp,
         per_head_entropy_rows=per_head_entropy,
