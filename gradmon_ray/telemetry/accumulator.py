@@ -182,31 +182,20 @@ def _nonfinite_flags(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per head, whether any kept row of the iteration's records holds a NaN, resp. a +-Inf.
 
-    The CPU runs what an accelerator runs (no branch on a value: that would be a host sync
-    before the drain's copy), so counting a CPU update's ops and host reads tells what a GPU's
-    drain costs.
-
-    The exact tests are written as float arithmetic and column sums (``nan_to_num`` twice, minus
-    the cleaned values, is exactly 1 where the element was NaN, resp. +-Inf, and 0 elsewhere)
-    because on a CPU boolean column reductions (``(x != x).any(0)``) are not vectorised: about
-    4x slower for an iteration's log-probs.  The mask enters as a matrix-vector product.
+    A handful of ops per step whatever the number of minibatches (a GPU's drain is launch-bound
+    like its minibatches): one concatenation per kind, the mask applied once, one ``isnan``
+    and one ``isinf`` column ``any``.  The CPU runs what an accelerator runs (no branch on a
+    value: that would be a host sync before the drain's copy).
     """
-    nan_src = torch.cat(nan_rows)
+    nan_src = torch.cat(nan_rows) if len(nan_rows) > 1 else nan_rows[0]
     same = all(a is b for a, b in zip(nan_rows, inf_rows, strict=True))
-    inf_src = nan_src if same else torch.cat(inf_rows)
-    nan_at = torch.nan_to_num(nan_src, nan=1.0, posinf=0.0, neginf=0.0) - torch.nan_to_num(
-        nan_src, nan=0.0, posinf=0.0, neginf=0.0
-    )
-    inf_at = torch.nan_to_num(inf_src, nan=0.0, posinf=1.0, neginf=1.0) - torch.nan_to_num(
-        inf_src, nan=0.0, posinf=0.0, neginf=0.0
-    )
-    if all(m is None for m in masks):
-        return nan_at.sum(0) > 0, inf_at.sum(0) > 0
-    keep = torch.cat(
-        [
-            torch.ones(len(r), dtype=torch.bool, device=r.device) if m is None else m.reshape(-1)
+    inf_src = nan_src if same else (torch.cat(inf_rows) if len(inf_rows) > 1 else inf_rows[0])
+    if any(m is not None for m in masks):
+        parts = [
+            torch.ones(len(r), dtype=torch.bool, device=r.device) if m is None else m.reshape(-1).bool()
             for r, m in zip(nan_rows, masks, strict=True)
         ]
-    )
-    keep = keep.bool().to(nan_at.dtype)  # one conversion for the whole iteration
-    return (keep @ nan_at) > 0, (keep.to(inf_at.dtype) @ inf_at) > 0
+        keep = (torch.cat(parts) if len(parts) > 1 else parts[0]).unsqueeze(-1)
+        nan_src = torch.where(keep, nan_src, 0.0)  # padding rows never latch
+        inf_src = nan_src if same else torch.where(keep, inf_src, 0.0)
+    return torch.isnan(nan_src).any(0), torch.isinf(inf_src).any(0)
