@@ -69,7 +69,7 @@ class _Arm:
         self.params = [p for net in nets for p in net.parameters()]
         self.average = ModuleGradientAverage([list(net.parameters()) for net in nets]) if name == "gradmon" else None
 
-    def update(self, batches: list[torch.Tensor]) -> None:
+    def update(self, batches: list[list[torch.Tensor]]) -> None:
         """``len(batches)`` minibatches (each: every module's rows); gradients only, no optimizer."""
         if self.average is not None:
             self.average.new_update()

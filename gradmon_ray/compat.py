@@ -206,10 +206,9 @@ def is_rays_driver_sigterm_handler(handler: Any) -> bool:
     )
 
 
-def foreach_norm(tensors: list[torch.Tensor], ord: float = 2.0) -> list[torch.Tensor]:
-    """Each tensor's ``ord``-norm (1, 2 or inf: CUDA's fused route), as one fused kernel per device
-    and dtype (what ``clip_grad_norm_`` runs)."""
-    return list(torch._foreach_norm(tensors, ord))
+def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's 2-norm, as one fused kernel per device and dtype (what ``clip_grad_norm_`` runs)."""
+    return list(torch._foreach_norm(tensors))
 
 
 def foreach_clamp_max(tensors: list[torch.Tensor], bound: float) -> list[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""``torch.compile`` on demand, with an eager fallback: shared by VGS and the norm plan.
+"""``torch.compile`` on demand, with an eager fallback, for the VGS kernels.
 
 A compiled function fuses what eagerly is one pass over memory per line into one pass per
 tensor (Inductor's C++/OpenMP code on CPU, Triton on CUDA).  Compiling costs 10-50 s on a

@@ -21,8 +21,7 @@ from ray.rllib.utils.annotations import override
 from ray.rllib.utils.typing import ModuleID, ParamDict
 
 from gradmon_ray.rllib.module_telemetry import FoundInfFlags
-from gradmon_ray.telemetry import GradientNormPlan, GradientNorms
-from gradmon_ray.telemetry.norm_plan import PackedNorms
+from gradmon_ray.telemetry.norm_plan import GradientNormPlan, GradientNorms, PackedNorms
 from gradmon_ray.telemetry.norm_records import NormRecords
 
 

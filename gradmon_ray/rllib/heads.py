@@ -256,7 +256,8 @@ def per_head_logp(module: Any, logits: torch.Tensor, actions: Any, num_heads: in
     """``[B, num_heads]`` log-probs of the taken actions under the train distribution of ``logits``.
 
     On the device, no host synchronisation (the distribution is built from the logits as the
-    loss builds it; this costs one more log-softmax per minibatch).
+    loss builds it: one more log-softmax, which the drop-in runs once per step over all its
+    minibatches, ``ModuleTelemetry.flush_latch_inputs``).
     """
     dist = module.get_train_action_dist_cls().from_logits(logits)
     if isinstance(dist, FactoredCategorical):

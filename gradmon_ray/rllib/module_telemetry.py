@@ -5,8 +5,8 @@ A learner holds one ``ModuleTelemetry`` per monitored module (one for a single-a
 collapse, entropy/KL, noise scale, VGS and checkpointed state; the learner packs all of
 them into ONE reduction and ONE host copy per telemetry step (``rllib.reporting``).
 
-Per minibatch, nothing here syncs with the host on an accelerator: ``record_logp`` and
-``record_head_inputs`` keep references.  The norms of every monitored module come from ONE
+Per minibatch, nothing here syncs with the host on an accelerator: ``record_latch_inputs``
+(or ``record_logp``) and ``record_head_inputs`` keep references.  The norms of every monitored module come from ONE
 ``GradientNormPlan`` of the learner (``GradmonMonitor``); a module sees its own slice only
 where it needs one (``after_norms``: VGS, the noise-scale hook).
 """

@@ -163,9 +163,11 @@ class GradmonReporting:
             parts.append(ModuleLanes(monitor.accumulator, monitor.noise_hook.lanes, health, local, norms))
         self._norm_records.clear()
         reduced = reduce_modules(parts, collective, checksum=digits)
-        for monitor in self._monitors.values():
-            monitor.scaler_lanes[0].zero_()
-            monitor.noise_hook.zero_()
+        for monitor in self._monitors.values():  # only lanes in use were written (two ops a module saved)
+            if monitor.grad_scaler is not None:
+                monitor.scaler_lanes[0].zero_()
+            if monitor.noise is not None:
+                monitor.noise_hook.zero_()
         k = collective.world_size
         checksum_ok = None
         if check and reduced:

@@ -15,20 +15,21 @@ gradient):
    pieces and of each module's two blocks of marks.  Each whole gradient, and each run of rows of
    a row-split parameter (a policy output layer) that one head takes, is a contiguous range of
    ``x``, so every view is made once per pattern; a block's squared norm is its count;
-5-7. one ``stack``, one ``pow`` (squares) and one ``index_add`` into a per-pattern base vector
-   that is NaN where a head (or a module) has no gradient.
+5-7. one ``stack``, one multiply (the squares) and one ``index_add`` into a per-pattern base
+   vector that is NaN where a head (or a module) has no gradient.
 
 The result stays packed (``PackedNorms``): square roots, rounded counts and Inf counts
-(non-finite minus NaN) are taken once per step, at the drain, over every minibatch at once; the
-skip flags (``found_inf`` of fused optimizers: one more op) only where something reads them.
-Counts are exact up to 2.8 million non-finite elements of a kind per module and minibatch
-(a float32 square root squared and rounded), within a part in 10^7 beyond.
+(non-finite minus NaN) are taken once per step, at the drain, over every minibatch at once
+(``norm_records``; only the gradient-noise-scale path, 2+ learners, takes a module's roots every
+minibatch); the skip flags (``found_inf`` of fused optimizers: one more op) only where something
+reads them.  Counts are exact up to 2.8 million non-finite elements of a kind per module and
+minibatch (a float32 square root squared and rounded), within two parts in 10^7 beyond.
 
 Why eager and not ``torch.compile``: a GPU minibatch of a small policy is launch-bound (~27 us
 an op on an H200), and Inductor emits one reduction kernel per gradient tensor, where each
 multi-tensor op above launches one kernel per ~100 tensors.  The CPU runs the same code as an
-accelerator, so counting the ops a CPU update dispatches (``tests/rllib/test_host_reads.py``)
-tells what a GPU update launches and waits for.
+accelerator, so counting the ops a CPU update dispatches (``tests/telemetry/test_head_norms.py``,
+``tests/rllib/test_op_budget.py``) tells what a GPU update launches and waits for.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ class GradientNormPlan:
     counts cover, always over whole tensors.  ``GradientNormPlan.for_modules`` covers several
     (a learner's monitored modules): one ``compute_all`` per minibatch for all of them.  Two
     heads may take disjoint rows of one parameter; overlapping rows, or a parameter taken whole
-    by one head and by rows by another, raise ``ValueError``.  Per minibatch: nine dispatched
+    by one head and by rows by another, raise ``ValueError``.  Per minibatch: seven dispatched
     ops (the module docstring), whatever the number of modules, tensors and heads.
     """
 

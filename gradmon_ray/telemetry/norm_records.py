@@ -42,21 +42,19 @@ class NormRecords:
     stacked records out at the drain.
 
     ``skip_mask`` (``[modules]`` 0/1 floats): whether a minibatch with a non-finite gradient
-    counts as skipped in that module.  A record added without its ``skipped`` flags gets them
-    from its counts and this mask at the drain, where the square roots and the Inf counts
-    (non-finite minus NaN) of every record are taken at once: a handful of kernels a step, none
-    a minibatch."""
+    counts as skipped in that module (default: in every module).  The skips, square roots and
+    Inf counts (non-finite minus NaN) of every record are derived at the drain, at once: a
+    handful of kernels a step, none a minibatch."""
 
     def __init__(self, slots: HeadSlots, skip_mask: torch.Tensor | None = None) -> None:
         self.slots = slots
         self.skip_mask = skip_mask
-        self._records: list[tuple[GradientNorms | PackedNorms, torch.Tensor | None]] = []
+        self._records: list[PackedNorms] = []
         self._stacked: StackedNorms | None = None
 
-    def add(self, norms: GradientNorms | PackedNorms, skipped: torch.Tensor | None = None) -> None:
-        """Record one minibatch of every module (batched ``norms``; ``skipped``: [modules], or None
-        to derive it at the drain): no kernel."""
-        self._records.append((norms, skipped))
+    def add(self, norms: PackedNorms) -> None:
+        """Record one minibatch of every module (``GradientNormPlan.compute_all``): no kernel."""
+        self._records.append(norms)
 
     def module(self, index: int) -> StackedNorms | None:
         """Module ``index``'s records of the step (None without a minibatch); stacks all modules once."""
@@ -70,12 +68,7 @@ class NormRecords:
         )
 
     def _stack(self) -> StackedNorms:
-        records = self._records
-        if not all(isinstance(n, PackedNorms) and s is None for n, s in records):
-            return StackedNorms.of(
-                [(n, self._derived_skips(n.nan_count + n.inf_count) if s is None else s) for n, s in records]
-            )
-        packed = torch.stack([n.packed for n, _ in records])  # type: ignore[union-attr]
+        packed = torch.stack([n.packed for n in self._records])
         h, m = self.slots.trunk_base, self.slots.num_modules
         roots = packed[:, : h + m].sqrt()
         counts = packed[:, h + m :].round()  # squared float32 norms of 0/1 marks: integers up to rounding

@@ -175,16 +175,17 @@ class _HostCalls(TorchFunctionMode):
         if func in _FROM_HOST_DATA:
             has_device = kwargs.get("device") is not None
             return f"{_FROM_HOST_DATA[func]}(device=)" if has_device and not _is_tensor_arg(args) else None
-        moves = func is torch.Tensor.cuda or (func is torch.Tensor.to and _target_device(args[1:], kwargs) is not None)
-        if moves and args and self._from_host(args[0]):
-            return None if _pinned_async(args[0], kwargs) else _MOVES[func]
         if func is torch.Tensor.to and args and "cpu" in (kwargs.get("device"), *args[1:]):
             # Named "cpu" in the source: the host, on any machine (``.to(self.device)`` is a
             # ``torch.device``, the learner's device on a GPU, and is not counted here).
             return None if self._from_host(args[0]) else "Tensor.to(cpu)"
+        moves = func is torch.Tensor.cuda or (func is torch.Tensor.to and _target_device(args[1:], kwargs) is not None)
+        if moves and args and self._from_host(args[0]):
+            return None if _pinned_async(args[0], kwargs) else _MOVES[func]
         if func is torch.Tensor.copy_ and len(args) > 1 and self._from_host(args[0]) != self._from_host(args[1]):
             blocking = kwargs if len(args) < 3 else {"non_blocking": args[2]}
-            return None if _pinned_async(args[1], blocking) else "Tensor.copy_"
+            host_side = args[1] if self._from_host(args[1]) else args[0]  # the pinned buffer, either way
+            return None if _pinned_async(host_side, blocking) else "Tensor.copy_"
         return None
 
 

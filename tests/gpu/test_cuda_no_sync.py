@@ -296,7 +296,7 @@ def test_gradient_hooks_of_a_real_update_run_under_sync_debug_error(scaler, modu
 
 
 def test_norms_and_counts_on_cuda_are_exact_and_do_not_sync():
-    """The nine-op norm pass on CUDA: exact counts, per-head norms as the reference formula, no sync."""
+    """The seven-op norm pass on CUDA: exact counts, per-head norms as the reference formula, no sync."""
     from gradmon_ray.telemetry import per_head_grad_norms
 
     dev = torch.device("cuda")

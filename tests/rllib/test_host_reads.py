@@ -26,17 +26,9 @@ from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 
 from gradmon_ray.config import GradmonConfig
 from gradmon_ray.rllib import with_gradmon
-from gradmon_ray.rllib.local_learner import (
-    build_local_learner,
-    local_ppo_config,
-    module_spaces,
-    sample_episodes,
-    train_batch,
-    update,
-)
-from gradmon_ray.rllib.settings_parsing import FULL_LEARNER_KEYS
+from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch, update
 from gradmon_ray.telemetry.op_counts import OpCounter, counting_calls
-from tests.peer.pairs import fused_adam
+from tests.rllib.arms import ARMS, FusedAdamPPOTorchLearner, count_update, drop_in, small_config
 
 MODULES = [1, 2, 8]
 MINIBATCHES = 4
@@ -46,48 +38,8 @@ def _ids(param: tuple[int, bool]) -> str:
     return f"{param[0]}-modules-vgs-{'on' if param[1] else 'off'}"
 
 
-FusedAdamPPOTorchLearner = fused_adam(PPOTorchLearner)
-"""Stock PPO with fused Adam (as ``bench/telemetry_overhead.py``'s ``stock-fused`` arm)."""
-
-
 def _config(modules: int, vgs: bool = False) -> GradmonConfig:
-    cfg = GradmonConfig()
-    cfg.ppo.train_batch_size, cfg.ppo.minibatch_size, cfg.ppo.num_epochs = 32 * MINIBATCHES, 32, 1
-    cfg.model.trunk_hiddens = [32]
-    cfg.vgs.enabled = vgs
-    if modules > 1:
-        cfg.env.id = "gradmon/FactoredOpsMultiAgent-v0"
-        cfg.env.config = {"num_agents": modules}
-    return cfg
-
-
-def _drop_in(cfg: GradmonConfig) -> Any:
-    """``with_gradmon(stock + fused Adam)`` with the run config's gradmon settings a drop-in reads."""
-    config = local_ppo_config(cfg, with_gradmon(FusedAdamPPOTorchLearner))
-    settings = {k: v for k, v in config.learner_config_dict["gradmon"].items() if k not in FULL_LEARNER_KEYS}
-    return config.learners(learner_config_dict={"gradmon": settings}).build_learner(spaces=module_spaces(cfg))
-
-
-ARMS = {
-    "stock-fused": lambda cfg: build_local_learner(cfg, learner_class=FusedAdamPPOTorchLearner),
-    "drop-in": _drop_in,
-    "gradmon": build_local_learner,
-}
-
-
-def _counts(learner: Any, batch: Any, cfg: GradmonConfig) -> tuple[OpCounter, OpCounter, OpCounter]:
-    """Ops inside every ``_update`` call (the minibatches), inside gradmon's norm pass
-    (``_measure``; empty for stock) and of the whole ``update``, for a second update on ``batch``
-    (the first builds the plan's cached index tensors)."""
-    update(learner, batch, cfg)
-    per_minibatch, norm_pass = OpCounter(), OpCounter()
-    with counting_calls(learner, "_update", per_minibatch), OpCounter() as whole:
-        if hasattr(learner, "_measure"):
-            with counting_calls(learner, "_measure", norm_pass):
-                update(learner, batch, cfg)
-        else:
-            update(learner, batch, cfg)
-    return per_minibatch, norm_pass, whole
+    return small_config(modules, minibatches=MINIBATCHES, vgs=vgs)
 
 
 @pytest.fixture(scope="module", params=[(m, vgs) for m in MODULES for vgs in (False, True)], ids=_ids)
@@ -100,7 +52,7 @@ def counted(request):
     for learner in learners.values():
         learner.module.set_state(weights)
     batch = train_batch(learners["gradmon"], sample_episodes(cfg, learners["gradmon"], cfg.ppo.train_batch_size))
-    counts = {name: _counts(learner, batch, cfg) for name, learner in learners.items()}
+    counts = {name: count_update(learner, batch, cfg) for name, learner in learners.items()}
     for learner in learners.values():
         learner.shutdown()
     return modules, vgs, counts
@@ -152,7 +104,7 @@ def test_the_norm_pass_launches_the_same_kernels_for_1_2_and_8_modules():
         cfg = _config(modules)
         learner = build_local_learner(cfg)
         batch = train_batch(learner, sample_episodes(cfg, learner, cfg.ppo.train_batch_size))
-        _, norm_pass, _ = _counts(learner, batch, cfg)
+        _, norm_pass, _ = count_update(learner, batch, cfg)
         tensors = sum(len(m.params) for m in learner.gradmon_modules.values())
         kernels[modules] = norm_pass.kernels / norm_pass.calls
         views[modules] = (norm_pass.ops - norm_pass.kernels) / norm_pass.calls
@@ -224,9 +176,7 @@ SEEDED_READS = {
 @pytest.fixture(scope="module")
 def seeded_learner():
     cfg = _config(1)
-    config = local_ppo_config(cfg, _SeededRead)
-    settings = {k: v for k, v in config.learner_config_dict["gradmon"].items() if k not in FULL_LEARNER_KEYS}
-    learner = config.learners(learner_config_dict={"gradmon": settings}).build_learner(spaces=module_spaces(cfg))
+    learner = drop_in(cfg, _SeededRead)
     batch = train_batch(learner, sample_episodes(cfg, learner, cfg.ppo.train_batch_size))
     update(learner, batch, cfg)
     yield learner, batch, cfg

@@ -22,48 +22,25 @@ minibatches (the latches' log-probs), a drain that grows.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
-from gradmon_ray.config import GradmonConfig
-from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch, update
-from gradmon_ray.telemetry.op_counts import OpCounter, counting_calls
-from tests.rllib.test_host_reads import ARMS, FusedAdamPPOTorchLearner
+from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch
+from tests.rllib.arms import ARMS, FusedAdamPPOTorchLearner, count_update, small_config
 
 DRAIN_OPS_PER_MODULE = 115
-"""Measured 2026-11-28: the drop-in's once-per-update ops beyond stock's: 129 at 1 module (the
-shared part, the packed reduction and copy, included), 237 at 2, 885 at 8 (111 a module)."""
-
-
-def _config(modules: int) -> GradmonConfig:
-    cfg = GradmonConfig()
-    cfg.ppo.train_batch_size, cfg.ppo.minibatch_size, cfg.ppo.num_epochs = 256, 32, 4
-    cfg.model.trunk_hiddens = [32]
-    cfg.vgs.enabled = False
-    if modules > 1:
-        cfg.env.id = "gradmon/FactoredOpsMultiAgent-v0"
-        cfg.env.config = {"num_agents": modules}
-    return cfg
-
-
-def _count(learner: Any, batch: Any, cfg: GradmonConfig) -> tuple[OpCounter, OpCounter]:
-    update(learner, batch, cfg)  # the first update builds the norm pass's buffers
-    per_minibatch = OpCounter()
-    with counting_calls(learner, "_update", per_minibatch), OpCounter() as whole:
-        update(learner, batch, cfg)
-    return per_minibatch, whole
+"""Measured 2026-11-28: the drop-in's once-per-update ops beyond stock's: 126 at 1 module (the
+shared part, the packed reduction and copy, included), 231 at 2, 861 at 8 (108 a module)."""
 
 
 @pytest.fixture(scope="module", params=[1, 2, 8], ids=lambda m: f"{m}-modules")
 def counted(request):
     modules = request.param
-    cfg = _config(modules)
+    cfg = small_config(modules, minibatches=8, epochs=4)  # 34 minibatches: RLlib adds a few
     stock = build_local_learner(cfg, learner_class=FusedAdamPPOTorchLearner)
     drop_in = ARMS["drop-in"](cfg)
     drop_in.module.set_state(stock.module.get_state())
     batch = train_batch(stock, sample_episodes(cfg, stock, cfg.ppo.train_batch_size))
-    counts = {"stock": _count(stock, batch, cfg), "drop-in": _count(drop_in, batch, cfg)}
+    counts = {"stock": count_update(stock, batch, cfg), "drop-in": count_update(drop_in, batch, cfg)}
     for learner in (stock, drop_in):
         learner.shutdown()
     return modules, counts
@@ -71,7 +48,7 @@ def counted(request):
 
 def test_the_drop_in_adds_8_plus_2_ops_per_module_to_a_minibatch(counted):
     modules, counts = counted
-    (stock, _), (drop_in, _) = counts["stock"], counts["drop-in"]
+    (stock, _, _), (drop_in, _, _) = counts["stock"], counts["drop-in"]
     assert stock.calls == drop_in.calls >= 34
     added = (drop_in.ops - stock.ops) / drop_in.calls
     assert added == 8 + 2 * modules, (modules, added, dict(drop_in.by_name - stock.by_name))
@@ -79,6 +56,6 @@ def test_the_drop_in_adds_8_plus_2_ops_per_module_to_a_minibatch(counted):
 
 def test_the_drop_ins_once_per_update_work_stays_at_its_measured_size(counted):
     modules, counts = counted
-    (stock_mb, stock_whole), (mb, whole) = counts["stock"], counts["drop-in"]
+    (stock_mb, _, stock_whole), (mb, _, whole) = counts["stock"], counts["drop-in"]
     drain = (whole.ops - mb.ops) - (stock_whole.ops - stock_mb.ops)
     assert 0 < drain <= DRAIN_OPS_PER_MODULE * modules + 15, (modules, drain)

@@ -418,7 +418,7 @@ def test_norm_records_give_each_module_its_own_heads_and_scalars():
     """``NormRecords`` of one plan over modules with 1, 3 and 2 heads, two minibatches: module
     ``m``'s stacked records are its own heads (as many as it has, not module 0's count) and its
     own ``[global norm, NaN count, Inf count, skipped]`` per minibatch.  Oracle: numpy norms and
-    counts of the gradients set here, and the skip flags recorded here."""
+    counts of the gradients set here, and the modules given a non-finite gradient here."""
     gen = torch.Generator().manual_seed(3)
     modules = []
     for heads in (1, 3, 2):
@@ -427,8 +427,8 @@ def test_norm_records_give_each_module_its_own_heads_and_scalars():
     plan = GradientNormPlan.for_modules(modules)
     records = NormRecords(plan.slots)
     seen = []  # per minibatch, per module: its gradients (numpy, float64)
-    skips = [torch.tensor([0.0, 0.0, 0.0]), torch.tensor([0.0, 1.0, 1.0])]
-    for minibatch, skipped in enumerate(skips):
+    skips = [[0.0, 0.0, 0.0], [0.0, 1.0, 1.0]]  # the modules given a non-finite gradient below
+    for minibatch in range(2):
         for _, params in modules:
             for p in params:
                 p.grad = torch.randn(2, generator=gen)
@@ -436,7 +436,7 @@ def test_norm_records_give_each_module_its_own_heads_and_scalars():
             modules[1][1][0].grad[1] = float("nan")  # module 1's head h0
             modules[2][1][-1].grad[0] = float("-inf")  # module 2's trunk
         seen.append([[p.grad.double().numpy().copy() for p in params] for _, params in modules])
-        records.add(plan.compute_all(), skipped)
+        records.add(plan.compute_all())
     for m, (groups, _) in enumerate(modules):
         stacked = records.module(m)
         assert stacked.head_norms.shape == (2, len(groups)) and stacked.scalars.shape == (4, 2), m
@@ -445,7 +445,7 @@ def test_norm_records_give_each_module_its_own_heads_and_scalars():
             want_heads = [math.sqrt(np.sum(g**2)) for g in grads[:-1]]
             np.testing.assert_allclose(stacked.head_norms[k].numpy(), want_heads, rtol=1e-6, err_msg=f"{m} {k}")
             every = np.concatenate(grads)
-            want = [math.sqrt(np.sum(every**2)), np.isnan(every).sum(), np.isinf(every).sum(), float(skips[k][m])]
+            want = [math.sqrt(np.sum(every**2)), np.isnan(every).sum(), np.isinf(every).sum(), skips[k][m]]
             np.testing.assert_allclose(stacked.scalars[:, k].numpy(), want, rtol=1e-6, err_msg=f"{m} {k}")
 
 

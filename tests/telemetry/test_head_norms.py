@@ -324,29 +324,3 @@ def test_a_parameter_in_two_heads_is_refused_word_for_word():
     p = torch.nn.Parameter(torch.zeros(2))
     with pytest.raises(ValueError, match=r"^a parameter belongs to two heads; head groups must be disjoint$"):
         GradientNormPlan({"a": [p], "b": [p]}, [p])
-
-
-def test_a_failed_compile_warns_once_with_its_first_line_and_runs_eagerly(monkeypatch, caplog):
-    """``compile_on_demand.Kernel``: when ``torch.compile`` raises, one warning names the caller's label
-    and the error's first line, the eager function answers (now and on later calls) and ``compiled``
-    stays False."""
-    import logging
-
-    import gradmon_ray.compile_on_demand as cod
-
-    def failing_compile(*args, **kwargs):
-        raise RuntimeError("backend exploded\nsecond line of the traceback")
-
-    monkeypatch.setattr(cod.torch, "compile", failing_compile)
-    kernel = cod.Kernel(lambda x: x * 2 + 1, compile=True, label="gradient norms")
-    with caplog.at_level(logging.WARNING, logger="gradmon_ray.compile_on_demand"):
-        assert kernel(torch.tensor([1.0, 3.0])).tolist() == [3.0, 7.0]
-        assert kernel(torch.tensor([0.5])).tolist() == [2.0]
-    assert [r.getMessage() for r in caplog.records] == [
-        "gradient norms: torch.compile failed (backend exploded); running the eager version"
-    ]
-    assert kernel.compiled is False
-    default = cod.Kernel(lambda x: x, compile=True)
-    with caplog.at_level(logging.WARNING, logger="gradmon_ray.compile_on_demand"):
-        default(torch.zeros(1))
-    assert caplog.records[-1].getMessage().startswith("VGS: torch.compile failed (backend exploded)")

@@ -20,7 +20,8 @@ def test_a_host_copy_is_read_once_and_host_data_is_no_device_read():
         made = torch.tensor([1.0, 2.0])
         made.tolist()
         made.to(torch.float64)
-        made.to(torch.device("cpu"))
+        made.to("cpu")  # host data kept on the host: no copy
+        made.to(torch.device("cpu"))  # a torch.device: the learner's device, a GPU in production
     assert counter.host_reads == {"Tensor.cpu": 1, "Tensor.to": 1}
 
 

@@ -143,3 +143,29 @@ def test_a_minus_inf_gradient_enters_the_spatial_emas_as_zero():
     want = [2.0 * 2 / 3, 1.0 * 2 / 3, math.sqrt(10.0) * 2 / 3, 3.0 * 2 / 3]
     got = [metrics[f"vgs/grad_{k}_ema"] for k in ("mean", "var", "norm", "max")]
     assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_a_failed_compile_warns_once_with_its_first_line_and_runs_eagerly(monkeypatch, caplog):
+    """``compile_on_demand.Kernel``: when ``torch.compile`` raises, one warning names the caller's label
+    and the error's first line, the eager function answers (now and on later calls) and ``compiled``
+    stays False."""
+    import logging
+
+    import gradmon_ray.compile_on_demand as cod
+
+    def failing_compile(*args, **kwargs):
+        raise RuntimeError("backend exploded\nsecond line of the traceback")
+
+    monkeypatch.setattr(cod.torch, "compile", failing_compile)
+    kernel = cod.Kernel(lambda x: x * 2 + 1, compile=True, label="VGS element step")
+    with caplog.at_level(logging.WARNING, logger="gradmon_ray.compile_on_demand"):
+        assert kernel(torch.tensor([1.0, 3.0])).tolist() == [3.0, 7.0]
+        assert kernel(torch.tensor([0.5])).tolist() == [2.0]
+    assert [r.getMessage() for r in caplog.records] == [
+        "VGS element step: torch.compile failed (backend exploded); running the eager version"
+    ]
+    assert kernel.compiled is False
+    default = cod.Kernel(lambda x: x, compile=True)
+    with caplog.at_level(logging.WARNING, logger="gradmon_ray.compile_on_demand"):
+        default(torch.zeros(1))
+    assert caplog.records[-1].getMessage().startswith("VGS: torch.compile failed (backend exploded)")
