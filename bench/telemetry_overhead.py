@@ -1,7 +1,7 @@
 """Update-time overhead of gradmon's telemetry, measured side by side in one process.
 
-Five learners (six with the A/A twin) train the same FactoredActorCritic (same initial
-weights) on the same postprocessed batch of real FactoredOps episodes, one full
+Up to six learners (``--arms``; by default all six, the A/A twin included) train the same
+FactoredActorCritic (same initial weights) on the same postprocessed batch of real FactoredOps episodes, one full
 training-iteration update each (``num_epochs`` x minibatches), in a new random order every
 round, so that drift on the machine and the previous arm's memory traffic hit all of them alike:
 
@@ -40,7 +40,7 @@ two arms differ only in gradmon's telemetry attached through ``with_gradmon`` (s
 class underneath, same loss, same fused Adam, same weights, same batch).  Usage:
 
     python bench/telemetry_overhead.py [--rounds 25] [--repeats 5] [--trunk 128 128] [--device cpu|cuda] \\
-        [--agents N] [--counts-only]
+        [--agents N] [--arms stock-fused dropin gradmon ...] [--no-twin] [--no-counts] [--counts-only]
 
 ``--agents N`` trains the multi-agent variant (``gradmon/FactoredOpsMultiAgent-v0``, one module per
 agent: N modules in every arm, all of them monitored in ``gradmon`` and ``dropin``); its lines
@@ -49,14 +49,21 @@ read ``ratio gradmon/off agents=N median ...`` (``ratio dropin/stock-fused agent
 Besides its time, every arm's ops, kernels and host reads per minibatch are printed, one line
 per arm::
 
-    arm gradmon update_ms 111.91 ops/minibatch 562 kernels/minibatch 319 host_reads/minibatch 1
+    arm gradmon update_ms 133.13 ops/minibatch 502 kernels/minibatch 281 host_reads/minibatch 1 \\
+        update_ops/minibatch 555.29 update_host_reads/minibatch 1.82
+
+then, per arm that wraps stock RLlib, ``added dropin/stock-fused ops/minibatch 10
+update_ops/minibatch 14.09``: the ops it adds inside the minibatches and over the whole update
+(the once-per-update drain spread over the minibatches).  These lines come after the ratio lines,
+so a run cut short by a time cap still printed its ratios.
 
 ``update_ms`` is the arm's median update time (as in the per-arm time lines above it);
 ``ops/minibatch`` counts every aten op dispatched inside ``Learner._update`` (one call per
 minibatch: forward, loss, backward, telemetry, optimizer step), ``kernels/minibatch`` the ones
 that launch a kernel on a GPU (not views, detaches or allocations: ``OpCounter.kernels``) and
-``host_reads/minibatch`` the ones that read device data on the host (``.item()``, ``bool(t)``,
-``data[bool_mask]``, a device->host copy: a sync on a GPU, free on a CPU).  They are counted
+``host_reads/minibatch`` the ones that read device data on the host or copy pageable host data to
+the device (``.item()``, ``bool(t)``, ``data[bool_mask]``, ``.cpu()``, ``.tolist()``,
+``torch.tensor(..., device=)``: a sync on a GPU, free on a CPU; ``telemetry.op_counts``).  They are counted
 with ``telemetry.op_counts.OpCounter`` once per arm, outside the timed rounds (counting slows
 every op down, so it never runs inside them): on the last repetition's learners after their
 timed rounds, one extra ``update`` under ``counting_calls(learner, "_update", counter)``, divided
@@ -196,7 +203,7 @@ def print_counts(counts: dict[str, dict[str, float]], update_ms: dict[str, float
             )
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=25, help="rounds (one update per learner) per repetition")
     parser.add_argument("--repeats", type=int, default=5)
@@ -228,37 +235,19 @@ def main() -> None:
         action="store_true",
         help="build the arms, print their ops/kernels/host reads per minibatch and exit without timing",
     )
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore")
+    return parser.parse_args()
 
-    cfg = GradmonConfig()  # the default model and batch sizes
-    if args.trunk:
-        cfg.model.trunk_hiddens = list(args.trunk)
-    if args.device == "cuda":
-        cfg.resources.num_gpus_per_learner = 1.0
-    if args.agents:
-        cfg.env.id = "gradmon/FactoredOpsMultiAgent-v0"
-        cfg.env.config = {"num_agents": args.agents}
-    arms = [a for a in ARMS if (a in args.arms or a == "gradmon") and (args.twin or a != "gradmon-twin")]
-    order = random.Random(0)
-    learners = build_arms(cfg, arms, order)
-    batch = train_batch(learners["gradmon"], sample_episodes(cfg, learners["gradmon"], cfg.ppo.train_batch_size))
-    label = f" agents={args.agents}" if args.agents else ""
 
-    if args.counts_only:
-        for learner in learners.values():
-            update(learner, batch, cfg)  # the first update builds cached index tensors: count the second
-        counts = {name: count_per_minibatch(learner, batch, cfg) for name, learner in learners.items()}
-        modules = learners["gradmon"].gradmon_modules
-        print(
-            f"device={args.device} torch={torch.__version__} modules={len(modules)}{label} "
-            f"trunk={cfg.model.trunk_hiddens} minibatches/update="
-            f"{next(iter(modules.values())).last_telemetry.minibatches} counts only (no timing)"
-        )
-        print_counts(counts)
-        for learner in learners.values():
-            learner.shutdown()
-        return
+def _count_all(learners: dict[str, Any], batch: Any, cfg: GradmonConfig) -> dict[str, dict[str, float]]:
+    """Every arm's counts but the twin's (gradmon again)."""
+    return {name: count_per_minibatch(lrn, batch, cfg) for name, lrn in learners.items() if name != "gradmon-twin"}
+
+
+def _time_arms(
+    args: argparse.Namespace, cfg: GradmonConfig, arms: list[str], learners: dict[str, Any], batch: Any, order: Any
+) -> tuple[dict[str, Any], list[dict[str, float]], list[dict[tuple[str, str], float]], list[tuple[str, str]]]:
+    """(the last repetition's learners, per repetition each arm's median update time, per repetition
+    each ratio's median over its rounds, the ratios)."""
 
     def timed(name: str) -> float:
         if args.device == "cuda":
@@ -294,10 +283,21 @@ def main() -> None:
         # Paired: each round's two updates ran within one round of each other (well under a
         # second), so a slow spell of the machine hits both; the median over rounds drops the
         # rounds a spell cut in half.
-        pair_ratios.append(
-            {(a, b): statistics.median(x / y for x, y in zip(times[a], times[b], strict=True)) for a, b in ratios}
-        )
+        paired = {(a, b): [x / y for x, y in zip(times[a], times[b], strict=True)] for a, b in ratios}
+        pair_ratios.append({pair: statistics.median(values) for pair, values in paired.items()})
+    return learners, per_repeat, pair_ratios, ratios
 
+
+def _print_times(
+    args: argparse.Namespace,
+    cfg: GradmonConfig,
+    learners: dict[str, Any],
+    per_repeat: list[dict[str, float]],
+    pair_ratios: list[dict[tuple[str, str], float]],
+    ratios: list[tuple[str, str]],
+    label: str,
+) -> None:
+    """The header, each arm's update time, telemetry's own time and the ratio lines."""
     modules = learners["gradmon"].gradmon_modules
     minibatches = next(iter(modules.values())).last_telemetry.minibatches
     params = sum(p.numel() for mid in modules for p in learners["gradmon"].module[mid].parameters())
@@ -306,7 +306,7 @@ def main() -> None:
         f"params={params / 1e6:.3f}M trunk={cfg.model.trunk_hiddens} minibatches/update={minibatches} "
         f"repeats={args.repeats} x rounds={args.rounds} fresh_learners_per_repeat={args.fresh}"
     )
-    for n in names:
+    for n in learners:
         meds = [r[n] * 1e3 for r in per_repeat]
         print(
             f"  {n:12s} median update {statistics.median(meds):8.2f} ms (min {min(meds):.2f}, max {max(meds):.2f}); "
@@ -334,13 +334,48 @@ def main() -> None:
             "from 1.000 is this run's noise floor)",
             flush=True,
         )
+
+
+def main() -> None:
+    args = _parse_args()
+    warnings.filterwarnings("ignore")
+    cfg = GradmonConfig()  # the default model and batch sizes
+    if args.trunk:
+        cfg.model.trunk_hiddens = list(args.trunk)
+    if args.device == "cuda":
+        cfg.resources.num_gpus_per_learner = 1.0
+    if args.agents:
+        cfg.env.id = "gradmon/FactoredOpsMultiAgent-v0"
+        cfg.env.config = {"num_agents": args.agents}
+    arms = [a for a in ARMS if (a in args.arms or a == "gradmon") and (args.twin or a != "gradmon-twin")]
+    order = random.Random(0)
+    learners = build_arms(cfg, arms, order)
+    batch = train_batch(learners["gradmon"], sample_episodes(cfg, learners["gradmon"], cfg.ppo.train_batch_size))
+    label = f" agents={args.agents}" if args.agents else ""
+
+    if args.counts_only:
+        for learner in learners.values():
+            update(learner, batch, cfg)  # the first update builds cached index tensors: count the second
+        modules = learners["gradmon"].gradmon_modules
+        print(
+            f"device={args.device} torch={torch.__version__} modules={len(modules)}{label} "
+            f"trunk={cfg.model.trunk_hiddens} minibatches/update="
+            f"{next(iter(modules.values())).last_telemetry.minibatches} counts only (no timing)"
+        )
+        print_counts(_count_all(learners, batch, cfg))
+        for learner in learners.values():
+            learner.shutdown()
+        return
+
+    learners, per_repeat, pair_ratios, ratios = _time_arms(args, cfg, arms, learners, batch, order)
+    _print_times(args, cfg, learners, per_repeat, pair_ratios, ratios, label)
     if args.counts:
         # After the ratios (a run cut short by a cap still printed them), on the last
         # repetition's warmed-up learners: the extra update each runs under the counting mode
-        # cannot perturb a timing.  The twin is gradmon again: not counted.
-        counted = {name: learner for name, learner in learners.items() if name != "gradmon-twin"}
-        counts = {name: count_per_minibatch(learner, batch, cfg) for name, learner in counted.items()}
-        print_counts(counts, {n: statistics.median(r[n] for r in per_repeat) * 1e3 for n in names})
+        # cannot perturb a timing.
+        print_counts(
+            _count_all(learners, batch, cfg), {n: statistics.median(r[n] for r in per_repeat) * 1e3 for n in learners}
+        )
 
 
 if __name__ == "__main__":
