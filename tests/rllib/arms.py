@@ -22,7 +22,7 @@ FusedAdamPPOTorchLearner = fused_adam(PPOTorchLearner)
 def small_config(modules: int, *, minibatches: int, epochs: int = 1, vgs: bool = False) -> GradmonConfig:
     """A 32-unit trunk, ``minibatches`` minibatches of 32 rows per epoch, one module per agent."""
     cfg = GradmonConfig()
-    cfg.ppo.train_batch_size, cfg.ppo.minibatch_size, cfg.ppo.num_epochs = 32 * minibatches, 32, epochs
+    cfg.ppo.minibatch_size, cfg.ppo.train_batch_size, cfg.ppo.num_epochs = 32, 32 * minibatches, epochs
     cfg.model.trunk_hiddens = [32]
     cfg.vgs.enabled = vgs
     if modules > 1:
