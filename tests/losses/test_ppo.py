@@ -59,13 +59,25 @@ def _rllib_loss(logits, values, batch, config):
 
 @pytest.mark.parametrize("use_kl_loss", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_total_loss_and_gradients_equal_rllib(use_kl_loss, seed):
+@pytest.mark.parametrize(("use_critic", "masked"), [(True, True), (False, True), (True, False)])
+def test_total_loss_and_gradients_equal_rllib(use_kl_loss, seed, use_critic, masked):
+    """Also without a critic (RLlib's ``use_critic=False``: the value terms are zero) and without a
+    loss mask (RLlib's plain means): every branch of the one-pass masked means."""
     config = PPOConfig().training(
-        clip_param=0.2, vf_clip_param=3.0, vf_loss_coeff=0.7, entropy_coeff=0.05, use_kl_loss=use_kl_loss, kl_coeff=0.3
+        clip_param=0.2,
+        vf_clip_param=3.0,
+        vf_loss_coeff=0.7,
+        entropy_coeff=0.05,
+        use_kl_loss=use_kl_loss,
+        kl_coeff=0.3,
+        use_critic=use_critic,
     )
     logits, values, batch = _batch(seed)
+    if not masked:
+        del batch[Columns.LOSS_MASK]
     expected = _rllib_loss(logits, values, batch, config)
-    g_expected = torch.autograd.grad(expected, [logits, values])
+    wrt = [logits, values] if use_critic else [logits]
+    g_expected = torch.autograd.grad(expected, wrt)
     cls = FactoredCategorical.for_heads(("x", "y", "z"), SIZES, "multi_discrete")
     terms = ppo_loss_terms(
         dist=cls.from_logits(logits),
@@ -73,9 +85,9 @@ def test_total_loss_and_gradients_equal_rllib(use_kl_loss, seed):
         actions=batch[Columns.ACTIONS],
         old_logp=batch[Columns.ACTION_LOGP],
         advantages=batch[Postprocessing.ADVANTAGES],
-        values=values,
+        values=values if use_critic else None,
         value_targets=batch[Postprocessing.VALUE_TARGETS],
-        mask=batch[Columns.LOSS_MASK],
+        mask=batch.get(Columns.LOSS_MASK),
         clip_param=config.clip_param,
         vf_clip_param=config.vf_clip_param,
         vf_loss_coeff=config.vf_loss_coeff,
@@ -84,7 +96,7 @@ def test_total_loss_and_gradients_equal_rllib(use_kl_loss, seed):
         use_kl_loss=use_kl_loss,
     )
     torch.testing.assert_close(terms.total, expected)
-    for got, want in zip(torch.autograd.grad(terms.total, [logits, values]), g_expected, strict=True):
+    for got, want in zip(torch.autograd.grad(terms.total, wrt), g_expected, strict=True):
         torch.testing.assert_close(got, want)
     assert terms.per_head_logp.shape == (B, 3)
     assert terms.per_head_entropy.shape == (3,)
