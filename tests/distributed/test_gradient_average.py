@@ -129,3 +129,17 @@ def test_before_reduce_sees_each_modules_local_gradients_before_the_average(worl
     average.average(lambda m, ps, gs: seen.append((m, [id(p) for p in ps], [g.tolist() for g in gs])))
     assert seen == [(0, [id(a)], [[2.0, 4.0]]), (1, [id(c)], [[6.0]])]
     assert a.grad.tolist() == [1.0, 2.0] and c.grad.tolist() == [2.0]
+
+
+def test_the_cached_presence_marks_survive_the_in_place_sum(world, monkeypatch):
+    """The presence marks are built once per pattern and summed in place every update: the sum
+    must act on a copy.  Two learners that both trained every parameter (the all-reduce stood in
+    by doubling: a one-process SUM changes nothing) report 2 in the second update as in the first.
+    Oracle: world size x local presence."""
+    a, b = _param(2, [1.0, 2.0]), _param(1, [3.0])
+    average = ModuleGradientAverage([[a], [b]])
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *args, **kwargs: tensor.mul_(2))
+    first = average.exchange_presence()
+    average.new_update()
+    second = average.exchange_presence()
+    assert first == second == Presence((2, 2), (2, 2))

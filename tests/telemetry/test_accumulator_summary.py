@@ -466,11 +466,11 @@ def test_norm_records_derive_exact_counts_and_skips_at_the_drain(skip_mask):
     records.add(plan.compute_all())
     a[0].grad = torch.ones(7)
     a[1].grad = torch.ones(3)
-    b[0].grad = torch.tensor([nan, 1.0, 1.0, 1.0, inf])
+    b[0].grad = torch.tensor([inf, 1.0, 1.0, 1.0, -inf])  # Inf only: skipped all the same
     records.add(plan.compute_all())
     first, second = records.module(0), records.module(1)
     assert first.scalars[1].tolist() == [3.0, 0.0] and first.scalars[2].tolist() == [4.0, 0.0]
-    assert second.scalars[1].tolist() == [0.0, 1.0] and second.scalars[2].tolist() == [0.0, 1.0]
+    assert second.scalars[1].tolist() == [0.0, 0.0] and second.scalars[2].tolist() == [0.0, 2.0]
     mask = skip_mask or [1.0, 1.0]
     assert first.scalars[3].tolist() == [mask[0], 0.0] and second.scalars[3].tolist() == [0.0, mask[1]]
     assert first.scalars[0, 1].item() == pytest.approx(math.sqrt(10.0))

@@ -250,9 +250,9 @@ def test_plan_counts_and_norms_against_numpy_for_several_modules_with_row_heads(
             trunk.grad[1, 2] = float("-inf")
         else:
             groups = {"x": [w], "y": [b]}
-            if m == 2:
-                b.grad[0] = float("nan")
-                b.grad[5] = float("nan")
+            if m == 2:  # Inf only: its skip flag must come from the non-finite marks, not the NaN ones
+                b.grad[0] = float("inf")
+                b.grad[5] = float("-inf")
         modules.append((groups, [w, b, trunk]))
         arrays.append([p.grad.double().numpy().copy() for p in (w, b, trunk)])
     result = GradientNormPlan.for_modules(modules).compute_all()
@@ -270,8 +270,8 @@ def test_plan_counts_and_norms_against_numpy_for_several_modules_with_row_heads(
     np.testing.assert_allclose(result.head_norms.numpy(), want_heads, rtol=1e-6)
     every = [np.concatenate([a.ravel() for a in module]) for module in arrays]
     np.testing.assert_allclose(result.global_norm.numpy(), [norm(e) for e in every], rtol=1e-6)
-    assert result.nan_count.tolist() == [float(np.isnan(e).sum()) for e in every] == [0.0, 1.0, 2.0]
-    assert result.inf_count.tolist() == [float(np.isinf(e).sum()) for e in every] == [0.0, 2.0, 0.0]
+    assert result.nan_count.tolist() == [float(np.isnan(e).sum()) for e in every] == [0.0, 1.0, 0.0]
+    assert result.inf_count.tolist() == [float(np.isinf(e).sum()) for e in every] == [0.0, 2.0, 2.0]
     assert [f.item() for f in result.flags] == [0.0, 1.0, 1.0]
     assert result.found_nonfinite.tolist() == [0.0, 1.0, 1.0]
 

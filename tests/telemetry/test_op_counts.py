@@ -39,3 +39,26 @@ def test_every_counted_name_is_declared():
         x.to("cpu")  # last: on a CPU it returns x itself, which is a host tensor from then on
     assert set(counter.host_reads) <= HOST_CALLS
     assert counter.num_host_reads == 7, dict(counter.host_reads)
+
+
+def test_a_named_move_to_the_host_counts_positional_or_keyword():
+    """``.to("cpu")`` and ``.to(device="cpu")`` of a device tensor are device->host copies."""
+    with OpCounter() as counter:
+        torch.ones(2).to("cpu")
+        torch.ones(2).to(device="cpu", dtype=torch.float64)
+    assert counter.host_reads == {"Tensor.to(cpu)": 2}
+
+
+def test_a_non_blocking_upload_from_pinned_memory_is_no_host_read(monkeypatch):
+    """From pinned memory with ``non_blocking=True`` a host->device copy does not wait; from pageable
+    memory, or blocking, it does.  (A CPU-only torch cannot pin: ``is_pinned`` is stood in.)"""
+    device = torch.device("cpu")  # the learner's device: a GPU in production
+    with OpCounter() as counter:
+        host = torch.tensor([1.0, 2.0])
+        monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+        host.to(device, non_blocking=True)
+        torch.zeros(2).copy_(host, non_blocking=True)
+        host.to(device)  # blocking
+        monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)
+        host.to(device, non_blocking=True)  # pageable
+    assert counter.host_reads == {"Tensor.to": 2}
