@@ -33,6 +33,7 @@ from gradmon_ray.telemetry import (
     NoiseScaleTracker,
     TelemetryTracker,
 )
+from gradmon_ray.telemetry.accumulator import joined_mask
 from gradmon_ray.telemetry.bands import BandSet
 from gradmon_ray.telemetry.noise_scale import GLOBAL_ENTRY
 from gradmon_ray.vgs import VarianceGradientScaler
@@ -132,15 +133,7 @@ class ModuleTelemetry:
             return
         logits = torch.cat([x for x, _, _ in inputs])
         actions = tree.map_structure(lambda *parts: torch.cat(parts), *(a for _, a, _ in inputs))
-        masks = [m for _, _, m in inputs]
-        mask = None
-        if any(m is not None for m in masks):
-            mask = torch.cat(
-                [
-                    torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device) if m is None else m.bool()
-                    for (x, _, _), m in zip(inputs, masks, strict=True)
-                ]
-            )
+        mask = joined_mask([x.shape[:-1].numel() for x, _, _ in inputs], [m for _, _, m in inputs], logits.device)
         logp = per_head_logp(self._rl_module, logits, actions, len(self.tracker.latch_heads))
         self.accumulator.add_logp(logp, mask)
 

@@ -190,12 +190,29 @@ def _nonfinite_flags(
     nan_src = torch.cat(nan_rows) if len(nan_rows) > 1 else nan_rows[0]
     same = all(a is b for a, b in zip(nan_rows, inf_rows, strict=True))
     inf_src = nan_src if same else (torch.cat(inf_rows) if len(inf_rows) > 1 else inf_rows[0])
-    if any(m is not None for m in masks):
-        parts = [
-            torch.ones(len(r), dtype=torch.bool, device=r.device) if m is None else m.reshape(-1).bool()
-            for r, m in zip(nan_rows, masks, strict=True)
-        ]
-        keep = (torch.cat(parts) if len(parts) > 1 else parts[0]).unsqueeze(-1)
+    keep = joined_mask([len(r) for r in nan_rows], masks, nan_src.device)
+    if keep is not None:
+        keep = keep.unsqueeze(-1)
         nan_src = torch.where(keep, nan_src, 0.0)  # padding rows never latch
         inf_src = nan_src if same else torch.where(keep, inf_src, 0.0)
     return torch.isnan(nan_src).any(0), torch.isinf(inf_src).any(0)
+
+
+def joined_mask(
+    rows: list[int], masks: list[torch.Tensor | None] | tuple[torch.Tensor | None, ...], device: torch.device
+) -> torch.Tensor | None:
+    """Several records' loss masks as one flat bool mask (a record without one keeps all its
+    ``rows``), or None when no record has a mask."""
+    if all(m is None for m in masks):
+        return None
+    parts = [
+        torch.ones(n, dtype=torch.bool, device=device) if m is None else _flat_bool(m)
+        for n, m in zip(rows, masks, strict=True)
+    ]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _flat_bool(mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` as a 1-D bool tensor; no op where it is one already (a step's drain sees one per minibatch)."""
+    flat = mask if mask.dim() == 1 else mask.reshape(-1)
+    return flat if flat.dtype == torch.bool else flat.bool()

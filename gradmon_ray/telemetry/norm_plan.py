@@ -34,6 +34,7 @@ accelerator, so counting the ops a CPU update dispatches (``tests/telemetry/test
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -73,16 +74,18 @@ class PackedNorms:
     (a few kernels each: a learner's drain derives them once for the whole step, ``NormRecords``)."""
 
     packed: torch.Tensor
-    """float32 ``[heads + 3 * modules]``: per head the sum of squares of its gradient elements (NaN:
-    no gradient), then per module the sum of squares of all its gradients (NaN: none), its number
-    of non-finite (NaN or +-Inf) elements and its number of NaN elements, both unrounded (round them)."""
+    """float32 ``[heads + 3 * modules]`` (``[minibatches, ...]`` stacked): per head the sum of
+    squares of its gradient elements (NaN: no gradient), then per module the sum of squares of all
+    its gradients (NaN: none), its number of non-finite (NaN or +-Inf) elements and its number of
+    NaN elements, both unrounded (round them)."""
     mark_norms: tuple[torch.Tensor, ...]
-    """Per module, the 0-d 2-norm of its non-finite marks (``sqrt`` of its count): 0 where none."""
+    """Per module, the 0-d 2-norm of its non-finite marks (``sqrt`` of its count): 0 where none
+    (empty for stacked records: their flags are not read)."""
     num_heads: int
 
     @property
     def num_modules(self) -> int:
-        return len(self.mark_norms)
+        return (self.packed.shape[-1] - self.num_heads) // 3
 
     @cached_property
     def flags(self) -> tuple[torch.Tensor, ...]:
@@ -91,13 +94,14 @@ class PackedNorms:
         return tuple(compat.foreach_clamp_max(list(self.mark_norms), 1.0))
 
     def _module_part(self, k: int) -> torch.Tensor:
-        """The ``k``-th per-module lane block (0: global squares, 1: non-finite counts, 2: NaN counts)."""
+        """The ``k``-th per-module lane block (0: global squares, 1: non-finite counts, 2: NaN
+        counts), along the last dimension (``NormRecords`` stacks minibatches before it)."""
         start = self.num_heads + k * self.num_modules
-        return self.packed[start : start + self.num_modules]
+        return self.packed[..., start : start + self.num_modules]
 
     @property
     def head_norms(self) -> torch.Tensor:
-        return self.packed[: self.num_heads].sqrt()
+        return self.packed[..., : self.num_heads].sqrt()
 
     @property
     def global_norm(self) -> torch.Tensor:
@@ -253,10 +257,9 @@ class GradientNormPlan:
 
 def _runs(row_slots: tuple[int, ...]) -> list[tuple[int, int, int]]:
     """``(start, stop, slot)`` of each run of consecutive rows that go to the same slot."""
-    runs: list[tuple[int, int, int]] = []
-    for row, slot in enumerate(row_slots):
-        if runs and runs[-1][2] == slot:
-            runs[-1] = (runs[-1][0], row + 1, slot)
-        else:
-            runs.append((row, row + 1, slot))
+    runs, start = [], 0
+    for slot, rows in itertools.groupby(row_slots):
+        stop = start + len(list(rows))
+        runs.append((start, stop, slot))
+        start = stop
     return runs

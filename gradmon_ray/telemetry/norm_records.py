@@ -68,13 +68,10 @@ class NormRecords:
         )
 
     def _stack(self) -> StackedNorms:
-        packed = torch.stack([n.packed for n in self._records])
-        h, m = self.slots.trunk_base, self.slots.num_modules
-        roots = packed[:, : h + m].sqrt()
-        counts = packed[:, h + m :].round()  # squared float32 norms of 0/1 marks: integers up to rounding
-        nonfinite, nan = counts[:, :m], counts[:, m:]
-        scalars = torch.stack([roots[:, h:], nan, nonfinite - nan, self._derived_skips(nonfinite)])
-        return StackedNorms(roots[:, :h], scalars)
+        stacked = PackedNorms(torch.stack([n.packed for n in self._records]), (), self.slots.trunk_base)
+        nonfinite, nan = stacked.nonfinite_count, stacked.nan_count
+        scalars = torch.stack([stacked.global_norm, nan, nonfinite - nan, self._derived_skips(nonfinite)])
+        return StackedNorms(stacked.head_norms, scalars)
 
     def _derived_skips(self, nonfinite: torch.Tensor) -> torch.Tensor:
         found = (nonfinite > 0).to(torch.float32)
