@@ -27,12 +27,15 @@ millisecond eagerly, less than a compile can ever win back in a short run."""
 class Kernel:
     """``fn`` run eagerly, or compiled with ``torch.compile`` on its first call.
 
-    ``label`` names the caller in the one warning a failed compile logs; ``compiled`` says
-    which version is in use.
+    ``label`` names the caller in the one warning a failed compile logs; ``options`` go to
+    Inductor (``torch.compile(options=)``); ``compiled`` says which version is in use.
     """
 
-    def __init__(self, fn: Callable[..., Any], *, compile: bool, label: str = "VGS") -> None:
+    def __init__(
+        self, fn: Callable[..., Any], *, compile: bool, label: str = "VGS", options: dict[str, Any] | None = None
+    ) -> None:
         self._eager = fn
+        self._options = options
         self._fn: Callable[..., Any] = fn
         self._pending = compile
         self._label = label
@@ -42,7 +45,7 @@ class Kernel:
         if self._pending:
             self._pending = False
             try:
-                compiled = torch.compile(self._eager, dynamic=False, fullgraph=True)
+                compiled = torch.compile(self._eager, dynamic=False, fullgraph=True, options=self._options)
                 result = compiled(*args)
             except Exception as exc:  # torch's compile errors have no common base class
                 logger.warning(

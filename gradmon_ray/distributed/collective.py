@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from gradmon_ray.telemetry.accumulator import IterationAccumulator, reduce_and_copy
-from gradmon_ray.telemetry.norm_records import StackedNorms
+from gradmon_ray.telemetry.lane_layout import TelemetryLayout
 
 logger = logging.getLogger(__name__)
 
@@ -130,46 +130,45 @@ class ReducedIteration(NamedTuple):
 
 
 class ModuleLanes(NamedTuple):
-    """What one module puts into a step's packed reduction."""
+    """What one module puts into a step's packed reduction besides its telemetry lanes."""
 
-    accumulator: IterationAccumulator
+    layout: TelemetryLayout
+    """The module's telemetry lanes' layout (their share of ``reduce_modules``' ``lanes``)."""
     noise: torch.Tensor
     health: torch.Tensor
     local: torch.Tensor
     """Rank-local values that ride the same host copy unreduced."""
-    norms: StackedNorms | None = None
-    """The module's norm records of the step, when the learner keeps them for all modules (``NormRecords``)."""
 
 
 def reduce_modules(
-    modules: Sequence[ModuleLanes], collective: LearnerCollective, *, checksum: torch.Tensor
+    lanes: torch.Tensor, modules: Sequence[ModuleLanes], collective: LearnerCollective, *, checksum: torch.Tensor
 ) -> list[ReducedIteration]:
     """ONE SUM reduction and ONE device->host copy for every module of the learner.
 
-    Packed as ``[checksum, (buffer, noise, health) per module | own checksum, local per module]``: the
-    reduced part first, so a single in-place allreduce covers it (on the device for NCCL,
-    on the host copy for gloo).  Each module's buffer is zeroed.  With one learner nothing is
-    reduced.
+    ``lanes``: every module's telemetry lanes, module after module (``lane_fold.LaneFold``).
+    Packed as ``[checksum, lanes, (noise, health) per module | own checksum, local per module]``:
+    the reduced part first, so a single in-place allreduce covers it (on the device for NCCL,
+    on the host copy for gloo).  With one learner nothing is reduced.
     """
-    reduced_parts: dict[str, torch.Tensor] = {"checksum": checksum}
+    reduced_parts: dict[str, torch.Tensor] = {"checksum": checksum, "lanes": lanes}
     local_parts: dict[str, torch.Tensor] = {"checksum": checksum}
     for i, part in enumerate(modules):
-        reduced_parts[f"{i}.lanes"] = part.accumulator.fold(part.norms)
         reduced_parts[f"{i}.noise"] = part.noise
         reduced_parts[f"{i}.health"] = part.health
         local_parts[f"{i}.local"] = part.local
     reduced, local = Segments(reduced_parts), Segments(local_parts)
+    n = sum(reduced.sizes.values())
     host = reduce_and_copy(
-        reduced.pack(),
-        local.pack(),
+        reduced.pack(then=local),
+        n,
         allreduce=collective.allreduce_sum if collective.active else None,
         reduce_on_device=collective.backend == "nccl",
     )
-    n = sum(reduced.sizes.values())
     reduced_host, local_host = reduced.unpack(host[:n]), local.unpack(host[n:])
+    offsets = np.cumsum([0, *(part.layout.size for part in modules)])
     return [
         ReducedIteration(
-            part.accumulator.finish(reduced_host[f"{i}.lanes"], collective.world_size),
+            part.layout.merge_replicas(reduced_host["lanes"][offsets[i] : offsets[i + 1]], collective.world_size),
             reduced_host["checksum"],
             reduced_host[f"{i}.noise"],
             local_host[f"{i}.local"],
@@ -192,7 +191,11 @@ def reduce_iteration(
     """``reduce_modules`` for one module: drain ``accumulator`` with ``[checksum, noise, health]``
     riding in its ONE reduction and ``local`` in its one host copy."""
     health = checksum[:0] if health is None else health
-    (reduced,) = reduce_modules([ModuleLanes(accumulator, noise, health, local)], collective, checksum=checksum)
+    lanes = accumulator.fold()
+    (reduced,) = reduce_modules(
+        lanes, [ModuleLanes(accumulator.layout, noise, health, local)], collective, checksum=checksum
+    )
+    accumulator.buffer.zero_()
     return reduced
 
 
@@ -206,9 +209,16 @@ class Segments:
         self.sizes = {name: int(t.numel()) for name, t in parts.items()}
         self._parts = parts
 
-    def pack(self) -> torch.Tensor:
-        """The segments, concatenated in order, as one float64 tensor."""
-        return torch.cat([t.reshape(-1).double() for t in self._parts.values()])
+    def pack(self, then: Segments | None = None) -> torch.Tensor:
+        """The segments (followed by ``then``'s), concatenated in order, as one float64 tensor, in
+        one ``cat`` (it promotes the dtypes: no conversion op per segment, and no reshape of one
+        already flat)."""
+        tensors = [*self._parts.values(), *(then._parts.values() if then is not None else ())]
+        parts = [t if t.dim() == 1 else t.reshape(-1) for t in tensors]
+        if parts and all(t.numel() == 0 and t.dtype == torch.float64 for t in parts):
+            return parts[0]  # nothing to join (a module's unused local lanes): no op
+        packed = torch.cat(parts)
+        return packed if packed.dtype == torch.float64 else packed.double()
 
     def unpack(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         """``{name: values}`` of a packed vector (e.g. after its host copy)."""

@@ -21,6 +21,7 @@ from ray.rllib.utils.annotations import override
 from ray.rllib.utils.typing import ModuleID, ParamDict
 
 from gradmon_ray.rllib.module_telemetry import FoundInfFlags
+from gradmon_ray.telemetry.lane_fold import LaneFold
 from gradmon_ray.telemetry.norm_plan import GradientNormPlan, GradientNorms, PackedNorms
 from gradmon_ray.telemetry.norm_records import NormRecords
 
@@ -36,6 +37,7 @@ class GradmonGradientPass:
         # Per module, whether a non-finite minibatch counts as skipped here (a GradScaler counts its own).
         skip_mask = torch.tensor([float(skip and m.grad_scaler is None) for m in monitors], device=self.device or "cpu")
         self._norm_records = NormRecords(self._norm_plan.slots, skip_mask)
+        self._lane_fold = LaneFold([m.tracker.layout for m in monitors])
         self._pending_norms: PackedNorms | None = None
         self._measured_for_modules = False
         self._postprocessed: set[ModuleID] = set()

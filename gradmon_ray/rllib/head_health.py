@@ -1,7 +1,7 @@
 """Policy head health in a gradmon learner: each head's entropy and KL, measured once per step.
 
 Per minibatch the learner only keeps *references* (``HeadHealthRecorder.record``: no copy, no
-kernel, no host sync) to the minibatch's detached action-distribution inputs, the sampling
+kernel, no host sync) to the minibatch's action-distribution inputs, the sampling
 policy's inputs (``batch[Columns.ACTION_DIST_INPUTS]``) and the loss mask, overwriting the
 previous minibatch's.  Once per telemetry step, at the drain, ``lanes()`` computes the
 per-head masked-mean entropy and KL(sampling || current) of that LAST minibatch on the device
@@ -50,11 +50,12 @@ class HeadHealthRecorder:
         return self.sizes is not None
 
     def record(self, logits: torch.Tensor, sampling_logits: Any, mask: torch.Tensor | None) -> None:
-        """Keep references to this minibatch's inputs (``logits`` detached by the caller); no kernel."""
+        """Keep references to this minibatch's inputs; no kernel (``lanes`` reads them under no_grad)."""
         if self.sizes is not None:
             prev = sampling_logits if isinstance(sampling_logits, torch.Tensor) else None
             self._last = (logits, prev, mask)
 
+    @torch.no_grad()
     def lanes(self) -> torch.Tensor:
         """This step's ``head_health_lanes`` (zeros, counts 0, without a minibatch); forgets the references.
 

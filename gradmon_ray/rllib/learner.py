@@ -143,7 +143,7 @@ class GradmonPPOTorchLearner(compat.TrainBatchHook, with_gradmon(PPOTorchLearner
             total = total + spec.weight * spec.fn(module, batch, fwd_out)
         if self.gradmon.telemetry and module_id in self.gradmon_modules:
             self.record_logp(terms.per_head_logp, batch.get(Columns.LOSS_MASK), module_id=module_id)
-            self.record_head_inputs(logits.detach(), batch, module_id=module_id)
+            self.record_head_inputs(logits, batch, module_id=module_id)
         # Same keys and window as RLlib's PPO learner (its KL-coefficient update reads them).
         explained = (
             explained_variance(batch[Postprocessing.VALUE_TARGETS], terms.values)

@@ -87,6 +87,8 @@ class ModuleTelemetry:
         self._latch_inputs: list[tuple[torch.Tensor, Any, torch.Tensor | None]] = []
         self.noise_hook = NoiseScaleHook(groups, device, scale=self._loss_scale)  # lanes always reduced
         self.noise: NoiseScaleTracker | None = None
+        self.no_lanes = torch.zeros(0, dtype=torch.float64, device=device)
+        """An empty lane segment (a lane group not in use), made once: slicing one each step is an op."""
         self.scaler_lanes = torch.zeros(2, dtype=torch.float64, device=device)
         """[minibatches the GradScaler skipped this step (overflow at its scale), scale of the
         last minibatch]: reported once per telemetry step, then the count is zeroed."""
@@ -119,11 +121,12 @@ class ModuleTelemetry:
 
     # --- per minibatch -------------------------------------------------------------------
     def record_latch_inputs(self, logits: torch.Tensor, actions: Any, mask: torch.Tensor | None) -> None:
-        """Keep the minibatch's detached action-distribution inputs, taken actions and loss mask
+        """Keep the minibatch's action-distribution inputs, taken actions and loss mask
         by reference (no kernel): ``flush_latch_inputs`` turns the step's into log-probs at once."""
         self._logp_rows = logits.shape[0]
         self._latch_inputs.append((logits, actions, mask))
 
+    @torch.no_grad()
     def flush_latch_inputs(self) -> None:
         """The step's per-head log-probs of the taken actions (``heads.per_head_logp``), in one
         pass over every minibatch recorded by ``record_latch_inputs``, into the accumulator (at
@@ -140,7 +143,7 @@ class ModuleTelemetry:
     def record_logp(self, per_head_logp: torch.Tensor, mask: torch.Tensor | None) -> None:
         """Keep the minibatch's ``[B, latch heads]`` log-probs and loss mask by reference (no kernel)."""
         self._logp_rows = per_head_logp.shape[0]
-        self.accumulator.add_logp(per_head_logp.detach(), mask)
+        self.accumulator.add_logp(per_head_logp, mask)  # read at the drain, under no_grad: no detach op
 
     def record_head_inputs(self, logits: torch.Tensor, sampling_logits: Any, mask: torch.Tensor | None) -> None:
         """Keep references for the step's head health (``rllib.head_health``); no kernel."""

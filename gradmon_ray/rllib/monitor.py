@@ -173,16 +173,17 @@ class GradmonMonitor(
         monitor = self._monitors.get(module_id)
         if monitor is not None and self.gradmon.telemetry:
             # References only: the latches' log-probs are computed once per step, over all its
-            # minibatches (``ModuleTelemetry.flush_latch_inputs``), not once per minibatch.
-            logits = fwd_out[Columns.ACTION_DIST_INPUTS].detach()
+            # minibatches (``ModuleTelemetry.flush_latch_inputs``), not once per minibatch.  Not
+            # detached (an op a minibatch): the drain reads them under ``torch.no_grad``.
+            logits = fwd_out[Columns.ACTION_DIST_INPUTS]
             monitor.record_latch_inputs(logits, batch[Columns.ACTIONS], batch.get(Columns.LOSS_MASK))
             self.record_head_inputs(logits, batch, module_id=module_id)
         return loss
 
     def record_head_inputs(self, logits: torch.Tensor, batch: dict, *, module_id: ModuleID) -> None:
         """Keep references to this minibatch's ``logits``, the sampling policy's logits and the
-        loss mask for the step's head health (``rllib.head_health``); no kernel.  Pass ``logits``
-        detached: the reference lives until the next minibatch or the drain."""
+        loss mask for the step's head health (``rllib.head_health``); no kernel (the reference lives
+        until the next minibatch or the drain, which reads it under ``torch.no_grad``)."""
         self._monitors[module_id].record_head_inputs(
             logits, batch.get(Columns.ACTION_DIST_INPUTS), batch.get(Columns.LOSS_MASK)
         )

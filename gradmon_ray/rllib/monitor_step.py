@@ -151,18 +151,18 @@ class GradmonReporting:
         digits = (
             torch.cat([parameter_checksum(list(m.params)).to(self.device) for m in self._monitors.values()])
             if check and self._monitors
-            else torch.zeros(2 * len(self._monitors), dtype=torch.float64, device=self.device)
+            else self._no_checksum()
         )
-        parts = []
-        for index, monitor in enumerate(self._monitors.values()):
+        parts, flags = [], []
+        for monitor in self._monitors.values():
             monitor.flush_latch_inputs()
-            empty = monitor.scaler_lanes[:0]
-            health = monitor.head_health.lanes() if self.gradmon.telemetry else empty
+            flags.append(monitor.accumulator.take_logp_flags())
+            health = monitor.head_health.lanes() if self.gradmon.telemetry else monitor.no_lanes
             local = _local_segments(monitor).pack()
-            norms = self._norm_records.module(index)
-            parts.append(ModuleLanes(monitor.accumulator, monitor.noise_hook.lanes, health, local, norms))
+            parts.append(ModuleLanes(monitor.tracker.layout, monitor.noise_hook.lanes, health, local))
+        lanes = self._lane_fold.fold(self._norm_records.stacked(), flags)  # every module's lanes at once
         self._norm_records.clear()
-        reduced = reduce_modules(parts, collective, checksum=digits)
+        reduced = reduce_modules(lanes, parts, collective, checksum=digits)
         for monitor in self._monitors.values():  # only lanes in use were written (two ops a module saved)
             if monitor.grad_scaler is not None:
                 monitor.scaler_lanes[0].zero_()
@@ -174,6 +174,13 @@ class GradmonReporting:
             agree = (reduced[0].checksum == k * reduced[0].own_checksum).reshape(-1, 2).all(axis=1)
             checksum_ok = dict(zip(self._monitors, (bool(a) for a in agree), strict=True))
         return dict(zip(self._monitors, reduced, strict=True)), checksum_ok
+
+    def _no_checksum(self) -> torch.Tensor:
+        """The checksum digits of a step without a check: zeros, made once (packing copies them)."""
+        zeros = getattr(self, "_zero_digits", None)
+        if zeros is None or zeros.numel() != 2 * len(self._monitors):
+            zeros = self._zero_digits = torch.zeros(2 * len(self._monitors), dtype=torch.float64, device=self.device)
+        return zeros
 
     def telemetry_state(self) -> dict[str, Any]:
         """The persistent telemetry state (latches, prev values, counters) of every monitored module."""
@@ -227,7 +234,7 @@ _STATE_PARTS = {TELEMETRY_STATE_KEY: "telemetry", NOISE_STATE_KEY: "noise", VGS_
 
 def _local_segments(monitor: ModuleTelemetry) -> Segments:
     """The module's rank-local values riding the step's host copy (same layout on pack and unpack)."""
-    empty = monitor.scaler_lanes[:0]
+    empty = monitor.no_lanes
     return Segments(
         {
             "scaler": monitor.scaler_lanes if monitor.grad_scaler is not None else empty,

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from gradmon_ray.telemetry.lane_fold import LaneFold
 from gradmon_ray.telemetry.lane_layout import TelemetryLayout
 from gradmon_ray.telemetry.norm_plan import GradientNorms
 from gradmon_ray.telemetry.norm_records import StackedNorms
@@ -36,6 +37,7 @@ class IterationAccumulator:
         # this module's to ``fold``.
         self._norm_records: list[tuple[GradientNorms, torch.Tensor]] = []
         self._logp_records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        self._own_fold = LaneFold([layout])
 
     def add_minibatch_logp(
         self, norms: GradientNorms, per_head_logp: torch.Tensor, skipped: torch.Tensor, mask: torch.Tensor | None = None
@@ -80,45 +82,23 @@ class IterationAccumulator:
         self._logp_records.append((nan_marks, inf_marks, None))
 
     @torch.no_grad()
-    def _fold_records(self, norms: StackedNorms | None) -> None:
-        """The iteration's records -> the SUM and MAX lanes of ``buffer`` (once per iteration)."""
-        own, self._norm_records = self._norm_records, []
+    def take_logp_flags(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per latch head, whether any kept row of the step's log-prob records held a NaN, resp. a
+        +-Inf (bool, zeros without a record); the records are cleared."""
         logp, self._logp_records = self._logp_records, []
-        if own:
-            norms = StackedNorms.of(own)
-        if norms is None:
-            self.buffer.zero_()
-            return
-        f64 = torch.float64
-        scalars = norms.scalars.to(f64)
-        values = torch.cat([norms.head_norms.to(f64), scalars[0].reshape(-1, 1)], dim=1)
-        known = values == values  # NaN norms are left out of the sums and counts, Inf kept
-        # A minibatch counts where the module had a gradient: a NaN global norm without NaN/Inf
-        # elements is a module this minibatch did not train (its agents were not in it).
-        trained = (known[:, -1] | (scalars[1] + scalars[2] > 0)).to(f64)
         if logp:
-            logp_nan, logp_inf = _nonfinite_flags(*zip(*logp, strict=True))
-        else:
-            logp_nan = logp_inf = torch.zeros(self.layout.num_action_heads, dtype=torch.bool, device=values.device)
-        self.buffer.copy_(
-            torch.cat(
-                [
-                    torch.where(known, values, 0.0).sum(0),
-                    known.sum(0),
-                    scalars[1:].sum(1),
-                    trained.sum().reshape(1),
-                    logp_nan,
-                    logp_inf,
-                ]
-            )
-        )
+            return _nonfinite_flags(*zip(*logp, strict=True))
+        zeros = torch.zeros(self.layout.num_action_heads, dtype=torch.bool, device=self.device)
+        return zeros, zeros
 
-    def fold(self, norms: StackedNorms | None = None) -> torch.Tensor:
-        """The step's records folded into ``buffer`` (on the device, no copy): what a packed
-        reduction carries.  ``norms``: this module's norm records when a ``NormRecords`` of the
-        learner holds them (then none were added here).  Call ``finish`` with the reduced host
-        values afterwards."""
-        self._fold_records(norms)
+    @torch.no_grad()
+    def fold(self) -> torch.Tensor:
+        """The step's own records (``add_norms``, ``add_logp``) folded into ``buffer`` (on the
+        device, no copy): what a packed reduction carries.  Call ``finish`` with the reduced host
+        values afterwards.  (A learner folds all its modules at once: ``lane_fold.LaneFold``.)"""
+        own, self._norm_records = self._norm_records, []
+        norms = StackedNorms.of(own) if own else None
+        self.buffer.copy_(self._own_fold.fold(norms, [self.take_logp_flags()]))
         return self.buffer
 
     def finish(self, host_lanes: np.ndarray, world_size: int = 1) -> np.ndarray:
@@ -149,31 +129,32 @@ class IterationAccumulator:
         empty = buffer.new_zeros(0)
         extra_r = empty if reduced_extra is None else reduced_extra.reshape(-1).to(buffer.dtype)
         extra_l = empty if local_extra is None else local_extra.reshape(-1).to(buffer.dtype)
-        reduced = torch.cat([buffer, extra_r])
-        host = reduce_and_copy(reduced, extra_l, allreduce=allreduce, reduce_on_device=reduce_on_device)
-        n = reduced.numel()
+        n = buffer.numel() + extra_r.numel()
+        packed = torch.cat([buffer, extra_r, extra_l])
+        host = reduce_and_copy(packed, n, allreduce=allreduce, reduce_on_device=reduce_on_device)
         size = self.layout.size
         lanes = self.finish(host[:size], world_size)
         return lanes, host[size:n].copy(), host[n:].copy()
 
 
 def reduce_and_copy(
-    reduced: torch.Tensor,
-    local: torch.Tensor,
+    packed: torch.Tensor,
+    num_reduced: int,
     *,
     allreduce: Callable[[torch.Tensor], object] | None = None,
     reduce_on_device: bool = False,
 ) -> np.ndarray:
-    """``[reduced, local]`` on the host after ONE device->host copy, ``reduced`` SUM-reduced once.
+    """``packed`` on the host after ONE device->host copy, its first ``num_reduced`` values
+    SUM-reduced once (the rest rides unreduced).
 
     With ``allreduce`` (in place), the reduction runs on the device before the copy
     (``reduce_on_device``, e.g. NCCL) or on the host copy after it (e.g. gloo).
     """
     if allreduce is not None and reduce_on_device:
-        allreduce(reduced)
-    host = torch.cat([reduced, local.to(reduced.dtype)]).cpu()
+        allreduce(packed[:num_reduced])
+    host = packed.cpu()
     if allreduce is not None and not reduce_on_device:
-        allreduce(host[: reduced.numel()])
+        allreduce(host[:num_reduced])
     return host.numpy()
 
 

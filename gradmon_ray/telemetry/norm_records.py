@@ -38,8 +38,8 @@ class StackedNorms:
 
 class NormRecords:
     """A learner's per-minibatch norm records of ALL its modules (``GradientNormPlan.compute_all``):
-    one list append per minibatch, whatever the number of modules; ``module`` slices one module's
-    stacked records out at the drain.
+    one list append per minibatch, whatever the number of modules; ``stacked`` gives all of them at
+    the drain (``lane_fold.LaneFold`` folds them at once), ``module`` one module's.
 
     ``skip_mask`` (``[modules]`` 0/1 floats): whether a minibatch with a non-finite gradient
     counts as skipped in that module (default: in every module).  The skips, square roots and
@@ -56,26 +56,32 @@ class NormRecords:
         """Record one minibatch of every module (``GradientNormPlan.compute_all``): no kernel."""
         self._records.append(norms)
 
-    def module(self, index: int) -> StackedNorms | None:
-        """Module ``index``'s records of the step (None without a minibatch); stacks all modules once."""
+    def stacked(self) -> StackedNorms | None:
+        """Every module's records of the step, stacked (None without a minibatch): ``head_norms``
+        ``[minibatches, heads of all modules]``, ``scalars`` ``[4, minibatches, modules]``; stacked once a step."""
         if self._stacked is None and self._records:
             self._stacked = self._stack()
-        if self._stacked is None:
+        return self._stacked
+
+    def module(self, index: int) -> StackedNorms | None:
+        """Module ``index``'s records of the step (None without a minibatch): views of ``stacked()``."""
+        stacked = self.stacked()
+        if stacked is None:
             return None
-        return StackedNorms(
-            self.slots.module_heads(self._stacked.head_norms, index),
-            self._stacked.scalars[:, :, index],
-        )
+        return StackedNorms(self.slots.module_heads(stacked.head_norms, index), stacked.scalars[:, :, index])
 
     def _stack(self) -> StackedNorms:
-        stacked = PackedNorms(torch.stack([n.packed for n in self._records]), (), self.slots.trunk_base)
+        # float64 from the start: the lanes sum in float64, and converting once here costs one op
+        # where converting the norms and the scalars apart costs two.
+        packed = torch.stack([n.packed for n in self._records]).double()
+        stacked = PackedNorms(packed, (), self.slots.trunk_base)
         nonfinite, nan = stacked.nonfinite_count, stacked.nan_count
         scalars = torch.stack([stacked.global_norm, nan, nonfinite - nan, self._derived_skips(nonfinite)])
         return StackedNorms(stacked.head_norms, scalars)
 
     def _derived_skips(self, nonfinite: torch.Tensor) -> torch.Tensor:
-        found = (nonfinite > 0).to(torch.float32)
-        return found if self.skip_mask is None else found * self.skip_mask
+        found = nonfinite > 0
+        return found.to(nonfinite.dtype) if self.skip_mask is None else found * self.skip_mask  # bool * float: float
 
     def clear(self) -> None:
         """Start the next step."""

@@ -3,14 +3,15 @@
 Eagerly, ``vgs.kernels``' per-tensor step launches about ten kernels per parameter tensor: for a
 small model on a GPU (well under 1M parameters, where ``compile="auto"`` does not compile) the
 launches, not the bytes, are the cost (417 kernels a minibatch for the default model, against
-4 for a fused Adam step).  Here every gradient is concatenated once and the EMAs are two flat
-buffers, so a step is about 40 kernels (one concatenation, one gather per buffer, the sample's
-selection, two in-place EMA updates, one multi-tensor scale).  For large models the
-concatenation is a full extra copy of the gradients and bandwidth, not launches, is the cost:
-there the compiled per-tensor step (``vgs.kernels``), which reads each gradient once and
-allocates nothing gradient-sized, is the faster one (``bench/vgs.py``: 0.08M, 1M, 10M).  The
-arithmetic is ``vgs.kernels``' own (``clean``, ``normalized_entries``, ``quantiles``, ...):
-the tests check both steps against the same worked answers.
+4 for a fused Adam step).  Here the EMAs are two flat buffers and every gradient is copied once
+into a flat scratch buffer of the scaler's (one multi-tensor copy), cleaned and folded there in
+place, so a step is 91 kernels whatever the number of tensors (``tests/vgs/test_launches.py``):
+3 to copy and clean, 4 to fold, 1 to scale, the rest on the fixed sample.  For large models the
+copy is a full extra pass over the gradients and bandwidth, not launches, is the cost: there
+the compiled step (``vgs.kernels``), which reads each gradient once, is the faster one
+(``bench/vgs.py``: 0.08M, 1M, 10M).  The arithmetic is ``vgs.kernels``' own
+(``normalized_entries``, ``quantiles``, ...): the tests check both steps against the same
+worked answers.
 """
 
 from __future__ import annotations
@@ -20,33 +21,47 @@ from collections.abc import Sequence
 import torch
 
 from gradmon_ray import compat
-from gradmon_ray.vgs.kernels import clean, record_sampled_spatial, sampled_factor, spatial_sums
+from gradmon_ray.vgs.kernels import GRAD_LIMIT, record_sampled_spatial, sampled_factor, spatial_sums
 
 
-def flat_cleaned(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Every gradient flattened into one vector (parameter order), ``clean``ed."""
-    return clean(compat.flatten_dense(list(grads)))
+def clean_into(workspace: torch.Tensor, views: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Every gradient copied into ``workspace`` (flat, float32, parameter order; ``views``: its
+    per-parameter views) and ``clean``ed there in place: one multi-tensor copy and two in-place
+    passes, nothing allocated, the same number of kernels whatever the number of tensors.
+    ``nan_to_num_`` then ``clamp_`` give ``clean``'s values exactly (NaN -> 0, +-Inf and anything
+    beyond -> +-``GRAD_LIMIT``)."""
+    compat.foreach_copy_(list(views), list(grads))
+    workspace.nan_to_num_(nan=0.0, posinf=GRAD_LIMIT, neginf=-GRAD_LIMIT)
+    return workspace.clamp_(-GRAD_LIMIT, GRAD_LIMIT)
+
+
+def _fold_in_place(x: torch.Tensor, means: torch.Tensor, squares: torch.Tensor, weight: torch.Tensor) -> None:
+    """``means <- lerp(means, |x|, weight)``, ``squares <- lerp(squares, x^2, weight)``, using the
+    scratch ``x`` itself for ``|x|`` and ``x^2`` (it is overwritten): four passes, no allocation."""
+    means.lerp_(x.abs_(), weight)
+    squares.lerp_(x.mul_(x), weight)
 
 
 def fold_elements_flat(
     grads: Sequence[torch.Tensor],
+    workspace: torch.Tensor,
+    views: Sequence[torch.Tensor],
     means: torch.Tensor,
     squares: torch.Tensor,
     weight: torch.Tensor,
-    factor: torch.Tensor | None,
 ) -> torch.Tensor:
     """``vgs.kernels.fold_elements`` on flat ``means``/``squares`` (all elements, parameter order);
     returns the spatial sums ``[sum g, sum g^2, max |g|]`` of the cleaned gradients."""
-    x = flat_cleaned(grads)
-    means.lerp_(x.abs(), weight)
-    squares.lerp_(x * x, weight)
-    if factor is not None:
-        compat.foreach_mul_(list(grads), factor)
-    return spatial_sums([x])
+    x = clean_into(workspace, views, grads)
+    sums = spatial_sums([x])
+    _fold_in_place(x, means, squares, weight)
+    return sums
 
 
 def element_step_flat(
     grads: Sequence[torch.Tensor],
+    workspace: torch.Tensor,
+    views: Sequence[torch.Tensor],
     means: torch.Tensor,
     squares: torch.Tensor,
     sample: torch.Tensor,
@@ -61,13 +76,12 @@ def element_step_flat(
     """``vgs.kernels.element_step`` on flat EMAs, ``sample`` as flat entry indices; returns the factor."""
     keep = 1.0 - skip
     weight = (1.0 - beta) * keep
-    x = flat_cleaned(grads)
+    x = clean_into(workspace, views, grads)
     picked = x[sample]
     factor = sampled_factor(
         picked, means[sample], squares[sample], weight, counters[2] + keep, beta, eps, alpha, active
     )
-    means.lerp_(x.abs(), weight)
-    squares.lerp_(x * x, weight)
+    _fold_in_place(x, means, squares, weight)
     if scale_gradients:
         compat.foreach_mul_(list(grads), factor)
     record_sampled_spatial(picked, x.numel(), counters, keep, weight)

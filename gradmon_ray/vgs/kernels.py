@@ -29,6 +29,15 @@ MAX_NORMALIZED_VARIANCE = 1e6
 MIN_SCALE = 1e-4
 
 
+def inductor_options(device: torch.device) -> dict[str, bool] | None:
+    """Inductor's options for the compiled step on ``device``.  On CPU Inductor already puts the
+    per-tensor loops of a step into a fixed handful of C++ kernels (``tests/vgs/test_launches.py``
+    counts them); on CUDA it writes one Triton kernel per tensor and loop unless ``combo_kernels``
+    fuses them horizontally, so the launches do not grow with the number of tensors
+    (not measured on a GPU yet: docs/BENCHMARKS.md)."""
+    return {"combo_kernels": True} if device.type == "cuda" else None
+
+
 def clean(grad: torch.Tensor) -> torch.Tensor:
     """The gradient as float32 with NaN -> 0 and +-Inf (and anything beyond) -> +-``GRAD_LIMIT``.
 
@@ -223,7 +232,8 @@ def record_sampled_spatial(
     """The spatial statistics from the sampled elements: their sums extrapolated to all ``numel``
     elements (mean, variance and norm are then unbiased estimates), the max over the sample."""
     spatial_ema, spatial_steps, stat_steps = counters
-    sums = spatial_sums([picked], scale=numel / picked.numel())
+    scale = numel / picked.numel()  # ``picked`` is cleaned already: ``spatial_sums`` would clean it again
+    sums = torch.stack([scale * picked.sum(), scale * (picked * picked).sum(), picked.abs().amax()])
     record_spatial(spatial_ema, spatial_steps, stat_steps, sums, keep, weight, numel)
 
 
@@ -266,6 +276,7 @@ __all__ = [
     "fixed_sample",
     "fold_elements",
     "fold_tensors",
+    "inductor_options",
     "no_entry_fallback",
     "normalized_entries",
     "quantiles",

@@ -125,10 +125,11 @@ class VarianceGradientScaler(VGSStatistics, VGSAggregation, VGSReporting, VGSChe
         # Uncompiled (small models), the element EMAs are flat and a step is a fixed handful of
         # kernels (``vgs.flat_kernels``); compiled, one tensor per parameter, folded in place.
         self._flat = self.granularity == "element" and not compiled
-        self._element_step = kernels.Kernel(kernels.element_step, compile=compiled)
-        self._fold_elements = kernels.Kernel(kernels.fold_elements, compile=compiled)
-        self._fold_tensors = kernels.Kernel(kernels.fold_tensors, compile=compiled)
-        self._spatial_sums = kernels.Kernel(kernels.spatial_sums, compile=compiled)
+        options = kernels.inductor_options(self._device)
+        self._element_step = kernels.Kernel(kernels.element_step, compile=compiled, options=options)
+        self._fold_elements = kernels.Kernel(kernels.fold_elements, compile=compiled, options=options)
+        self._fold_tensors = kernels.Kernel(kernels.fold_tensors, compile=compiled, options=options)
+        self._spatial_sums = kernels.Kernel(kernels.spatial_sums, compile=compiled, options=options)
         self._reset_statistics()
 
     @property
@@ -158,7 +159,9 @@ class VarianceGradientScaler(VGSStatistics, VGSAggregation, VGSReporting, VGSChe
     def _fold(self, grads: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
         """Fold without scaling; returns the spatial sums over all elements."""
         if self._flat:
-            return flat_kernels.fold_elements_flat(grads, self._element_means, self._element_squares, weight, None)
+            return flat_kernels.fold_elements_flat(
+                grads, self._workspace, self._workspace_views, self._element_means, self._element_squares, weight
+            )
         if self.granularity == "element":
             sums = self._spatial_sums(grads)
             self._fold_elements(grads, self._means, self._squares, weight, None)
@@ -197,7 +200,16 @@ class VarianceGradientScaler(VGSStatistics, VGSAggregation, VGSReporting, VGSChe
                 self._active_value = not self.warmup_active
                 self._active.fill_(float(self._active_value))
             step, buffers = (
-                (flat_kernels.element_step_flat, (self._element_means, self._element_squares, self._sample))
+                (
+                    flat_kernels.element_step_flat,
+                    (
+                        self._workspace,
+                        self._workspace_views,
+                        self._element_means,
+                        self._element_squares,
+                        self._sample,
+                    ),
+                )
                 if self._flat
                 else (self._element_step, (self._means, self._squares, self._sample_parts))
             )

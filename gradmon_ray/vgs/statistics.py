@@ -28,6 +28,12 @@ class VGSStatistics:
             self._element_means = torch.zeros(sum(self._numel), device=dev)
             self._element_squares = torch.zeros(sum(self._numel), device=dev)
             size = sum(self._numel)
+            # Scratch for the step's cleaned gradients, reused every step (a fresh gradient-sized
+            # tensor a step costs an allocation and, on a CPU, page faults), and its per-parameter views.
+            self._workspace = torch.empty(size, device=dev)
+            self._workspace_views = [
+                view.view(p.shape) for view, p in zip(self._workspace.split(self._numel), self._parameters, strict=True)
+            ]
         elif self.granularity == "element":
             # One EMA tensor per parameter, shaped like it: a compiled fold then reads and
             # writes each in place (views into one flat buffer would alias the inputs).

@@ -7,14 +7,14 @@ op a minibatch is about 0.2% of stock RLlib's (497 ops at the default model).  C
 stock PPO with fused Adam and ``with_gradmon`` of that same learner on the same batch:
 
 * per minibatch (inside ``Learner._update``): the norm pass's seven ops (one for every module,
-  ``norm_plan``), the skip flags' one, and per module the loss's one reference (``detach``) and
-  fused Adam's one ``found_inf`` bookkeeping op (``_foreach_sub_`` of its step counters):
-  exactly ``8 + 2 x modules``;
-* per update, spread over its minibatches: the drain (latches, head health, the packed
-  reduction and copy) runs once per step, but today once per module:
-  issue #44's bound of ``10 + 2 x modules`` a minibatch for the whole update is met by the
-  minibatches and not by the drain, which these tests hold at its measured size (see
-  docs/BENCHMARKS.md).
+  ``norm_plan``), the skip flags' one, and per module fused Adam's one ``found_inf``
+  bookkeeping op (``_foreach_sub_`` of its step counters): exactly ``8 + modules``;
+* per update, spread over its minibatches: the drain (latches, head health, the lanes of every
+  module folded at once, the packed reduction and copy) runs once per step.  Issue #44's bound,
+  ``10 + 2 x modules`` a minibatch for the whole update, is met at 1 module (12.0) and not yet at
+  2 (15.0) and 8 (33.0): the latches' log-probs and the head health still cost some 60 ops a
+  module a step.  These
+  tests hold the drain at its measured size (see docs/BENCHMARKS.md).
 
 Bugs these catch: a per-tensor or per-module op in the norm pass, work that moved back into the
 minibatches (the latches' log-probs), a drain that grows.
@@ -27,9 +27,9 @@ import pytest
 from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch
 from tests.rllib.arms import ARMS, FusedAdamPPOTorchLearner, count_update, small_config
 
-DRAIN_OPS_PER_MODULE = 115
-"""Measured 2026-11-28: the drop-in's once-per-update ops beyond stock's: 125 at 1 module (the
-shared part, the packed reduction and copy, included), 229 at 2, 853 at 8 (107 a module)."""
+DRAIN_OPS = {1: 102, 2: 171, 8: 579}
+"""Measured 2026-11-28 (session 11): the drop-in's once-per-update ops beyond stock's, by module
+count (was 125, 229, 853 before the lanes of all modules were folded at once)."""
 
 
 @pytest.fixture(scope="module", params=[1, 2, 8], ids=lambda m: f"{m}-modules")
@@ -46,16 +46,26 @@ def counted(request):
     return modules, counts
 
 
-def test_the_drop_in_adds_8_plus_2_ops_per_module_to_a_minibatch(counted):
+def test_the_drop_in_adds_8_plus_1_op_per_module_to_a_minibatch(counted):
     modules, counts = counted
     (stock, _, _), (drop_in, _, _) = counts["stock"], counts["drop-in"]
     assert stock.calls == drop_in.calls >= 34
     added = (drop_in.ops - stock.ops) / drop_in.calls
-    assert added == 8 + 2 * modules, (modules, added, dict(drop_in.by_name - stock.by_name))
+    assert added == 8 + modules, (modules, added, dict(drop_in.by_name - stock.by_name))
 
 
 def test_the_drop_ins_once_per_update_work_stays_at_its_measured_size(counted):
     modules, counts = counted
     (stock_mb, _, stock_whole), (mb, _, whole) = counts["stock"], counts["drop-in"]
     drain = (whole.ops - mb.ops) - (stock_whole.ops - stock_mb.ops)
-    assert 0 < drain <= DRAIN_OPS_PER_MODULE * modules + 15, (modules, drain)
+    assert 0 < drain <= DRAIN_OPS[modules], (modules, drain)
+
+
+def test_the_whole_update_adds_at_most_10_plus_2_ops_per_module_a_minibatch(counted, request):
+    """Issue #44's bound for the whole update (the drain spread over the minibatches): met at 1
+    module (12.0), not yet at 2 (15.0) and 8 (33.0): strict xfails that turn red once it is met."""
+    modules, counts = counted
+    if modules > 1:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="the latches and head health are per module"))
+    (_, _, stock), (mb, _, whole) = counts["stock"], counts["drop-in"]
+    assert (whole.ops - stock.ops) / mb.calls <= 10 + 2 * modules, (whole.ops - stock.ops) / mb.calls
