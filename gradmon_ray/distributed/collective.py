@@ -130,31 +130,42 @@ class ReducedIteration(NamedTuple):
 
 
 class ModuleLanes(NamedTuple):
-    """What one module puts into a step's packed reduction besides its telemetry lanes."""
+    """What one module puts into a step's packed reduction besides its telemetry and health lanes."""
 
     layout: TelemetryLayout
     """The module's telemetry lanes' layout (their share of ``reduce_modules``' ``lanes``)."""
     noise: torch.Tensor
-    health: torch.Tensor
     local: torch.Tensor
     """Rank-local values that ride the same host copy unreduced."""
 
 
+HealthBlock = tuple[Sequence[int], Sequence[torch.Tensor]]
+"""(module indices, tensors whose concatenation holds, module after module, their head-health lanes)."""
+
+
 def reduce_modules(
-    lanes: torch.Tensor, modules: Sequence[ModuleLanes], collective: LearnerCollective, *, checksum: torch.Tensor
+    lanes: torch.Tensor,
+    modules: Sequence[ModuleLanes],
+    collective: LearnerCollective,
+    *,
+    checksum: torch.Tensor,
+    health: Sequence[HealthBlock] = (),
 ) -> list[ReducedIteration]:
     """ONE SUM reduction and ONE device->host copy for every module of the learner.
 
-    ``lanes``: every module's telemetry lanes, module after module (``lane_fold.LaneFold``).
-    Packed as ``[checksum, lanes, (noise, health) per module | own checksum, local per module]``:
-    the reduced part first, so a single in-place allreduce covers it (on the device for NCCL,
-    on the host copy for gloo).  With one learner nothing is reduced.
+    ``lanes``: every module's telemetry lanes, module after module (``lane_fold.LaneFold``);
+    ``health``: the head-health lanes of the modules that measure it, in blocks (a module in none
+    has none).  Packed as ``[checksum, lanes, health blocks, noise per module | own checksum,
+    local per module]``: the reduced part first, so a single in-place allreduce covers it (on the
+    device for NCCL, on the host copy for gloo), all of it in one ``cat``.  With one learner
+    nothing is reduced.
     """
+    health_parts = [tensor for _, tensors in health for tensor in tensors]
     reduced_parts: dict[str, torch.Tensor] = {"checksum": checksum, "lanes": lanes}
+    reduced_parts.update((f"health.{k}", t) for k, t in enumerate(health_parts))
     local_parts: dict[str, torch.Tensor] = {"checksum": checksum}
     for i, part in enumerate(modules):
         reduced_parts[f"{i}.noise"] = part.noise
-        reduced_parts[f"{i}.health"] = part.health
         local_parts[f"{i}.local"] = part.local
     reduced, local = Segments(reduced_parts), Segments(local_parts)
     n = sum(reduced.sizes.values())
@@ -166,17 +177,34 @@ def reduce_modules(
     )
     reduced_host, local_host = reduced.unpack(host[:n]), local.unpack(host[n:])
     offsets = np.cumsum([0, *(part.layout.size for part in modules)])
+    health_host = _split_blocks(
+        [indices for indices, _ in health], [reduced_host[f"health.{k}"] for k in range(len(health_parts))], health
+    )
+    empty = np.zeros(0)
     return [
         ReducedIteration(
             part.layout.merge_replicas(reduced_host["lanes"][offsets[i] : offsets[i + 1]], collective.world_size),
             reduced_host["checksum"],
             reduced_host[f"{i}.noise"],
             local_host[f"{i}.local"],
-            reduced_host[f"{i}.health"],
+            health_host.get(i, empty),
             local_host["checksum"],
         )
         for i, part in enumerate(modules)
     ]
+
+
+def _split_blocks(
+    groupings: Sequence[Sequence[int]], values: Sequence[np.ndarray], blocks: Sequence[HealthBlock]
+) -> dict[int, np.ndarray]:
+    """Each module's share of the host copies of ``blocks``' tensors (equal shares within a block)."""
+    out: dict[int, np.ndarray] = {}
+    parts = iter(values)
+    for indices, (_, tensors) in zip(groupings, blocks, strict=True):
+        joined = np.concatenate([next(parts) for _ in tensors]) if len(tensors) != 1 else next(parts)
+        for k, share in zip(indices, np.split(joined, len(indices)), strict=True):
+            out[k] = share
+    return out
 
 
 def reduce_iteration(

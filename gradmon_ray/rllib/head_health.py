@@ -55,15 +55,23 @@ class HeadHealthRecorder:
             prev = sampling_logits if isinstance(sampling_logits, torch.Tensor) else None
             self._last = (logits, prev, mask)
 
-    @torch.no_grad()
-    def lanes(self) -> torch.Tensor:
-        """This step's ``head_health_lanes`` (zeros, counts 0, without a minibatch); forgets the references.
+    def take(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        """The last minibatch's (logits, sampling logits, loss mask), None without one; forgets them."""
+        last, self._last = self._last, None
+        return last
 
-        Empty when head health is off."""
+    def empty_lanes(self) -> torch.Tensor:
+        """The lanes of a step in which this learner saw no minibatch of the module (counts 0)."""
+        return empty_head_health_lanes(len(self.sizes or ()), self.device)
+
+    def lanes(self) -> torch.Tensor:
+        """This step's ``head_health_lanes`` (zeros, counts 0, without a minibatch); forgets the
+        references.  Empty when head health is off.  (A learner computes the lanes of modules with
+        the same heads together: ``rllib.module_groups.health_blocks``.)"""
         if self.sizes is None:
             return torch.zeros(0, dtype=torch.float64, device=self.device)
-        last, self._last = self._last, None
+        last = self.take()
         if last is None:
-            return empty_head_health_lanes(len(self.sizes), self.device)
+            return self.empty_lanes()
         logits, prev, mask = last
         return head_health_lanes(logits, prev, self.sizes, mask)

@@ -18,13 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import tree  # dm-tree, an RLlib dependency: actions may be nested (a Dict action space)
 
 from gradmon_ray import compat
 from gradmon_ray.distributed import NoiseScaleHook
 from gradmon_ray.optim.scaled_step import UpdateScaler
 from gradmon_ray.rllib.head_health import HeadHealthRecorder, head_sizes
-from gradmon_ray.rllib.heads import action_heads, declared_value_heads, head_parameter_groups, per_head_logp
+from gradmon_ray.rllib.heads import action_heads, declared_value_heads, head_parameter_groups
 from gradmon_ray.rllib.settings import GradmonSettings, VGSSettings
 from gradmon_ray.telemetry import (
     GradientNorms,
@@ -33,7 +32,6 @@ from gradmon_ray.telemetry import (
     NoiseScaleTracker,
     TelemetryTracker,
 )
-from gradmon_ray.telemetry.accumulator import joined_mask
 from gradmon_ray.telemetry.bands import BandSet
 from gradmon_ray.telemetry.noise_scale import GLOBAL_ENTRY
 from gradmon_ray.vgs import VarianceGradientScaler
@@ -122,23 +120,21 @@ class ModuleTelemetry:
     # --- per minibatch -------------------------------------------------------------------
     def record_latch_inputs(self, logits: torch.Tensor, actions: Any, mask: torch.Tensor | None) -> None:
         """Keep the minibatch's action-distribution inputs, taken actions and loss mask
-        by reference (no kernel): ``flush_latch_inputs`` turns the step's into log-probs at once."""
+        by reference (no kernel): the drain turns the step's into log-prob flags at once
+        (``rllib.module_groups``)."""
         self._logp_rows = logits.shape[0]
         self._latch_inputs.append((logits, actions, mask))
 
-    @torch.no_grad()
-    def flush_latch_inputs(self) -> None:
-        """The step's per-head log-probs of the taken actions (``heads.per_head_logp``), in one
-        pass over every minibatch recorded by ``record_latch_inputs``, into the accumulator (at
-        the drain: a fixed number of kernels a step, none a minibatch)."""
+    def take_latch_inputs(self) -> list[tuple[torch.Tensor, Any, torch.Tensor | None]]:
+        """The step's recorded ``(logits, actions, mask)`` per minibatch; forgets them (the drain
+        turns them into log-prob flags: ``rllib.module_groups.latch_flag_blocks``)."""
         inputs, self._latch_inputs = self._latch_inputs, []
-        if not inputs:
-            return
-        logits = torch.cat([x for x, _, _ in inputs])
-        actions = tree.map_structure(lambda *parts: torch.cat(parts), *(a for _, a, _ in inputs))
-        mask = joined_mask([x.shape[:-1].numel() for x, _, _ in inputs], [m for _, _, m in inputs], logits.device)
-        logp = per_head_logp(self._rl_module, logits, actions, len(self.tracker.latch_heads))
-        self.accumulator.add_logp(logp, mask)
+        return inputs
+
+    @property
+    def rl_module(self) -> torch.nn.Module:
+        """The monitored RLModule (unwrapped from DDP)."""
+        return self._rl_module
 
     def record_logp(self, per_head_logp: torch.Tensor, mask: torch.Tensor | None) -> None:
         """Keep the minibatch's ``[B, latch heads]`` log-probs and loss mask by reference (no kernel)."""

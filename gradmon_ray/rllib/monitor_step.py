@@ -26,6 +26,7 @@ from gradmon_ray.distributed import (
     reduce_modules,
 )
 from gradmon_ray.rllib.metrics_stats import log_step_metrics
+from gradmon_ray.rllib.module_groups import health_blocks, latch_flag_blocks
 from gradmon_ray.rllib.module_telemetry import ModuleTelemetry
 from gradmon_ray.telemetry.noise_scale import noise_scales
 from gradmon_ray.telemetry.state_digest import state_digest
@@ -153,16 +154,14 @@ class GradmonReporting:
             if check and self._monitors
             else self._no_checksum()
         )
-        parts, flags = [], []
-        for monitor in self._monitors.values():
-            monitor.flush_latch_inputs()
-            flags.append(monitor.accumulator.take_logp_flags())
-            health = monitor.head_health.lanes() if self.gradmon.telemetry else monitor.no_lanes
-            local = _local_segments(monitor).pack()
-            parts.append(ModuleLanes(monitor.tracker.layout, monitor.noise_hook.lanes, health, local))
+        monitors = list(self._monitors.values())
+        # Modules with the same action distribution: one latch and one head-health pass each group.
+        flags = latch_flag_blocks(monitors)
+        health = health_blocks(monitors) if self.gradmon.telemetry else []
         lanes = self._lane_fold.fold(self._norm_records.stacked(), flags)  # every module's lanes at once
         self._norm_records.clear()
-        reduced = reduce_modules(lanes, parts, collective, checksum=digits)
+        parts = [ModuleLanes(m.tracker.layout, m.noise_hook.lanes, _local_segments(m).pack()) for m in monitors]
+        reduced = reduce_modules(lanes, parts, collective, checksum=digits, health=health)
         for monitor in self._monitors.values():  # only lanes in use were written (two ops a module saved)
             if monitor.grad_scaler is not None:
                 monitor.scaler_lanes[0].zero_()

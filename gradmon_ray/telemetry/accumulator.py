@@ -98,7 +98,7 @@ class IterationAccumulator:
         values afterwards.  (A learner folds all its modules at once: ``lane_fold.LaneFold``.)"""
         own, self._norm_records = self._norm_records, []
         norms = StackedNorms.of(own) if own else None
-        self.buffer.copy_(self._own_fold.fold(norms, [self.take_logp_flags()]))
+        self.buffer.copy_(self._own_fold.fold(norms, [([0], self.take_logp_flags())]))
         return self.buffer
 
     def finish(self, host_lanes: np.ndarray, world_size: int = 1) -> np.ndarray:
@@ -169,14 +169,19 @@ def _nonfinite_flags(
     value: that would be a host sync before the drain's copy).
     """
     nan_src = torch.cat(nan_rows) if len(nan_rows) > 1 else nan_rows[0]
-    same = all(a is b for a, b in zip(nan_rows, inf_rows, strict=True))
-    inf_src = nan_src if same else (torch.cat(inf_rows) if len(inf_rows) > 1 else inf_rows[0])
     keep = joined_mask([len(r) for r in nan_rows], masks, nan_src.device)
+    if all(a is b for a, b in zip(nan_rows, inf_rows, strict=True)):
+        return nonfinite_flags(nan_src, keep)
+    inf_src = torch.cat(inf_rows) if len(inf_rows) > 1 else inf_rows[0]
+    return nonfinite_flags(nan_src, keep)[0], nonfinite_flags(inf_src, keep)[1]
+
+
+def nonfinite_flags(values: torch.Tensor, keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per column of ``[rows, columns]`` ``values``, whether any row ``keep`` holds (every row
+    without it) is NaN, resp. +-Inf (bool): padding rows never latch."""
     if keep is not None:
-        keep = keep.unsqueeze(-1)
-        nan_src = torch.where(keep, nan_src, 0.0)  # padding rows never latch
-        inf_src = nan_src if same else torch.where(keep, inf_src, 0.0)
-    return torch.isnan(nan_src).any(0), torch.isinf(inf_src).any(0)
+        values = torch.where(keep.unsqueeze(-1), values, 0.0)
+    return torch.isnan(values).any(0), torch.isinf(values).any(0)
 
 
 def joined_mask(

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
+from gradmon_ray.telemetry.accumulator import joined_mask
+
 _INDEX_CACHE: dict[tuple[tuple[int, ...], str], torch.Tensor] = {}
 
 
@@ -137,6 +139,77 @@ def head_health_lanes(
             counts[1:].zero_()
             means = torch.cat([means, means.new_zeros(num_heads)])
         return torch.cat([means, counts])
+
+
+def grouped_head_health_lanes(
+    logits: Sequence[torch.Tensor],
+    sampling_logits: Sequence[torch.Tensor] | None,
+    sizes: Sequence[int],
+    masks: Sequence[torch.Tensor | None],
+) -> torch.Tensor:
+    """``head_health_lanes`` of several modules with the same heads at once (one softmax pass over
+    all their rows, one segmented masked mean): their lanes, module after module, flat.
+
+    ``logits[k]``, ``sampling_logits[k]`` and ``masks[k]`` are module ``k``'s; ``sampling_logits``
+    is None for all modules or for none."""
+    if len(logits) == 1:
+        prev = None if sampling_logits is None else sampling_logits[0]
+        return head_health_lanes(logits[0], prev, sizes, masks[0])
+    with torch.no_grad():
+        width = logits[0].shape[-1]
+        rows = [x if x.dim() == 2 else x.reshape(-1, width) for x in logits]
+        counts = [r.shape[0] for r in rows]
+        n = sum(counts)
+        if sampling_logits is not None:
+            rows += [p.reshape(c, width).to(rows[0].dtype) for p, c in zip(sampling_logits, counts, strict=True)]
+        logp, p, _ = _action_major(torch.cat(rows), sizes)
+        current = logp[..., :n]
+        per_head = -(p[..., :n] * current).sum(0)  # [heads, rows] entropy of the current policy
+        if sampling_logits is not None:
+            per_head = torch.cat([per_head, (p[..., n:] * (logp[..., n:] - current)).sum(0)])  # KL(sampling || current)
+        values = per_head.t()  # [rows, lanes]
+        device, segments = values.device, segment_ids(counts, values.device)
+        keep = joined_mask(counts, list(masks), device)
+        if keep is None:
+            weights = _row_counts(counts, device, values.dtype)
+        else:
+            values = torch.where(keep.unsqueeze(-1), values, 0.0)  # padded rows never enter, NaN included
+            weights = values.new_zeros(len(counts)).index_add_(0, segments, keep.to(values.dtype))
+        sums = values.new_zeros(len(counts), values.shape[1]).index_add_(0, segments, values)
+        means = (sums / weights.unsqueeze(-1)).double()
+        if sampling_logits is None:
+            means = torch.cat([means, means.new_zeros(len(counts), len(sizes))], dim=1)
+        return torch.cat([means, _health_counts(len(counts), sampling_logits is not None, device)], dim=1).reshape(-1)
+
+
+_SEGMENTS: dict[tuple[tuple[int, ...], str], torch.Tensor] = {}
+_COUNTS: dict[tuple[tuple[int, ...], str, torch.dtype], torch.Tensor] = {}
+_HEALTH_COUNTS: dict[tuple[int, bool, str], torch.Tensor] = {}
+
+
+def segment_ids(counts: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``[sum(counts)]`` long: ``k`` for each of the ``counts[k]`` rows of segment ``k`` (made once per
+    ``counts`` and device: a tensor from host data each step would be a host-to-device copy)."""
+    key = (tuple(counts), str(device))
+    ids = _SEGMENTS.get(key)
+    if ids is None:
+        ids = _SEGMENTS[key] = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).to(device)
+    return ids
+
+
+def _row_counts(counts: Sequence[int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    key = (tuple(counts), str(device), dtype)
+    if key not in _COUNTS:
+        _COUNTS[key] = torch.tensor(counts, dtype=dtype).to(device)
+    return _COUNTS[key]
+
+
+def _health_counts(modules: int, kl: bool, device: torch.device) -> torch.Tensor:
+    """``[modules, HEAD_HEALTH_COUNTS]`` float64: each module measured entropy (1) and, with ``kl``, KL."""
+    key = (modules, kl, str(device))
+    if key not in _HEALTH_COUNTS:
+        _HEALTH_COUNTS[key] = torch.tensor([[1.0, float(kl)]] * modules, dtype=torch.float64).to(device)
+    return _HEALTH_COUNTS[key]
 
 
 def empty_head_health_lanes(num_heads: int, device: torch.device | str = "cpu") -> torch.Tensor:

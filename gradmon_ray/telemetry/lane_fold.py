@@ -5,8 +5,8 @@ A learner's norm records hold every module's heads and scalars side by side (``N
 by module cost some fifteen ops a module a step; here the sums, counts and "trained" lanes of all
 modules come from one set of reductions along the minibatch axis, and one ``index_select`` puts
 each module's lanes in its ``TelemetryLayout`` order, module after module: the vector the step's
-packed reduction carries.  Only the log-prob latch flags are per module (each module's records
-have their own rows).
+packed reduction carries.  The log-prob latch flags come in blocks of one or more modules
+(``rllib.module_groups``: modules with the same action distribution are measured together).
 """
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ import torch
 from gradmon_ray.telemetry.lane_layout import TelemetryLayout
 from gradmon_ray.telemetry.norm_records import StackedNorms
 
+FlagBlock = tuple[Sequence[int], Sequence[torch.Tensor]]
+"""(module indices, tensors whose concatenation holds, module after module, each module's NaN
+flags then its Inf flags, one per latch head): the latch flags of one or more modules."""
+
 
 class LaneFold:
     """Folds a step's stacked norm records of modules with ``layouts`` (in order) into their lanes."""
@@ -25,24 +29,25 @@ class LaneFold:
     def __init__(self, layouts: Sequence[TelemetryLayout]) -> None:
         self.layouts = tuple(layouts)
         self.sizes = [layout.size for layout in self.layouts]
-        self._order = _lane_order(self.layouts)
-        self._index: torch.Tensor | None = None  # ``_order`` on the device, made once
+        self._index: dict[tuple[tuple[int, ...], ...], torch.Tensor] = {}  # per grouping of the flags, on the device
 
     @property
     def num_heads(self) -> int:
         return sum(layout.num_reported for layout in self.layouts)
 
     @torch.no_grad()
-    def fold(self, norms: StackedNorms | None, flags: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def fold(self, norms: StackedNorms | None, flags: Sequence[FlagBlock]) -> torch.Tensor:
         """float64 ``[sum of layout sizes]``: each module's lanes, module after module.
 
         ``norms``: the step's records of every module (``head_norms`` ``[minibatches, heads]``,
         ``scalars`` ``[4, minibatches, modules]`` or, for one module, ``[4, minibatches]``), None
-        without a minibatch (all lanes zero); ``flags``: per module its (NaN, Inf) log-prob flags."""
+        without a minibatch (all lanes zero); ``flags``: the log-prob flags of every module, in
+        blocks (``FlagBlock``), each module in exactly one."""
         f64 = torch.float64
         if norms is None:
-            return torch.zeros(sum(self.sizes), dtype=f64, device=flags[0][0].device if flags else "cpu")
-        heads, m = self.num_heads, len(self.layouts)
+            device = flags[0][1][0].device if flags else "cpu"
+            return torch.zeros(sum(self.sizes), dtype=f64, device=device)
+        heads = self.num_heads
         scalars = norms.scalars.to(f64)
         if scalars.dim() == 2:  # one module's records
             scalars = scalars.unsqueeze(-1)
@@ -57,23 +62,33 @@ class LaneFold:
                 known.sum(0),
                 scalars[1:].sum(1).reshape(-1),  # NaN counts, Inf counts, skips: [3 * modules]
                 trained.sum(0),
-                *(flag for pair in flags for flag in pair),
+                *(tensor for _, tensors in flags for tensor in tensors),
             ]
         )
-        if m == 1:  # one module's lanes are already in its layout's order
+        grouping = tuple(tuple(indices) for indices, _ in flags)
+        if grouping == ((0,),):  # one module's lanes are already in its layout's order
             return lanes
-        if self._index is None or self._index.device != lanes.device:
-            self._index = torch.tensor(self._order, dtype=torch.long, device=lanes.device)
-        return lanes.index_select(0, self._index)
+        index = self._index.get(grouping)
+        if index is None or index.device != lanes.device:
+            order = _lane_order(self.layouts, grouping)
+            index = self._index[grouping] = torch.tensor(order, dtype=torch.long).to(lanes.device)
+        return lanes.index_select(0, index)
 
 
-def _lane_order(layouts: Sequence[TelemetryLayout]) -> list[int]:
+def _lane_order(layouts: Sequence[TelemetryLayout], grouping: Sequence[Sequence[int]]) -> list[int]:
     """Where each module's lanes (its ``TelemetryLayout`` order) sit in ``LaneFold.fold``'s
     concatenation: ``[norm sums (heads, then modules), their counts (same), NaN counts, Inf
-    counts, skips, minibatches trained (a block of modules each), log-prob flags module by module]``."""
+    counts, skips, minibatches trained (a block of modules each), the flag blocks]``."""
     heads, m = sum(lay.num_reported for lay in layouts), len(layouts)
     sums = heads + m
-    flags_at = 2 * sums + 4 * m
+    flags_of: dict[int, int] = {}  # module -> where its NaN flags start
+    at = 2 * sums + 4 * m
+    for indices in grouping:
+        for k in indices:
+            flags_of[k] = at
+            at += 2 * layouts[k].num_action_heads
+    if sorted(flags_of) != list(range(m)):
+        raise ValueError(f"the flag blocks {list(grouping)} must hold each of the {m} modules once")
     order: list[int] = []
     head_offset = 0
     for k, lay in enumerate(layouts):
@@ -81,7 +96,6 @@ def _lane_order(layouts: Sequence[TelemetryLayout]) -> list[int]:
         order += [*own, heads + k]  # norm sums: heads, global
         order += [sums + h for h in own] + [sums + heads + k]  # their counts
         order += [2 * sums + block * m + k for block in range(4)]  # NaN, Inf, skipped, minibatches
-        order += range(flags_at, flags_at + 2 * lay.num_action_heads)  # log-prob NaN flags, Inf flags
-        flags_at += 2 * lay.num_action_heads
+        order += range(flags_of[k], flags_of[k] + 2 * lay.num_action_heads)  # log-prob NaN flags, Inf flags
         head_offset += lay.num_reported
     return order
