@@ -68,20 +68,18 @@ def _oracle_flags(kept, sizes) -> np.ndarray:
     return np.concatenate([np.isnan(logp).any(0), np.isinf(logp).any(0)])
 
 
-def _poison(head: str, column: int, kind: str):
-    """Minibatch 1 of a module: a NaN logit of ``head`` in row 0 (``nan``) or in row 1, which the
-    mask drops (``masked-nan``), or a ``-inf`` logit at row 2's taken action (``taken-minus-inf``)."""
+def _poison(head: str, column: int, kind: str, minibatch: int, row: int):
+    """In ``minibatch``, ``row``: a NaN logit of ``head`` (``nan``; the test's mask drops the row for
+    ``masked-nan``), or a ``-inf`` logit at the taken action (``taken-minus-inf``: log-prob -inf)."""
 
-    def poison(minibatch: int, logits: torch.Tensor, actions: dict[str, torch.Tensor]) -> None:
-        if minibatch != 1:
+    def poison(k: int, logits: torch.Tensor, actions: dict[str, torch.Tensor]) -> None:
+        if k != minibatch:
             return
-        if kind == "nan":
-            logits[0, column] = float("nan")
-        elif kind == "masked-nan":
-            logits[1, column] = float("nan")
+        if kind == "taken-minus-inf":
+            actions[head][row] = 0
+            logits[row, column] = float("-inf")
         else:
-            actions[head][2] = 0
-            logits[2, column] = float("-inf")
+            logits[row, column] = float("nan")
 
     return poison
 
@@ -93,14 +91,16 @@ def test_modules_with_one_distribution_are_measured_together_each_with_its_own_f
     heads = list(sizes)
     column = {head: sum(list(sizes.values())[:k]) for k, head in enumerate(heads)}  # each head's first column
     mask = torch.tensor([True, False, True, True])
+    # At the modules' boundaries (module 0's last row, module 2's first): a segment off by a row shows.
+    poisons = [
+        _poison(heads[0], column[heads[0]], "nan", minibatch=1, row=3),
+        _poison(heads[1], column[heads[1]], "masked-nan", minibatch=1, row=1),
+        _poison(heads[2], column[heads[2]], "taken-minus-inf", minibatch=0, row=0),
+    ]
     recorded = [
-        _record(monitors[0], [3, 4], [None, None], seed=1, poison=_poison(heads[0], column[heads[0]], "nan")),
-        _record(
-            monitors[1], [2, 4, 5], [None, mask, None], seed=2, poison=_poison(heads[1], column[heads[1]], "masked-nan")
-        ),
-        _record(
-            monitors[2], [4, 4], [None, None], seed=3, poison=_poison(heads[2], column[heads[2]], "taken-minus-inf")
-        ),
+        _record(monitors[0], [3, 4], [None, None], seed=1, poison=poisons[0]),
+        _record(monitors[1], [2, 4, 5], [None, mask, None], seed=2, poison=poisons[1]),
+        _record(monitors[2], [4, 4], [None, None], seed=3, poison=poisons[2]),
     ]
     blocks = latch_flag_blocks(monitors)
     assert [indices for indices, _ in blocks] == [[0, 1, 2]]  # one group: one log-softmax for all

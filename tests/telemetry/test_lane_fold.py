@@ -9,6 +9,7 @@ with different head and latch counts, so a lane taken from the wrong module or b
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from gradmon_ray.telemetry.lane_fold import LaneFold
@@ -59,8 +60,11 @@ def _oracle(norms: StackedNorms, flags: list[tuple[torch.Tensor, torch.Tensor]])
 
 
 def test_each_module_gets_its_own_lanes_in_its_layouts_order():
+    """The flags come in blocks out of module order (module 1 alone, then modules 0 and 2 together,
+    as ``rllib.module_groups`` hands them): each module still reads its own."""
     norms, flags = _records()
-    lanes = LaneFold(LAYOUTS).fold(norms, flags).numpy()
+    blocks = [([1], list(flags[1])), ([0, 2], [torch.cat([*flags[0], *flags[2]])])]
+    lanes = LaneFold(LAYOUTS).fold(norms, blocks).numpy()
     assert lanes.shape == (sum(lay.size for lay in LAYOUTS),)
     got = np.split(lanes, np.cumsum([lay.size for lay in LAYOUTS])[:-1])
     for k, (mine, want) in enumerate(zip(got, _oracle(norms, flags), strict=True)):
@@ -71,11 +75,17 @@ def test_one_module_folds_without_reordering_and_matches_the_oracle():
     norms, flags = _records()
     lay = LAYOUTS[1]
     one = StackedNorms(norms.head_norms[:, 2:6], norms.scalars[:, :, 1])  # module 1 alone, [4, minibatches]
-    lanes = LaneFold([lay]).fold(one, [flags[1]]).numpy()
+    lanes = LaneFold([lay]).fold(one, [([0], list(flags[1]))]).numpy()
     np.testing.assert_array_equal(lanes, _oracle(norms, flags)[1])
 
 
 def test_a_step_without_records_is_all_zeros():
     _, flags = _records()
-    lanes = LaneFold(LAYOUTS).fold(None, flags)
+    lanes = LaneFold(LAYOUTS).fold(None, [([k], list(pair)) for k, pair in enumerate(flags)])
     assert lanes.shape == (sum(lay.size for lay in LAYOUTS),) and not lanes.any()
+
+
+def test_flag_blocks_that_miss_a_module_are_refused():
+    norms, flags = _records()
+    with pytest.raises(ValueError, match="must hold each of the 3 modules once"):
+        LaneFold(LAYOUTS).fold(norms, [([0, 1], [torch.cat([*flags[0], *flags[1]])])])
