@@ -218,11 +218,10 @@ def reduce_iteration(
 ) -> ReducedIteration:
     """``reduce_modules`` for one module: drain ``accumulator`` with ``[checksum, noise, health]``
     riding in its ONE reduction and ``local`` in its one host copy."""
-    health = checksum[:0] if health is None else health
     lanes = accumulator.fold()
-    (reduced,) = reduce_modules(
-        lanes, [ModuleLanes(accumulator.layout, noise, health, local)], collective, checksum=checksum
-    )
+    blocks = [] if health is None else [([0], [health])]
+    part = ModuleLanes(accumulator.layout, noise, local)
+    (reduced,) = reduce_modules(lanes, [part], collective, checksum=checksum, health=blocks)
     accumulator.buffer.zero_()
     return reduced
 
