@@ -39,28 +39,24 @@ class LaneFold:
     def fold(self, norms: StackedNorms | None, flags: Sequence[FlagBlock]) -> torch.Tensor:
         """float64 ``[sum of layout sizes]``: each module's lanes, module after module.
 
-        ``norms``: the step's records of every module (``head_norms`` ``[minibatches, heads]``,
-        ``scalars`` ``[4, minibatches, modules]`` or, for one module, ``[4, minibatches]``), None
-        without a minibatch (all lanes zero); ``flags``: the log-prob flags of every module, in
+        ``norms``: the step's records of every module (``NormRecords.stacked``), None without a
+        minibatch (all lanes zero); ``flags``: the log-prob flags of every module, in
         blocks (``FlagBlock``), each module in exactly one."""
         f64 = torch.float64
         if norms is None:
             device = flags[0][1][0].device if flags else "cpu"
             return torch.zeros(sum(self.sizes), dtype=f64, device=device)
         heads = self.num_heads
-        scalars = norms.scalars.to(f64)
-        if scalars.dim() == 2:  # one module's records
-            scalars = scalars.unsqueeze(-1)
-        values = torch.cat([norms.head_norms.to(f64), scalars[0]], dim=1)  # [minibatches, heads + modules]
+        values = norms.values.to(f64)  # [minibatches, heads + modules] (float64 already: no op)
         known = values == values  # NaN norms are left out of the sums and counts, Inf kept
         # A minibatch counts where the module had a gradient: a NaN global norm without NaN/Inf
         # elements is a module this minibatch did not train (its agents were not in it).
-        trained = known[:, heads:] | (scalars[1] + scalars[2] > 0)
+        trained = known[:, heads:] | norms.found
         lanes = torch.cat(
             [
                 torch.where(known, values, 0.0).sum(0),
                 known.sum(0),
-                scalars[1:].sum(1).reshape(-1),  # NaN counts, Inf counts, skips: [3 * modules]
+                norms.counts.sum(1).reshape(-1),  # NaN counts, Inf counts, skips: [3 * modules]
                 trained.sum(0),
                 *(tensor for _, tensors in flags for tensor in tensors),
             ]

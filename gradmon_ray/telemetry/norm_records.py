@@ -17,23 +17,40 @@ from gradmon_ray.telemetry.norm_plan import GradientNorms, PackedNorms
 
 @dataclass(frozen=True)
 class StackedNorms:
-    """A step's per-minibatch norm records of one module, stacked: ``[minibatches, ...]`` tensors."""
+    """A step's per-minibatch norm records of one or more modules, stacked along the minibatches."""
 
-    head_norms: torch.Tensor
-    """[minibatches, heads]"""
-    scalars: torch.Tensor
-    """[4, minibatches]: global norm, NaN count, Inf count, skipped flag."""
+    values: torch.Tensor
+    """[minibatches, heads + modules]: each head's norm (every module's heads, in order), then each
+    module's global norm; NaN where there was no gradient."""
+    counts: torch.Tensor
+    """[3, minibatches, modules]: NaN elements, Inf elements, skipped (0/1)."""
+    found: torch.Tensor
+    """[minibatches, modules] bool: any NaN/Inf gradient element."""
+    num_heads: int
+
+    @property
+    def head_norms(self) -> torch.Tensor:
+        """[minibatches, heads]"""
+        return self.values[:, : self.num_heads]
+
+    @property
+    def scalars(self) -> torch.Tensor:
+        """[4, minibatches, modules]: global norm, NaN count, Inf count, skipped (a read API; the
+        drain folds ``values`` and ``counts``)."""
+        return torch.cat([self.values[:, self.num_heads :].unsqueeze(0), self.counts])
 
     @classmethod
     def of(cls, records: list[tuple[GradientNorms, torch.Tensor]]) -> StackedNorms:
-        """Stack ``(norms, skipped)`` records: two stack calls, not five (~20 us each on a CPU); batched
-        records (``[modules]`` fields) give ``scalars`` of ``[4, minibatches, modules]``."""
-        fields = list(
-            zip(*((n.head_norms, n.global_norm, n.nan_count, n.inf_count, s) for n, s in records), strict=True)
+        """Stack one module's ``(norms, skipped)`` records (``IterationAccumulator.add_norms``)."""
+        heads = torch.stack([n.head_norms for n, _ in records])
+        scalars = torch.stack([torch.stack([n.global_norm, n.nan_count, n.inf_count, s]) for n, s in records], dim=1)
+        scalars = scalars.reshape(4, len(records), 1).to(torch.float64)
+        return cls(
+            torch.cat([heads.to(torch.float64), scalars[0]], dim=1),
+            scalars[1:],
+            scalars[1] + scalars[2] > 0,
+            heads.shape[1],
         )
-        per_module = fields[1][0].shape  # () for one module's records, (modules,) for batched ones
-        scalars = torch.stack(fields[1] + fields[2] + fields[3] + fields[4]).reshape(4, len(records), *per_module)
-        return cls(torch.stack(fields[0]), scalars)
 
 
 class NormRecords:
@@ -64,24 +81,30 @@ class NormRecords:
         return self._stacked
 
     def module(self, index: int) -> StackedNorms | None:
-        """Module ``index``'s records of the step (None without a minibatch): views of ``stacked()``."""
+        """Module ``index``'s records of the step (None without a minibatch)."""
         stacked = self.stacked()
         if stacked is None:
             return None
-        return StackedNorms(self.slots.module_heads(stacked.head_norms, index), stacked.scalars[:, :, index])
+        heads = self.slots.module_heads(stacked.head_norms, index)
+        glob = stacked.values[:, stacked.num_heads + index : stacked.num_heads + index + 1]
+        return StackedNorms(
+            torch.cat([heads, glob], dim=1),
+            stacked.counts[:, :, index : index + 1],
+            stacked.found[:, index : index + 1],
+            heads.shape[1],
+        )
 
     def _stack(self) -> StackedNorms:
         # float64 from the start: the lanes sum in float64, and converting once here costs one op
-        # where converting the norms and the scalars apart costs two.
+        # where converting the norms and the counts apart costs two.
         packed = torch.stack([n.packed for n in self._records]).double()
-        stacked = PackedNorms(packed, (), self.slots.trunk_base)
-        nonfinite, nan = stacked.nonfinite_count, stacked.nan_count
-        scalars = torch.stack([stacked.global_norm, nan, nonfinite - nan, self._derived_skips(nonfinite)])
-        return StackedNorms(stacked.head_norms, scalars)
-
-    def _derived_skips(self, nonfinite: torch.Tensor) -> torch.Tensor:
+        heads, m = self.slots.trunk_base, self.slots.num_modules
+        values = packed[:, : heads + m].sqrt()  # head norms and global norms are adjacent: one root
+        counts = packed[:, heads + m :].round()  # [minibatches, 2 * modules]: non-finite, NaN
+        nonfinite, nan = counts[:, :m], counts[:, m:]
         found = nonfinite > 0
-        return found.to(nonfinite.dtype) if self.skip_mask is None else found * self.skip_mask  # bool * float: float
+        skips = found.to(packed.dtype) if self.skip_mask is None else found * self.skip_mask  # bool * float: float
+        return StackedNorms(values, torch.stack([nan, nonfinite - nan, skips]), found, heads)
 
     def clear(self) -> None:
         """Start the next step."""

@@ -439,14 +439,15 @@ def test_norm_records_give_each_module_its_own_heads_and_scalars():
         records.add(plan.compute_all())
     for m, (groups, _) in enumerate(modules):
         stacked = records.module(m)
-        assert stacked.head_norms.shape == (2, len(groups)) and stacked.scalars.shape == (4, 2), m
+        scalars = stacked.scalars[:, :, 0]
+        assert stacked.head_norms.shape == (2, len(groups)) and scalars.shape == (4, 2), m
         for k in range(2):
             grads = seen[k][m]
             want_heads = [math.sqrt(np.sum(g**2)) for g in grads[:-1]]
             np.testing.assert_allclose(stacked.head_norms[k].numpy(), want_heads, rtol=1e-6, err_msg=f"{m} {k}")
             every = np.concatenate(grads)
             want = [math.sqrt(np.sum(every**2)), np.isnan(every).sum(), np.isinf(every).sum(), skips[k][m]]
-            np.testing.assert_allclose(stacked.scalars[:, k].numpy(), want, rtol=1e-6, err_msg=f"{m} {k}")
+            np.testing.assert_allclose(scalars[:, k].numpy(), want, rtol=1e-6, err_msg=f"{m} {k}")
 
 
 @pytest.mark.parametrize("skip_mask", [None, [0.0, 1.0]], ids=["default", "first-module-never-skips"])
@@ -468,9 +469,9 @@ def test_norm_records_derive_exact_counts_and_skips_at_the_drain(skip_mask):
     a[1].grad = torch.ones(3)
     b[0].grad = torch.tensor([inf, 1.0, 1.0, 1.0, -inf])  # Inf only: skipped all the same
     records.add(plan.compute_all())
-    first, second = records.module(0), records.module(1)
-    assert first.scalars[1].tolist() == [3.0, 0.0] and first.scalars[2].tolist() == [4.0, 0.0]
-    assert second.scalars[1].tolist() == [0.0, 0.0] and second.scalars[2].tolist() == [0.0, 2.0]
+    first, second = (records.module(k).scalars[:, :, 0] for k in range(2))
+    assert first[1].tolist() == [3.0, 0.0] and first[2].tolist() == [4.0, 0.0]
+    assert second[1].tolist() == [0.0, 0.0] and second[2].tolist() == [0.0, 2.0]
     mask = skip_mask or [1.0, 1.0]
-    assert first.scalars[3].tolist() == [mask[0], 0.0] and second.scalars[3].tolist() == [0.0, mask[1]]
-    assert first.scalars[0, 1].item() == pytest.approx(math.sqrt(10.0))
+    assert first[3].tolist() == [mask[0], 0.0] and second[3].tolist() == [0.0, mask[1]]
+    assert first[0, 1].item() == pytest.approx(math.sqrt(10.0))

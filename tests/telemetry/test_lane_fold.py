@@ -36,7 +36,8 @@ def _records(minibatches: int = 4) -> tuple[StackedNorms, list[tuple[torch.Tenso
         (torch.tensor([False, True, False]), torch.tensor([False, False, False])),
         (torch.tensor([True, False]), torch.tensor([False, True])),
     ]
-    return StackedNorms(head_norms, scalars), flags
+    values = torch.cat([head_norms, scalars[0]], dim=1)
+    return StackedNorms(values, scalars[1:], scalars[1] + scalars[2] > 0, heads), flags
 
 
 def _oracle(norms: StackedNorms, flags: list[tuple[torch.Tensor, torch.Tensor]]) -> list[np.ndarray]:
@@ -74,7 +75,12 @@ def test_each_module_gets_its_own_lanes_in_its_layouts_order():
 def test_one_module_folds_without_reordering_and_matches_the_oracle():
     norms, flags = _records()
     lay = LAYOUTS[1]
-    one = StackedNorms(norms.head_norms[:, 2:6], norms.scalars[:, :, 1])  # module 1 alone, [4, minibatches]
+    one = StackedNorms(  # module 1 alone
+        torch.cat([norms.head_norms[:, 2:6], norms.values[:, 9 + 1 : 9 + 2]], dim=1),
+        norms.counts[:, :, 1:2],
+        norms.found[:, 1:2],
+        4,
+    )
     lanes = LaneFold([lay]).fold(one, [([0], list(flags[1]))]).numpy()
     np.testing.assert_array_equal(lanes, _oracle(norms, flags)[1])
 
