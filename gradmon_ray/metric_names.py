@@ -1,11 +1,9 @@
 """Every metric, tag and param name gradmon-ray writes, in one place.
 
-``docs/metrics.md`` is generated from these docstrings (``python docs/gen_metrics.py``;
-``tests/test_docs.py`` fails when it is stale) and ``docs/oracles.md`` names each one's
-independent test (``tests/test_oracle_table.py``).  Per-head names are built with the helpers of
-``gradmon_ray.head_labels`` (head labels, module metrics, which heads are value heads), re-exported
-here, so that the spelling lives only in these two modules; ``gradmon_ray.metric_parsing`` is the
-one place that reads the names back (it imports this module, never the other way round).
+``docs/metrics.md`` is generated from these docstrings (``docs/gen_metrics.py``; ``tests/test_docs.py``
+fails when stale), ``docs/oracles.md`` names each one's independent test.  Per-head names use the
+helpers of ``gradmon_ray.head_labels``, re-exported here, so the spelling lives only in these two
+modules; ``gradmon_ray.metric_parsing`` is the one place that reads the names back.
 """
 
 from __future__ import annotations
@@ -32,6 +30,13 @@ VALUE_HEAD = VALUE_HEAD_NAMES[0]
 # --- TELE-320: per-head gradient L2 norms (after backward, before clipping) ----------
 HEAD_GRAD_NORM = "grad/head/{head}/norm"
 """Mean over the iteration's minibatches of the head's gradient L2 norm (NaN: no grads)."""
+HEAD_GRAD_NORM_MAX = "grad/head/{head}/norm_max"
+"""The largest of the iteration's minibatch norms of the head (a spike the mean averages away)."""
+HEAD_GRAD_NORM_P95 = "grad/head/{head}/norm_p95"
+"""95th percentile (linear interpolation, ``numpy.percentile``'s default) of the iteration's minibatch norms."""
+HEAD_GRAD_NORM_ARGMAX = "grad/head/{head}/argmax_minibatch"
+"""Index (from 0, over all epochs of the step) of the minibatch with ``HEAD_GRAD_NORM_MAX``; the three
+are left out while the head had no gradient (rank-local: identical on replicas after the average)."""
 HEAD_GRAD_NORM_PREV = "grad/head/{head}/norm_prev"
 """The previous iteration's value of ``HEAD_GRAD_NORM`` (trend detection)."""
 HEAD_GRAD_TREND = "grad/head/{head}/trend"
@@ -39,17 +44,9 @@ HEAD_GRAD_TREND = "grad/head/{head}/trend"
 HEAD_GRAD_HEALTH = "grad/head/{head}/health"
 """Health band as a code, see ``HEALTH_CODES``."""
 HEAD_NOISE_SCALE = "grad/head/{head}/noise_scale"
-"""B_simple = EMA(tr Sigma) / EMA(|G|^2) over the head's parameters (2+ learners only).
-
-The learner leaves it out of an iteration (never logs NaN) while it is undefined:
-EMA(|G|^2) <= 0.  The |G|^2 estimate is the mean dot product of different learners' minibatch
-gradients; for a head whose true |G|^2 is small next to the sampling noise tr(Sigma)/b it
-comes out negative about as often as positive (e.g. ``blueprint`` and the other target heads
-of FactoredOps early on: they only matter on about 1 step in 16), so such a head has no value
-until enough iterations (or larger batches) resolve its signal: its gradient is noise at the
-batch sizes seen so far, B_simple is larger than they can measure.  Caveat: RLlib's own result
-dict shows NaN for a key left out after an earlier iteration logged it (its MetricsLogger fills
-keys missing from an iteration).  See ``gradmon_ray.telemetry.noise_scale``."""
+"""B_simple = EMA(tr Sigma) / EMA(|G|^2) over the head's parameters (2+ learners only); left out
+(never NaN) while EMA(|G|^2) <= 0 (docs/metrics.md says when; ``telemetry.noise_scale``).  RLlib's
+result dict shows NaN for a key left out after an earlier iteration logged it."""
 GLOBAL_NOISE_SCALE = "grad/noise_scale"
 """B_simple over all parameters (2+ learners only): about the critical batch size.
 
@@ -64,6 +61,9 @@ NAN_GRAD_COUNT = "grad/nan_count"
 """Number of NaN gradient elements summed over the iteration's minibatches."""
 INF_GRAD_COUNT = "grad/inf_count"
 """Number of +-Inf gradient elements summed over the iteration's minibatches."""
+CLIP_BINDING_FRACTION = "grad/clip_binding_fraction"
+"""Fraction of the minibatches with a finite global norm above ``grad_clip`` before clipping (the clip
+acted); only with ``grad_clip_by="global_norm"``, left out otherwise."""
 
 # --- TELE-302/303: per-head OR-latches on the heads' log-probs ---------------------
 HEAD_NAN_LATCH = "latch/nan/{head}"

@@ -127,6 +127,9 @@ class ReducedIteration(NamedTuple):
     """The SUM of the learners' policy head-health lanes (``telemetry.head_entropy``; empty when off)."""
     own_checksum: np.ndarray
     """This learner's own checksum digits (rode the host copy unreduced)."""
+    minibatch_norms: np.ndarray | None = None
+    """``[minibatches, heads + 1]``: this learner's own minibatch norms of the module (its heads,
+    its global norm), None where they were not handed over."""
 
 
 class ModuleLanes(NamedTuple):
@@ -137,6 +140,8 @@ class ModuleLanes(NamedTuple):
     noise: torch.Tensor
     local: torch.Tensor
     """Rank-local values that ride the same host copy unreduced."""
+    norm_columns: Sequence[int] = ()
+    """The module's columns of ``reduce_modules``' ``minibatch_norms`` (its heads, its global norm)."""
 
 
 HealthBlock = tuple[Sequence[int], Sequence[torch.Tensor]]
@@ -150,20 +155,24 @@ def reduce_modules(
     *,
     checksum: torch.Tensor,
     health: Sequence[HealthBlock] = (),
+    minibatch_norms: torch.Tensor | None = None,
 ) -> list[ReducedIteration]:
     """ONE SUM reduction and ONE device->host copy for every module of the learner.
 
     ``lanes``: every module's telemetry lanes, module after module (``lane_fold.LaneFold``);
     ``health``: the head-health lanes of the modules that measure it, in blocks (a module in none
-    has none).  Packed as ``[checksum, lanes, health blocks, noise per module | own checksum,
-    local per module]``: the reduced part first, so a single in-place allreduce covers it (on the
-    device for NCCL, on the host copy for gloo), all of it in one ``cat``.  With one learner
-    nothing is reduced.
+    has none); ``minibatch_norms``: ``[minibatches, columns]`` norms that ride the copy rank-local
+    (each module reads its ``norm_columns``).  Packed as ``[checksum, lanes, health blocks, noise
+    per module | own checksum, minibatch norms, local per module]``: the reduced part first, so a
+    single in-place allreduce covers it (on the device for NCCL, on the host copy for gloo), all
+    of it in one ``cat``.  With one learner nothing is reduced.
     """
     health_parts = [tensor for _, tensors in health for tensor in tensors]
     reduced_parts: dict[str, torch.Tensor] = {"checksum": checksum, "lanes": lanes}
     reduced_parts.update((f"health.{k}", t) for k, t in enumerate(health_parts))
     local_parts: dict[str, torch.Tensor] = {"checksum": checksum}
+    if minibatch_norms is not None:
+        local_parts["minibatch_norms"] = minibatch_norms
     for i, part in enumerate(modules):
         reduced_parts[f"{i}.noise"] = part.noise
         local_parts[f"{i}.local"] = part.local
@@ -181,6 +190,11 @@ def reduce_modules(
         [indices for indices, _ in health], [reduced_host[f"health.{k}"] for k in range(len(health_parts))], health
     )
     empty = np.zeros(0)
+    norms = (
+        local_host["minibatch_norms"].reshape(minibatch_norms.shape[0], -1)
+        if minibatch_norms is not None
+        else np.zeros((0, 0))
+    )
     return [
         ReducedIteration(
             part.layout.merge_replicas(reduced_host["lanes"][offsets[i] : offsets[i + 1]], collective.world_size),
@@ -189,6 +203,7 @@ def reduce_modules(
             local_host[f"{i}.local"],
             health_host.get(i, empty),
             local_host["checksum"],
+            norms[:, list(part.norm_columns)] if minibatch_norms is not None else None,
         )
         for i, part in enumerate(modules)
     ]

@@ -107,7 +107,12 @@ class GradmonReporting:
             return metrics
         if self.gradmon.telemetry:
             health = reduced.health if monitor.head_health.enabled else None
-            summary = monitor.last_telemetry = monitor.tracker.finish_iteration(reduced.lanes, health)
+            summary = monitor.last_telemetry = monitor.tracker.finish_iteration(
+                reduced.lanes,
+                health,
+                minibatch_norms=reduced.minibatch_norms,
+                grad_clip=self._global_norm_clip(monitor.module_id),
+            )
             metrics.update(summary.to_metrics())
             metrics.update(self._noise_scale_metrics(monitor, reduced.noise, summary.minibatches))
         else:
@@ -118,6 +123,12 @@ class GradmonReporting:
         if monitor.grad_scaler is not None:
             metrics[mn.SCALER_SKIPPED_UPDATES], metrics[mn.GRAD_SCALE] = (float(v) for v in local["scaler"])
         return metrics
+
+    def _global_norm_clip(self, module_id: Any) -> float | None:
+        """The module's ``grad_clip`` where RLlib clips by global norm (None: no clip, or per tensor/value)."""
+        config = self.config.get_config_for_module(module_id)
+        clip = getattr(config, "grad_clip", None)
+        return float(clip) if clip is not None and getattr(config, "grad_clip_by", None) == "global_norm" else None
 
     def _noise_scale_metrics(self, monitor: ModuleTelemetry, noise: np.ndarray, minibatches: int) -> dict[str, float]:
         """B_simple per head and global from the reduced noise lanes of one step, as metrics."""
@@ -158,10 +169,17 @@ class GradmonReporting:
         # Modules with the same action distribution: one latch and one head-health pass each group.
         flags = latch_flag_blocks(monitors)
         health = health_blocks(monitors) if self.gradmon.telemetry else []
-        lanes = self._lane_fold.fold(self._norm_records.stacked(), flags)  # every module's lanes at once
+        stacked = self._norm_records.stacked()
+        lanes = self._lane_fold.fold(stacked, flags)  # every module's lanes at once
         self._norm_records.clear()
-        parts = [ModuleLanes(m.tracker.layout, m.noise_hook.lanes, _local_segments(m).pack()) for m in monitors]
-        reduced = reduce_modules(lanes, parts, collective, checksum=digits, health=health)
+        slots = self._norm_plan.slots
+        parts = [
+            ModuleLanes(m.tracker.layout, m.noise_hook.lanes, _local_segments(m).pack(), slots.norm_columns(k))
+            for k, m in enumerate(monitors)
+        ]
+        # Every minibatch's norms ride the copy too: the iteration's max, p95 and clip fraction.
+        norms = stacked.values if stacked is not None and self.gradmon.telemetry else None
+        reduced = reduce_modules(lanes, parts, collective, checksum=digits, health=health, minibatch_norms=norms)
         for monitor in self._monitors.values():  # only lanes in use were written (two ops a module saved)
             if monitor.grad_scaler is not None:
                 monitor.scaler_lanes[0].zero_()

@@ -53,6 +53,12 @@ class HeadSlots:
         self.row_params: tuple[tuple[int, tuple[int, ...]], ...] = tuple(row_params)
         """(position in ``params``, the slot of each of its rows) of every row-split parameter."""
 
+    def norm_columns(self, module: int) -> list[int]:
+        """Module ``module``'s columns of a ``[..., slots]`` per-slot array (``NormRecords.stacked``'s
+        ``values``): its heads, then its trunk slot (there: its global norm)."""
+        start = self.head_offsets[module]
+        return [*range(start, start + len(self.head_names[module])), self.trunk_base + module]
+
     def module_heads(self, values: torch.Tensor, module: int) -> torch.Tensor:
         """Module ``module``'s entries of a batched per-head vector (a view)."""
         start = self.head_offsets[module]

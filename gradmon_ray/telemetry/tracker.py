@@ -19,6 +19,7 @@ from gradmon_ray.telemetry.bands import BandSet, HealthBands, classify_grad_norm
 from gradmon_ray.telemetry.head_entropy import head_health_lane_count, normalised_entropy
 from gradmon_ray.telemetry.lane_layout import TelemetryLayout
 from gradmon_ray.telemetry.latches import CollapseLatches, HeadLatches
+from gradmon_ray.telemetry.minibatch_spread import MinibatchSpread, minibatch_spread
 from gradmon_ray.telemetry.trends import coefficient_of_variation, trend_arrow
 
 
@@ -54,6 +55,9 @@ class IterationTelemetry:
     collapse_latched: dict[str, bool] = field(default_factory=dict)
     """Per latch head, the collapse latch (empty when the heads' sizes are unknown)."""
     collapse_first_iteration: dict[str, int] = field(default_factory=dict)
+    spread: MinibatchSpread | None = None
+    """Per head the largest and p95 minibatch norm and where the largest was, the clip's binding
+    fraction (None: the minibatch norms were not handed over)."""
 
     def worst_head(self) -> tuple[str, str]:
         """See ``gradmon_ray.telemetry.worst_head`` (every head judged by its own edges)."""
@@ -93,6 +97,8 @@ class IterationTelemetry:
         out[mn.SKIPPED_UPDATES] = float(self.skipped)
         out[mn.SKIPPED_UPDATES_TOTAL] = float(self.skipped_total)
         out[mn.TELEMETRY_ITERATION] = float(self.iteration)
+        if self.spread is not None:
+            out.update(self.spread.to_metrics())
         return out
 
 
@@ -149,9 +155,20 @@ class TelemetryTracker:
         """Length of the head-health lanes ``finish_iteration`` takes (0: head health off)."""
         return 0 if self.head_sizes is None else head_health_lane_count(len(self.latch_heads))
 
-    def finish_iteration(self, lanes: np.ndarray, head_health: np.ndarray | None = None) -> IterationTelemetry:
+    def finish_iteration(
+        self,
+        lanes: np.ndarray,
+        head_health: np.ndarray | None = None,
+        *,
+        minibatch_norms: np.ndarray | None = None,
+        grad_clip: float | None = None,
+    ) -> IterationTelemetry:
         """Consume one iteration's drained (and, with several learners, reduced) lanes, and the
-        SUM over learners of their ``telemetry.head_entropy.head_health_lanes`` (None: not measured)."""
+        SUM over learners of their ``telemetry.head_entropy.head_health_lanes`` (None: not measured).
+
+        ``minibatch_norms``: ``[minibatches, reported heads + 1]`` (each minibatch's head norms and
+        global norm) for ``spread`` (``telemetry.minibatch_spread``); ``grad_clip``: the
+        module's global-norm clip, for the clip's binding fraction."""
         lay = self.layout
         if lanes.shape != (lay.size,):
             raise ValueError(f"expected {lay.size} lanes, got shape {lanes.shape}")
@@ -203,6 +220,9 @@ class TelemetryTracker:
             head_kl=kl,
             collapse_latched=dict(self.collapse.latched) if on else {},
             collapse_first_iteration=dict(self.collapse.first_iteration) if on else {},
+            spread=None
+            if minibatch_norms is None
+            else minibatch_spread(minibatch_norms, self.reported_heads, grad_clip),
         )
 
     def _head_health(self, lanes: np.ndarray | None) -> tuple[dict[str, float], dict[str, float]]:

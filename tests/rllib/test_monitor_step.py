@@ -180,6 +180,61 @@ def test_iteration_metrics_equal_per_minibatch_gradients_captured_by_hooks(episo
         prev = means
 
 
+def test_the_iterations_max_p95_argmax_and_clip_fraction_equal_numpy_on_hook_captured_gradients(episodes_cfg):
+    """#45 item 2: 2 epochs x 4 minibatches with a global-norm clip: every minibatch's
+    gradient is captured by tensor hooks (before RLlib's clipping) on parameters fetched by
+    attribute name; per head the largest and the 95th-percentile minibatch norm and the index of
+    the largest, and the fraction of minibatches whose global norm exceeded the clip, in numpy."""
+    _, episodes = episodes_cfg
+    clip = 1.2  # this run's global norms are about 0.9-1.9: the clip binds in some minibatches
+    cfg = _hooks_cfg(minibatch_size=64, num_epochs=2, grad_clip=clip)
+    learner = build_local_learner(cfg)
+    module = _module(learner)
+    owners = {name: list(head.parameters()) for name, head in module.heads.items()}
+    owners["value"] = list(module.value_head.parameters())
+    params = list(module.parameters())
+    captured: dict[int, list[np.ndarray]] = {}
+
+    def capture(slot: int):
+        def hook(grad: torch.Tensor) -> None:
+            captured.setdefault(slot, []).append(grad.detach().double().numpy().copy())
+
+        return hook
+
+    handles = [p.register_hook(capture(slot)) for slot, p in enumerate(params)]
+    try:
+        logged = learner.update(batch=train_batch(learner, episodes), timesteps={}, num_epochs=2, minibatch_size=64)
+    finally:
+        for h in handles:
+            h.remove()
+    logged = logged[MID]
+    count = len(captured[0])
+    slot_of = {id(p): i for i, p in enumerate(params)}
+    assert count >= 8 and float(logged["update/minibatches"]) == count
+    for head, ps in owners.items():
+        per_mb = np.array(
+            [math.sqrt(sum(float((captured[slot_of[id(p)]][k] ** 2).sum()) for p in ps)) for k in range(count)]
+        )
+        assert float(logged[f"grad/head/{head}/norm_max"]) == pytest.approx(per_mb.max(), rel=1e-4), head
+        assert float(logged[f"grad/head/{head}/norm_p95"]) == pytest.approx(np.percentile(per_mb, 95), rel=1e-4), head
+        assert float(logged[f"grad/head/{head}/argmax_minibatch"]) == int(np.argmax(per_mb)), head
+    global_norms = np.array(
+        [math.sqrt(sum(float((captured[s][k] ** 2).sum()) for s in captured)) for k in range(count)]
+    )
+    fraction = float(np.mean(global_norms > clip))
+    assert 0.0 < fraction < 1.0, global_norms  # the clip binds in some minibatches, not all
+    assert float(logged["grad/clip_binding_fraction"]) == pytest.approx(fraction)
+
+
+def test_without_a_global_norm_clip_no_binding_fraction_is_logged(episodes_cfg):
+    _, episodes = episodes_cfg
+    for over in ({"grad_clip": None}, {"grad_clip": 0.3, "grad_clip_by": "norm"}):
+        learner = build_local_learner(_hooks_cfg(**over))
+        logged = learner.update(batch=train_batch(learner, episodes), timesteps={}, num_epochs=1, minibatch_size=256)
+        assert "grad/clip_binding_fraction" not in logged[MID], over
+        assert "grad/head/value/norm_max" in logged[MID]
+
+
 # --- latches, skips, counts and the clock, across a checkpoint restore ------------------------------
 
 
