@@ -249,7 +249,7 @@ TAG_RECOMPUTED_ITERATIONS = "gradmon.recomputed_iterations"
 their MLflow points are the failed attempt's, kept once, never duplicated."""
 
 # Health bands (``classify_grad_norm``) as numbers, because MLflow metrics are floats.
-HEALTH_CODES: dict[str, int] = {"missing": -1, "dead": 0, "weak": 1, "healthy": 2, "elevated": 3, "exploding": 4}
+HEALTH_CODES: dict[str, int] = dict(missing=-1, dead=0, weak=1, healthy=2, elevated=3, exploding=4, spiking=5)
 TREND_CODES: dict[str, int] = {"↘": -1, "→": 0, "↗": 1}
 
 

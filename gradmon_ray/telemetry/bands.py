@@ -20,7 +20,10 @@ WEAK_BELOW = 0.1
 HEALTHY_MAX = 2.0
 ELEVATED_MAX = 5.0
 
-HEALTH_BANDS: tuple[str, ...] = ("missing", "dead", "weak", "healthy", "elevated", "exploding")
+HEALTH_BANDS: tuple[str, ...] = ("missing", "dead", "weak", "healthy", "elevated", "exploding", "spiking")
+"""Every health state; "spiking" is judged from the mean AND the largest minibatch norm (``HealthBands.judge``)."""
+SPIKE_MEAN_BANDS = frozenset({"weak", "healthy", "elevated"})
+"""Mean bands a spike can hide behind: with a dead, exploding or missing mean the alarm is already up."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,15 @@ class HealthBands:
         if x <= self.elevated_max:
             return "elevated"
         return "exploding"
+
+    def judge(self, mean: float, peak: float) -> str:
+        """The band of the iteration's ``mean`` norm, or "spiking" where the mean is weak, healthy or
+        elevated but the largest minibatch norm ``peak`` is in the exploding band (a NaN ``peak``,
+        not measured: the mean's band)."""
+        band = self.classify(mean)
+        if band in SPIKE_MEAN_BANDS and not math.isnan(peak) and peak > self.elevated_max:
+            return "spiking"
+        return band
 
 
 ACTION_BANDS = HealthBands()
@@ -149,7 +161,7 @@ def classify_grad_norm(x: float, *, bands: HealthBands | None = None) -> str:
     return (bands or ACTION_BANDS).classify(x)
 
 
-_SEVERITY = {"healthy": 0, "weak": 1, "elevated": 1, "missing": 2, "dead": 3, "exploding": 3}
+_SEVERITY = {"healthy": 0, "weak": 1, "elevated": 1, "missing": 2, "spiking": 2, "dead": 3, "exploding": 3}
 
 
 def worst_head(norms: Mapping[str, float], *, bands: BandSet | HealthBands | None = None) -> tuple[str, str]:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.telemetry.bands import BandSet, HealthBands, classify_grad_norm, worst_head
+from gradmon_ray.telemetry.bands import BandSet, HealthBands, worst_head
 from gradmon_ray.telemetry.head_entropy import head_health_lane_count, normalised_entropy
 from gradmon_ray.telemetry.lane_layout import TelemetryLayout
 from gradmon_ray.telemetry.latches import CollapseLatches, HeadLatches
@@ -183,7 +183,9 @@ class TelemetryTracker:
         global_norm = values[lay.global_norm_sum] / g_count if g_count > 0 else math.nan
         prev = dict(self.prev_norms)
         trends = {h: trend_arrow(prev[h], head_norms[h]) for h in self.reported_heads}
-        health = {h: classify_grad_norm(head_norms[h], bands=self._bands_of(h)) for h in self.reported_heads}
+        spread = None if minibatch_norms is None else minibatch_spread(minibatch_norms, self.reported_heads, grad_clip)
+        peaks = spread.norm_max if spread is not None else {}
+        health = {h: self._bands_of(h).judge(head_norms[h], peaks.get(h, math.nan)) for h in self.reported_heads}
         cv = coefficient_of_variation([head_norms[h] for h in self.action_heads])
         self.latches.update(values[lay.logp_nan], values[lay.logp_inf], self.iteration)
         skipped = round(values[lay.skipped])
@@ -220,9 +222,7 @@ class TelemetryTracker:
             head_kl=kl,
             collapse_latched=dict(self.collapse.latched) if on else {},
             collapse_first_iteration=dict(self.collapse.first_iteration) if on else {},
-            spread=None
-            if minibatch_norms is None
-            else minibatch_spread(minibatch_norms, self.reported_heads, grad_clip),
+            spread=spread,
         )
 
     def _head_health(self, lanes: np.ndarray | None) -> tuple[dict[str, float], dict[str, float]]:

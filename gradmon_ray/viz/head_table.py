@@ -29,9 +29,10 @@ BAND_STYLES: dict[str, str] = {
     "healthy": "green",
     "elevated": "dark_orange",
     "exploding": "bold white on red",
+    "spiking": "bold red",
     "missing": "dim",
 }
-"""Rich style of each health band (dead and exploding are the two alarms)."""
+"""Rich style of each health band (dead and exploding are the two alarms; spiking: one minibatch was)."""
 
 BAR_WIDTH = 10
 BAR_LOG10_RANGE = (-4.0, 2.0)
@@ -43,7 +44,7 @@ LATCH_CLEAR, LATCH_SET, LATCH_NONE = "○", "●", "–"
 
 COMPACT_CELL = 7
 """Characters per head column in the compact table: ``0.354↗``, ``healthy``, ``a_speed``."""
-COMPACT_STATES: dict[str, str] = {"elevated": "elev.", "exploding": "explod."}
+COMPACT_STATES: dict[str, str] = {"elevated": "elev.", "exploding": "explod.", "spiking": "spike"}
 """Band names longer than ``COMPACT_CELL``, as the compact table writes them."""
 COMPACT_LABELS: dict[str, str] = {
     "grad norm": "norm",

@@ -37,6 +37,8 @@ class HeadSummary:
     high: float
     dead_iterations: int
     exploding_iterations: int
+    spiking_iterations: int
+    """Iterations whose mean was calm but one minibatch's norm was in the exploding band."""
     nan_first: int | None
     inf_first: int | None
 
@@ -66,6 +68,7 @@ def head_summaries(history: RunHistory, heads: list[str] | None = None) -> list[
             high=max(finite) if finite else math.nan,
             dead_iterations=bands.count("dead"),
             exploding_iterations=bands.count("exploding"),
+            spiking_iterations=bands.count("spiking"),
             nan_first=_first_latched(history.series.get(mn.head_metric(mn.HEAD_NAN_LATCH, latch), {})),
             inf_first=_first_latched(history.series.get(mn.head_metric(mn.HEAD_INF_LATCH, latch), {})),
         )
@@ -150,15 +153,16 @@ def _probe_table(probe: ProbeView, module: str | None) -> list[str]:
 def _head_table(rows: list[HeadSummary]) -> list[str]:
     """The heads table (head names without their module: the section names it)."""
     lines = [
-        "| head | last norm | band | min | max | dead iters | exploding iters | NaN latch | Inf latch |",
-        "|---|---:|---|---:|---:|---:|---:|---|---|",
+        "| head | last norm | band | min | max | dead iters | exploding iters | spiking iters "
+        "| NaN latch | Inf latch |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         nan = f"iteration {r.nan_first}" if r.nan_first is not None else "—"
         inf = f"iteration {r.inf_first}" if r.inf_first is not None else "—"
         lines.append(
             f"| {short_head(r.head)} | {r.last:.4g} | {r.band} | {r.low:.4g} | {r.high:.4g} | {r.dead_iterations} "
-            f"| {r.exploding_iterations} | {nan} | {inf} |"
+            f"| {r.exploding_iterations} | {r.spiking_iterations} | {nan} | {inf} |"
         )
     return lines
 

@@ -150,9 +150,11 @@ def test_mlflow_holds_every_iteration_and_its_derived_metrics_follow_from_the_no
         prev = series(mn.head_metric(mn.HEAD_GRAD_NORM_PREV, head))
         trend = series(mn.head_metric(mn.HEAD_GRAD_TREND, head))
         health = series(mn.head_metric(mn.HEAD_GRAD_HEALTH, head))
+        peaks = series(mn.head_metric(mn.HEAD_GRAD_NORM_MAX, head))
         edges = VALUE_EDGES if head == "value" else ACTION_EDGES
         for t in range(1, 11):
-            assert health[t] == band_code(norms[head][t], edges), (head, t)
+            assert health[t] == band_code(norms[head][t], edges, peaks[t]), (head, t)
+            assert peaks[t] >= norms[head][t], (head, t)  # the largest minibatch norm is at least the mean
         for t in range(2, 11):
             assert prev[t] == norms[head][t - 1], (head, t)
             delta = norms[head][t] - norms[head][t - 1]

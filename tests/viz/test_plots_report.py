@@ -144,7 +144,7 @@ def test_report_summary_worked_answers(known):
     assert "VGS scaling factor: 0.5 .. 1" in text
     assert "median 30, last 40" in text
     assert "Iteration 2;" in text and "| bucket_1 | 0.3 (+90%) | 0.02 (+10%) |" in text
-    assert "| tempo | 7 | exploding | 7 | 9 | 0 | 3 | — | — |" in text
+    assert "| tempo | 7 | exploding | 7 | 9 | 0 | 3 | 0 | — | — |" in text
 
 
 def test_cli_report_writes_plots_and_summary(known, tmp_path, capsys):
@@ -155,7 +155,7 @@ def test_cli_report_writes_plots_and_summary(known, tmp_path, capsys):
     assert "wrote 4 files" in capsys.readouterr().out
     assert {name: png_size(out / name) for name in KNOWN_SIZES} == KNOWN_SIZES
     summary = (out / SUMMARY_FILE).read_text()
-    assert "| tempo | 7 | exploding | 7 | 9 | 0 | 3 | — | — |" in summary  # the worked row, as below
+    assert "| tempo | 7 | exploding | 7 | 9 | 0 | 3 | 0 | — | — |" in summary  # the worked row, as below
     assert "- a6: NaN from iteration 2" in summary and "- a7: Inf from iteration 3" in summary
 
 
@@ -233,3 +233,21 @@ def test_heatmap_matrix_has_one_row_per_head_and_a_column_for_every_logged_step(
     nan = float("nan")
     expected = np.array([[0.5, 0.25, nan, nan], [nan, 1.5, nan, 3.0], [nan, nan, 7.0, nan]])
     np.testing.assert_array_equal(matrix, expected)
+
+
+def test_the_report_counts_the_iterations_a_head_was_spiking(tmp_path):
+    """Worked answer: head ``op`` logged health code 5 ("spiking": calm mean, one exploding
+    minibatch) at iterations 2 and 3 of 4; the report's heads table says 2, the other head 0."""
+    client = MlflowClient(f"sqlite:///{tmp_path / 'spike.db'}")
+    run_id = client.create_run(client.create_experiment("spike")).info.run_id
+    for step, (op_code, slot_code) in enumerate([(2, 2), (5, 2), (5, 3), (2, 2)], start=1):
+        client.log_metric(run_id, mn.head_metric(mn.HEAD_GRAD_NORM, "op"), 1.0, step=step)
+        client.log_metric(run_id, mn.head_metric(mn.HEAD_GRAD_HEALTH, "op"), float(op_code), step=step)
+        client.log_metric(run_id, mn.head_metric(mn.HEAD_GRAD_NORM, "slot"), 2.5, step=step)
+        client.log_metric(run_id, mn.head_metric(mn.HEAD_GRAD_HEALTH, "slot"), float(slot_code), step=step)
+    history = load_history(client, run_id)
+    rows = {r.head: r for r in head_summaries(history)}
+    assert (rows["op"].spiking_iterations, rows["slot"].spiking_iterations) == (2, 0)
+    probe = latest_probe(client, run_id, history.latest)
+    table = [line for line in summary_markdown(history, probe).splitlines() if line.startswith("| op |")]
+    assert len(table) == 1 and table[0].split("|")[8].strip() == "2", table

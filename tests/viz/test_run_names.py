@@ -40,7 +40,7 @@ def test_cli_watch_and_report_take_the_name(known, tmp_path, capsys):
     out = tmp_path / "rep"
     assert main(["report", "known", "--out", str(out), "--tracking-uri", known.tracking_uri]) == 0
     assert capsys.readouterr().out.startswith(f"gradmon-ray: wrote 4 files to {out}: ")
-    assert "| tempo | 7 | exploding | 7 | 9 | 0 | 3 | — | — |" in (out / "summary.md").read_text()
+    assert "| tempo | 7 | exploding | 7 | 9 | 0 | 3 | 0 | — | — |" in (out / "summary.md").read_text()
 
 
 def test_cli_report_default_directory_is_named_by_the_resolved_id(known, tmp_path, capsys, monkeypatch):
