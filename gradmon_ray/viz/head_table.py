@@ -48,6 +48,7 @@ COMPACT_STATES: dict[str, str] = {"elevated": "elev.", "exploding": "explod.", "
 """Band names longer than ``COMPACT_CELL``, as the compact table writes them."""
 COMPACT_LABELS: dict[str, str] = {
     "grad norm": "norm",
+    "max norm": "max",
     "log bar": "bar",
     "NaN latch": "NaN",
     "Inf latch": "Inf",
@@ -119,8 +120,11 @@ def head_cells(snap: RunSnapshot, head: str, *, compact: bool = False) -> dict[s
     entropy_norm = snap.head_value(mn.HEAD_ENTROPY_NORM, latch)
     low = entropy_norm is not None and entropy_norm < ENTROPY_LOW
     number = (short_number(norm) + arrow).rstrip() if compact else f"{fmt(norm)} {arrow}"
+    peak, at = snap.head_value(mn.HEAD_GRAD_NORM_MAX, head), snap.head_value(mn.HEAD_GRAD_NORM_ARGMAX, head)
+    peak_text = short_number(peak) if compact or at is None or math.isnan(at) else f"{fmt(peak)} @{int(at)}"
     return {
         "grad norm": Text(number),
+        "max norm": Text(peak_text, style=BAND_STYLES["spiking"] if band == "spiking" else ""),
         "log bar": Text(mini_bar(norm, COMPACT_CELL if compact else BAR_WIDTH), style=BAND_STYLES[band]),
         "state": Text(COMPACT_STATES.get(band, band) if compact else band, style=BAND_STYLES[band]),
         "NaN latch": _latch(snap.head_value(mn.HEAD_NAN_LATCH, latch)),
@@ -156,6 +160,7 @@ def wrap_parts(parts: Sequence[str], width: int | None, sep: str = "  ·  ") -> 
 
 ROWS: tuple[str, ...] = (
     "grad norm",
+    "max norm",
     "log bar",
     "state",
     "NaN latch",
@@ -165,6 +170,7 @@ ROWS: tuple[str, ...] = (
     "collapse",
 )
 _OPTIONAL_ROWS = {
+    "max norm": mn.HEAD_GRAD_NORM_MAX,
     "noise scale": mn.HEAD_NOISE_SCALE,
     "entropy norm": mn.HEAD_ENTROPY_NORM,
     "collapse": mn.HEAD_COLLAPSE_LATCH,

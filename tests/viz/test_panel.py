@@ -224,3 +224,23 @@ def test_latch_cells_read_their_own_latch():
     assert op["state"].plain == "dead"  # the logged code, though 0.5 is healthy by default edges
     assert op["grad norm"].plain == "0.500 ↘"
     assert slot["state"].plain == "healthy"
+
+
+def test_the_max_norm_row_shows_the_largest_minibatch_norm_and_its_minibatch(known):
+    """A run that logged ``norm_max`` 5.5 at minibatch 2 for ``op`` (state "spiking", code 5) at its
+    last iteration: the row shows ``5.500 @2`` and the state ``spiking``; a head without the metric
+    shows ``—``.  A run that never logged it (the known run alone) has no such row."""
+    assert "max norm" not in [
+        ln.split("│")[1].strip() for ln in _frame(known, run_id=known.run_id).splitlines() if ln.startswith("│")
+    ]
+    client = MlflowClient(known.tracking_uri)
+    step = max(m.step for m in client.get_metric_history(known.run_id, mn.head_metric(mn.HEAD_GRAD_NORM, "op")))
+    client.log_metric(known.run_id, mn.head_metric(mn.HEAD_GRAD_NORM_MAX, "op"), 5.5, step=step)
+    client.log_metric(known.run_id, mn.head_metric(mn.HEAD_GRAD_NORM_ARGMAX, "op"), 2.0, step=step)
+    client.log_metric(
+        known.run_id, mn.head_metric(mn.HEAD_GRAD_HEALTH, "op"), float(mn.HEALTH_CODES["spiking"]), step=step
+    )
+    text = _frame(known, run_id=known.run_id)
+    row = _row(text, "max norm")
+    assert row[0] == "5.500 @2" and set(row[1:]) == {"—"}, row
+    assert _row(text, "state")[0] == "spiking"
