@@ -6,7 +6,8 @@ How it is counted:
 * eager (``compile="off"``, the flat step of ``vgs.flat_kernels``): ``telemetry.op_counts.OpCounter``
   around one step, its dispatched ops and its kernels (ops that launch one on a GPU);
 * compiled (``compile="on"``): a dispatch mode would make ``torch.compile`` run eagerly, so the
-  count is read from the code Inductor generates for the step
+  count is read from the code Inductor generates for the step, at 16 tensors, against the count
+  measured at 4 and at 16 alike
   (``torch._inductor.utils.run_and_get_code``): every fused kernel it calls (``cpp_fused_*`` on a
   CPU, ``triton_*`` on CUDA) and every ATen op it falls back to (``kthvalue``, ``cumsum``, ...).
 
@@ -64,8 +65,13 @@ def _compiled_launches(tensors: int) -> list[str]:
     return _LAUNCH.findall("\n".join(codes))
 
 
+COMPILED_LAUNCHES = 5
+"""Calls in Inductor's code for one compiled element step on a CPU, measured 2026-11-28 at 4 and at
+16 tensors alike: 3 fused C++ kernels, ``cumsum`` and ``kthvalue`` (one compile here: each costs
+several seconds of the suite)."""
+
+
 @pytest.mark.filterwarnings("ignore")
-def test_a_compiled_element_step_launches_the_same_kernels_for_4_and_16_tensors():
-    four, sixteen = _compiled_launches(4), _compiled_launches(16)
-    assert len(four) == len(sixteen), (four, sixteen)
-    assert 1 <= len(four) <= 8, four  # measured: 3 fused kernels, cumsum, kthvalue
+def test_a_compiled_element_step_of_16_tensors_launches_the_fixed_handful():
+    launches = _compiled_launches(16)
+    assert len(launches) == COMPILED_LAUNCHES, launches
