@@ -217,7 +217,7 @@ PROBE_FAILURES = "probe/failures"
 # --- gradient-health early stopping (health_stop config) --------------------------
 HEALTH_STOP_REASON = "health/stop_reason"
 """Logged once, at the iteration a health rule stopped the run: 1 dead, 2 exploding, 3 NaN latch, 4 Inf latch,
-5 collapse latch."""
+5 collapse latch, 6 spiking."""
 
 # --- MLflow tags ------------------------------------------------------------------
 TAG_NAN_LATCHED_HEADS = "gradmon.nan_latched_heads"

@@ -149,6 +149,12 @@ class HealthStopSection(ConfigModel):
         ge=0,
         description="Stop when a head is exploding (action heads: norm > 5) this many iterations in a row (0: off).",
     )
+    spiking_iterations: int = Field(
+        0,
+        ge=0,
+        description="Stop when a head is spiking (a calm mean norm, but one minibatch above the exploding edge) "
+        "this many iterations in a row (0: off).",
+    )
     nan_latch: bool = Field(False, description="Stop as soon as any head's NaN log-prob latch fires.")
     inf_latch: bool = Field(False, description="Stop as soon as any head's Inf log-prob latch fires.")
     collapse: bool = Field(
@@ -157,6 +163,6 @@ class HealthStopSection(ConfigModel):
     )
     include_value_head: bool = Field(
         False,
-        description="Also judge the value head, by its own telemetry.bands.value edges, in the dead/exploding rules "
+        description="Also judge the value head, by its own telemetry.bands.value edges, in the streak rules "
         "and the progress line's worst head (false: action heads only).",
     )

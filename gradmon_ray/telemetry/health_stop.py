@@ -1,13 +1,14 @@
 """Gradient-health early stopping: end a run whose heads are broken (pure logic, no Ray).
 
-The seeds' "automated system" consumer: a head that has been ``dead`` (or ``exploding``)
-for N consecutive iterations, or whose NaN / Inf log-prob latch or entropy collapse latch
-fired, will not recover by itself; a sweep should stop spending compute on it.  ``HealthStopMonitor.update`` reads one
-iteration's flattened metrics (the names in ``metric_names``) and returns the first rule
-that fires, or None.  The dead / exploding rules read each head's ``grad/head/<head>/health``
-code, which the learner judged by that head's own band edges (``telemetry.bands``); they
-consider only the action heads unless ``include_value_head`` is set.  Value heads:
-``metric_names.is_value_head`` with the run's declared ``value_heads`` (``value`` and ``vf`` always).
+The seeds' "automated system" consumer: a head that has been ``dead`` (or ``exploding``, or
+``spiking``: a calm mean over a minibatch that exploded) for N consecutive iterations, or whose
+NaN / Inf log-prob latch or entropy collapse latch fired, will not recover by itself; a sweep
+should stop spending compute on it.  ``HealthStopMonitor.update`` reads one iteration's
+flattened metrics (the names in ``metric_names``) and returns the first rule that fires, or
+None.  The streak rules read each head's ``grad/head/<head>/health`` code, which the learner
+judged by that head's own band edges (``telemetry.bands``); they consider only the action heads
+unless ``include_value_head`` is set.  Value heads: ``metric_names.is_value_head`` with the
+run's declared ``value_heads`` (``value`` and ``vf`` always).
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ from dataclasses import dataclass
 from gradmon_ray import metric_names as mn
 from gradmon_ray import metric_parsing as mp
 
-STOP_REASON_CODES: dict[str, int] = {"dead": 1, "exploding": 2, "nan_latch": 3, "inf_latch": 4, "collapse": 5}
+STOP_REASON_CODES: dict[str, int] = {
+    "dead": 1,
+    "exploding": 2,
+    "nan_latch": 3,
+    "inf_latch": 4,
+    "collapse": 5,
+    "spiking": 6,
+}
 """``health/stop_reason`` values (MLflow metrics are numbers); 0 = not stopped."""
 
 
@@ -33,6 +41,9 @@ class HealthStopRules:
 
     dead_iterations: int = 0
     exploding_iterations: int = 0
+    spiking_iterations: int = 0
+    """Stop once a head was "spiking" (a calm mean over a minibatch in the exploding band) this many
+    iterations in a row (``HealthBands.judge``)."""
     nan_latch: bool = False
     inf_latch: bool = False
     collapse: bool = False
@@ -42,9 +53,8 @@ class HealthStopRules:
     @property
     def any(self) -> bool:
         """Whether any rule is on."""
-        return bool(
-            self.dead_iterations or self.exploding_iterations or self.nan_latch or self.inf_latch or self.collapse
-        )
+        streaks = self.dead_iterations or self.exploding_iterations or self.spiking_iterations
+        return bool(streaks or self.nan_latch or self.inf_latch or self.collapse)
 
 
 @dataclass(frozen=True)
@@ -71,7 +81,7 @@ class HealthStopMonitor:
     """
 
     def __init__(self, rules: HealthStopRules, value_heads: Collection[str] = ()) -> None:
-        for name in ("dead_iterations", "exploding_iterations"):
+        for name in ("dead_iterations", "exploding_iterations", "spiking_iterations"):
             if getattr(rules, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(rules, name)}")
         self.rules = rules
@@ -95,7 +105,8 @@ class HealthStopMonitor:
                 if metrics[mn.head_metric(template, head)] >= 1.0:
                     return StopDecision(rule, head, iteration, f"{mn.describe_head(head)}: {what} (latched)")
         decision = None
-        for state, needed in (("dead", self.rules.dead_iterations), ("exploding", self.rules.exploding_iterations)):
+        for state in _STREAK_STATES:
+            needed = getattr(self.rules, f"{state}_iterations")
             code = mn.HEALTH_CODES[state]
             for head in mp.heads_of(metrics, mn.HEAD_GRAD_HEALTH):
                 if mn.is_value_head(head, self.value_heads) and not self.rules.include_value_head:
@@ -126,7 +137,7 @@ class HealthStopMonitor:
         self._streaks = {_split_streak_key(k): int(v) for k, v in state.items()}
 
 
-_STREAK_STATES = ("dead", "exploding")
+_STREAK_STATES = ("dead", "exploding", "spiking")
 
 
 def _streak_key(state: str, head: str) -> str:
@@ -137,5 +148,5 @@ def _split_streak_key(key: str) -> tuple[str, str]:
     """``"<state>/<head>"`` -> ``(state, head)``: the state is everything before the first ``/``."""
     state, sep, head = key.partition("/")
     if not sep or state not in _STREAK_STATES or not head:
-        raise ValueError(f"not a health-stop streak key (<dead|exploding>/<head>): {key!r}")
+        raise ValueError(f"not a health-stop streak key (<dead|exploding|spiking>/<head>): {key!r}")
     return state, head

@@ -116,3 +116,18 @@ def test_inf_latch_rule_names_its_rule_head_and_reason():
     assert (decision.rule, decision.head, decision.iteration) == ("inf_latch", "slot", 2)
     assert decision.code == STOP_REASON_CODES["inf_latch"]
     assert decision.message == f"{mn.describe_head('slot')}: Inf in its log-probs (latched)"
+
+
+def test_spiking_streak_of_two_fires_with_its_own_code_and_a_spike_breaks_no_exploding_streak():
+    """A head "spiking" (calm mean, one exploding minibatch) two iterations in a row fires the
+    spiking rule (code 6) on the second; the exploding rule (also on) counts only "exploding"."""
+    monitor = HealthStopMonitor(HealthStopRules(exploding_iterations=2, spiking_iterations=2))
+    sequence = ["spiking", "healthy", "spiking", "spiking"]
+    fired = [monitor.update(i + 1, _metrics({"op": s, "slot": "healthy"})) for i, s in enumerate(sequence)]
+    assert [d is not None for d in fired] == [False, False, False, True]
+    decision = fired[-1]
+    assert (decision.rule, decision.head, decision.iteration, decision.code) == ("spiking", "op", 4, 6)
+    assert "spiking for 2 consecutive iterations" in decision.message
+    restored = HealthStopMonitor(HealthStopRules(spiking_iterations=3))
+    restored.load_state_dict(monitor.state_dict())  # the spiking streak survives a checkpoint
+    assert restored.update(5, _metrics({"op": "spiking"})).rule == "spiking"

@@ -16,7 +16,7 @@ def test_streak_state_round_trips_and_continues():
     a = HealthStopMonitor(HealthStopRules(dead_iterations=3))
     a.update(1, _dead("op"))
     a.update(2, _dead("op"))
-    assert a.state_dict() == {"dead/op": 2, "exploding/op": 0}
+    assert a.state_dict() == {"dead/op": 2, "exploding/op": 0, "spiking/op": 0}
     b = HealthStopMonitor(HealthStopRules(dead_iterations=3))
     b.load_state_dict(a.state_dict())
     decision = b.update(3, _dead("op"))
