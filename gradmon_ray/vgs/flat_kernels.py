@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from gradmon_ray import compat
-from gradmon_ray.vgs.kernels import GRAD_LIMIT, record_sampled_spatial, sampled_factor, spatial_sums
+from gradmon_ray.vgs.kernels import GRAD_LIMIT, cleaned_sums, record_sampled_spatial, sampled_factor
 
 
 def clean_into(workspace: torch.Tensor, views: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -53,7 +53,7 @@ def fold_elements_flat(
     """``vgs.kernels.fold_elements`` on flat ``means``/``squares`` (all elements, parameter order);
     returns the spatial sums ``[sum g, sum g^2, max |g|]`` of the cleaned gradients."""
     x = clean_into(workspace, views, grads)
-    sums = spatial_sums([x])
+    sums = cleaned_sums(x)  # cleaned in place already
     _fold_in_place(x, means, squares, weight)
     return sums
 

@@ -66,14 +66,19 @@ def fold_elements(
             grad.mul_(factor.to(grad.dtype))
 
 
-def spatial_sums(values: Sequence[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
-    """``[scale * sum x, scale * sum x^2, max |x|]`` over the cleaned ``values`` (the spatial
-    statistics' inputs; ``scale`` extrapolates a sample's sums to the whole population)."""
+def spatial_sums(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[sum x, sum x^2, max |x|]`` over the cleaned ``values`` (the spatial statistics' inputs)."""
     cleaned = [clean(v) for v in values]
     totals = torch.stack([x.sum() for x in cleaned]).sum()
     squared = torch.stack([(x * x).sum() for x in cleaned]).sum()
     peak = torch.stack([x.abs().amax() for x in cleaned]).amax()
-    return torch.stack([scale * totals, scale * squared, peak])
+    return torch.stack([totals, squared, peak])
+
+
+def cleaned_sums(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``spatial_sums`` of one tensor that is ``clean`` already: ``[scale * sum x, scale * sum x^2,
+    max |x|]`` (``scale`` extrapolates a sample's sums to the whole population)."""
+    return torch.stack([scale * x.sum(), scale * (x * x).sum(), x.abs().amax()])
 
 
 def fold_tensors(
@@ -232,8 +237,7 @@ def record_sampled_spatial(
     """The spatial statistics from the sampled elements: their sums extrapolated to all ``numel``
     elements (mean, variance and norm are then unbiased estimates), the max over the sample."""
     spatial_ema, spatial_steps, stat_steps = counters
-    scale = numel / picked.numel()  # ``picked`` is cleaned already: ``spatial_sums`` would clean it again
-    sums = torch.stack([scale * picked.sum(), scale * (picked * picked).sum(), picked.abs().amax()])
+    sums = cleaned_sums(picked, scale=numel / picked.numel())
     record_spatial(spatial_ema, spatial_steps, stat_steps, sums, keep, weight, numel)
 
 
@@ -272,6 +276,7 @@ __all__ = [
     "MIN_SCALE",
     "Kernel",
     "clean",
+    "cleaned_sums",
     "element_step",
     "fixed_sample",
     "fold_elements",
