@@ -119,26 +119,35 @@ def head_health_lanes(
     learners, the two counts divide the sums back into means over learners.
     """
     with torch.no_grad():
-        # One softmax pass over both policies (stacked as rows) and one masked mean over
-        # [entropy | KL]: this runs once per step, but every kernel is ~5-10 us on a CPU.
-        num_heads = len(sizes)
-        rows = logits.reshape(-1, logits.shape[-1])
-        n = rows.shape[0]
-        if sampling_logits is not None:
-            rows = torch.cat([rows, sampling_logits.reshape(n, rows.shape[-1]).to(rows.dtype)])
-        logp, p, _ = _action_major(rows, sizes)
-        current = logp[..., :n]
-        per_head = -(p[..., :n] * current).sum(0)  # [heads, n] entropy of the current policy
-        if sampling_logits is not None:
-            kl = (p[..., n:] * (logp[..., n:] - current)).sum(0)  # KL(sampling || current)
-            per_head = torch.cat([per_head, kl])
-        means = masked_head_mean(per_head.t(), mask).double()
+        values, _ = _entropy_kl_rows([logits], None if sampling_logits is None else [sampling_logits], sizes)
+        means = masked_head_mean(values, mask).double()
         # The counts by fill kernels: a Python list -> CUDA tensor would be a synchronising copy.
         counts = means.new_ones(HEAD_HEALTH_COUNTS)
         if sampling_logits is None:
             counts[1:].zero_()
-            means = torch.cat([means, means.new_zeros(num_heads)])
+            means = torch.cat([means, means.new_zeros(len(sizes))])
         return torch.cat([means, counts])
+
+
+def _entropy_kl_rows(
+    logits: Sequence[torch.Tensor], sampling_logits: Sequence[torch.Tensor] | None, sizes: Sequence[int]
+) -> tuple[torch.Tensor, list[int]]:
+    """``[rows, heads]`` entropy of the current policy (``[rows, 2 x heads]``: then KL(sampling ||
+    current)) of every row of ``logits`` (one tensor per module, rows in order), and each tensor's
+    row count.  One softmax pass over both policies (stacked as rows): this runs once per step,
+    but every kernel is ~5-10 us on a CPU."""
+    width = logits[0].shape[-1]
+    rows = [x if x.dim() == 2 else x.reshape(-1, width) for x in logits]
+    counts = [r.shape[0] for r in rows]
+    n = sum(counts)
+    if sampling_logits is not None:
+        rows += [p.reshape(c, width).to(rows[0].dtype) for p, c in zip(sampling_logits, counts, strict=True)]
+    logp, p, _ = _action_major(torch.cat(rows) if len(rows) > 1 else rows[0], sizes)
+    current = logp[..., :n]
+    per_head = -(p[..., :n] * current).sum(0)  # [heads, rows]
+    if sampling_logits is not None:
+        per_head = torch.cat([per_head, (p[..., n:] * (logp[..., n:] - current)).sum(0)])
+    return per_head.t(), counts
 
 
 def grouped_head_health_lanes(
@@ -156,18 +165,7 @@ def grouped_head_health_lanes(
         prev = None if sampling_logits is None else sampling_logits[0]
         return head_health_lanes(logits[0], prev, sizes, masks[0])
     with torch.no_grad():
-        width = logits[0].shape[-1]
-        rows = [x if x.dim() == 2 else x.reshape(-1, width) for x in logits]
-        counts = [r.shape[0] for r in rows]
-        n = sum(counts)
-        if sampling_logits is not None:
-            rows += [p.reshape(c, width).to(rows[0].dtype) for p, c in zip(sampling_logits, counts, strict=True)]
-        logp, p, _ = _action_major(torch.cat(rows), sizes)
-        current = logp[..., :n]
-        per_head = -(p[..., :n] * current).sum(0)  # [heads, rows] entropy of the current policy
-        if sampling_logits is not None:
-            per_head = torch.cat([per_head, (p[..., n:] * (logp[..., n:] - current)).sum(0)])  # KL(sampling || current)
-        values = per_head.t()  # [rows, lanes]
+        values, counts = _entropy_kl_rows(logits, sampling_logits, sizes)
         device, segments = values.device, segment_ids(counts, values.device)
         keep = joined_mask(counts, list(masks), device)
         if keep is None:
