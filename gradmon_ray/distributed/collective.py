@@ -144,8 +144,8 @@ class ModuleLanes(NamedTuple):
     """The module's columns of ``reduce_modules``' ``minibatch_norms`` (its heads, its global norm)."""
 
 
-HealthBlock = tuple[Sequence[int], Sequence[torch.Tensor]]
-"""(module indices, tensors whose concatenation holds, module after module, their head-health lanes)."""
+HealthBlock = tuple[Sequence[int], torch.Tensor]
+"""(module indices, their head-health lanes module after module, flat)."""
 
 
 def reduce_modules(
@@ -167,9 +167,8 @@ def reduce_modules(
     single in-place allreduce covers it (on the device for NCCL, on the host copy for gloo), all
     of it in one ``cat``.  With one learner nothing is reduced.
     """
-    health_parts = [tensor for _, tensors in health for tensor in tensors]
     reduced_parts: dict[str, torch.Tensor] = {"checksum": checksum, "lanes": lanes}
-    reduced_parts.update((f"health.{k}", t) for k, t in enumerate(health_parts))
+    reduced_parts.update((f"health.{b}", block) for b, (_, block) in enumerate(health))
     local_parts: dict[str, torch.Tensor] = {"checksum": checksum}
     if minibatch_norms is not None:
         local_parts["minibatch_norms"] = minibatch_norms
@@ -186,9 +185,11 @@ def reduce_modules(
     )
     reduced_host, local_host = reduced.unpack(host[:n]), local.unpack(host[n:])
     offsets = np.cumsum([0, *(part.layout.size for part in modules)])
-    health_host = _split_blocks(
-        [indices for indices, _ in health], [reduced_host[f"health.{k}"] for k in range(len(health_parts))], health
-    )
+    health_host = {  # equal shares of a block, one a module
+        k: share
+        for b, (indices, _) in enumerate(health)
+        for k, share in zip(indices, np.split(reduced_host[f"health.{b}"], len(indices)), strict=True)
+    }
     empty = np.zeros(0)
     norms = (
         local_host["minibatch_norms"].reshape(minibatch_norms.shape[0], -1)
@@ -209,19 +210,6 @@ def reduce_modules(
     ]
 
 
-def _split_blocks(
-    groupings: Sequence[Sequence[int]], values: Sequence[np.ndarray], blocks: Sequence[HealthBlock]
-) -> dict[int, np.ndarray]:
-    """Each module's share of the host copies of ``blocks``' tensors (equal shares within a block)."""
-    out: dict[int, np.ndarray] = {}
-    parts = iter(values)
-    for indices, (_, tensors) in zip(groupings, blocks, strict=True):
-        joined = np.concatenate([next(parts) for _ in tensors]) if len(tensors) != 1 else next(parts)
-        for k, share in zip(indices, np.split(joined, len(indices)), strict=True):
-            out[k] = share
-    return out
-
-
 def reduce_iteration(
     accumulator: IterationAccumulator,
     collective: LearnerCollective,
@@ -234,7 +222,7 @@ def reduce_iteration(
     """``reduce_modules`` for one module: drain ``accumulator`` with ``[checksum, noise, health]``
     riding in its ONE reduction and ``local`` in its one host copy."""
     lanes = accumulator.fold()
-    blocks = [] if health is None else [([0], [health])]
+    blocks = [] if health is None else [([0], health)]
     part = ModuleLanes(accumulator.layout, noise, local)
     (reduced,) = reduce_modules(lanes, [part], collective, checksum=checksum, health=blocks)
     accumulator.buffer.zero_()

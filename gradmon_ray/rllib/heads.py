@@ -257,7 +257,7 @@ def per_head_logp(module: Any, logits: torch.Tensor, actions: Any, num_heads: in
 
     On the device, no host synchronisation (the distribution is built from the logits as the
     loss builds it: one more log-softmax, which the drop-in runs once per step over all its
-    minibatches, ``ModuleTelemetry.flush_latch_inputs``).
+    minibatches and its modules of one kind, ``rllib.module_groups``).
     """
     dist = module.get_train_action_dist_cls().from_logits(logits)
     if isinstance(dist, FactoredCategorical):

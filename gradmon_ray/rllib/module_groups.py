@@ -28,7 +28,8 @@ from gradmon_ray.telemetry.accumulator import joined_mask, nonfinite_flags
 from gradmon_ray.telemetry.head_entropy import grouped_head_health_lanes, segment_ids
 
 Block = tuple[list[int], list[torch.Tensor]]
-"""(module indices, tensors whose concatenation holds their values module after module)."""
+"""(module indices, tensors whose concatenation holds their values module after module): the
+latch flags' blocks (``lane_fold.FlagBlock``)."""
 
 
 @torch.no_grad()  # the references are not detached (no op a minibatch)
@@ -76,10 +77,10 @@ def _group_latch_flags(members: list[tuple[int, ModuleTelemetry, list[Any]]]) ->
 
 
 @torch.no_grad()
-def health_blocks(monitors: Sequence[ModuleTelemetry]) -> list[Block]:
+def health_blocks(monitors: Sequence[ModuleTelemetry]) -> list[tuple[list[int], torch.Tensor]]:
     """The step's head-health lanes (``telemetry.head_entropy.head_health_lanes``) of every module
     that measures it, from its last minibatch; the references are forgotten."""
-    blocks: list[Block] = []
+    blocks: list[tuple[list[int], torch.Tensor]] = []
     groups: dict[Hashable, list[tuple[int, Any]]] = {}
     for index, monitor in enumerate(monitors):
         recorder = monitor.head_health
@@ -87,7 +88,7 @@ def health_blocks(monitors: Sequence[ModuleTelemetry]) -> list[Block]:
             continue
         last = recorder.take()
         if last is None:
-            blocks.append(([index], [recorder.empty_lanes()]))
+            blocks.append(([index], recorder.empty_lanes()))
             continue
         logits, prev, _ = last
         key = (recorder.sizes, logits.shape[-1], logits.dtype, prev is None)
@@ -96,5 +97,5 @@ def health_blocks(monitors: Sequence[ModuleTelemetry]) -> list[Block]:
         lasts = [last for _, last in members]
         sampling = None if lasts[0][1] is None else [prev for _, prev, _ in lasts]
         lanes = grouped_head_health_lanes([x for x, _, _ in lasts], sampling, sizes, [m for _, _, m in lasts])
-        blocks.append(([index for index, _ in members], [lanes]))
+        blocks.append(([index for index, _ in members], lanes))
     return blocks

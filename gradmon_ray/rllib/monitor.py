@@ -173,7 +173,7 @@ class GradmonMonitor(
         monitor = self._monitors.get(module_id)
         if monitor is not None and self.gradmon.telemetry:
             # References only: the latches' log-probs are computed once per step, over all its
-            # minibatches (``ModuleTelemetry.flush_latch_inputs``), not once per minibatch.  Not
+            # minibatches (``rllib.module_groups.latch_flag_blocks``), not once per minibatch.  Not
             # detached (an op a minibatch): the drain reads them under ``torch.no_grad``.
             logits = fwd_out[Columns.ACTION_DIST_INPUTS]
             monitor.record_latch_inputs(logits, batch[Columns.ACTIONS], batch.get(Columns.LOSS_MASK))

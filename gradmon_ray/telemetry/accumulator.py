@@ -173,15 +173,19 @@ def _nonfinite_flags(
     if all(a is b for a, b in zip(nan_rows, inf_rows, strict=True)):
         return nonfinite_flags(nan_src, keep)
     inf_src = torch.cat(inf_rows) if len(inf_rows) > 1 else inf_rows[0]
-    return nonfinite_flags(nan_src, keep)[0], nonfinite_flags(inf_src, keep)[1]
+    return torch.isnan(_kept(nan_src, keep)).any(0), torch.isinf(_kept(inf_src, keep)).any(0)
 
 
 def nonfinite_flags(values: torch.Tensor, keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per column of ``[rows, columns]`` ``values``, whether any row ``keep`` holds (every row
     without it) is NaN, resp. +-Inf (bool): padding rows never latch."""
-    if keep is not None:
-        values = torch.where(keep.unsqueeze(-1), values, 0.0)
+    values = _kept(values, keep)
     return torch.isnan(values).any(0), torch.isinf(values).any(0)
+
+
+def _kept(values: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """``values`` with the rows ``keep`` drops set to 0 (``values`` itself without a mask)."""
+    return values if keep is None else torch.where(keep.unsqueeze(-1), values, 0.0)
 
 
 def joined_mask(

@@ -1,8 +1,8 @@
 """A step's per-minibatch gradient-norm records: appended by reference, stacked once at the drain.
 
 ``NormRecords`` keeps every minibatch's ``PackedNorms`` of all of a learner's modules (one list
-append per minibatch) and turns them, once per step, into each module's ``StackedNorms``: what
-``accumulator.IterationAccumulator`` folds into its lanes.
+append per minibatch) and stacks them, once per step, into one ``StackedNorms`` of every module:
+what ``lane_fold.LaneFold`` folds into the modules' lanes.
 """
 
 from __future__ import annotations
@@ -74,8 +74,7 @@ class NormRecords:
         self._records.append(norms)
 
     def stacked(self) -> StackedNorms | None:
-        """Every module's records of the step, stacked (None without a minibatch): ``head_norms``
-        ``[minibatches, heads of all modules]``, ``scalars`` ``[4, minibatches, modules]``; stacked once a step."""
+        """Every module's records of the step, stacked once a step (None without a minibatch)."""
         if self._stacked is None and self._records:
             self._stacked = self._stack()
         return self._stacked

@@ -53,10 +53,7 @@ def test_health_blocks_are_split_per_module_out_of_module_order():
     layouts = [TelemetryLayout(1, 1), TelemetryLayout(2, 1), TelemetryLayout(1, 1)]
     lanes = torch.arange(sum(lay.size for lay in layouts), dtype=torch.float64)
     parts = [ModuleLanes(lay, torch.full((2,), float(k)), torch.full((k,), 10.0 + k)) for k, lay in enumerate(layouts)]
-    blocks = [
-        ([2, 0], [torch.tensor([20.0, 21.0]), torch.tensor([22.0, 23.0, 0.0, 1.0, 2.0, 3.0])]),
-        ([1], [torch.tensor([5.0] * 4)]),
-    ]
+    blocks = [([2, 0], torch.tensor([20.0, 21.0, 22.0, 23.0, 0.0, 1.0, 2.0, 3.0])), ([1], torch.tensor([5.0] * 4))]
     reduced = reduce_modules(lanes, parts, _alone(), checksum=torch.zeros(2, dtype=torch.float64), health=blocks)
     np.testing.assert_array_equal(reduced[2].health, [20.0, 21.0, 22.0, 23.0])
     np.testing.assert_array_equal(reduced[0].health, [0.0, 1.0, 2.0, 3.0])

@@ -144,7 +144,7 @@ def test_the_head_health_of_modules_measured_together_is_each_ones_masked_means(
         last.append((logits.numpy(), sampling.numpy(), np.ones(rows, bool) if mask is None else mask.numpy()))
     blocks = health_blocks(monitors)
     assert [indices for indices, _ in blocks] == [[0, 1, 2]]
-    got = torch.cat(blocks[0][1]).reshape(3, -1).numpy()
+    got = blocks[0][1].reshape(3, -1).numpy()
     for k, (logits, sampling, keep) in enumerate(last):
         current, before = _np_softmax_parts(logits, sizes), _np_softmax_parts(sampling, sizes)
         entropy = [-(np.exp(lp) * lp).sum(1)[keep].mean() for lp in current]
