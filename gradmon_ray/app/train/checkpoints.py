@@ -50,9 +50,15 @@ def checkpoint_root(cfg: GradmonConfig) -> Path:
 
 
 def learner_state_digest(algo: Any) -> str:
-    """SHA-256 of the first (rank-0) learner's gradmon state (``GradmonPPOTorchLearner.gradmon_state_digest``)."""
-    results = algo.learner_group.foreach_learner(lambda learner: learner.gradmon_state_digest())
-    return next(iter(results)).get()  # a list (local learner) or RemoteCallResults; .get() re-raises
+    """SHA-256 of the rank-0 learner's gradmon state (``GradmonPPOTorchLearner.gradmon_state_digest``).
+
+    Asked by rank, not by position: the learners' results need not come back in rank order (after
+    a lost node, they did not), and only rank 0 holds the probe's counters, so another rank's
+    digest differs and a correct restore would be refused."""
+    from gradmon_ray.rllib.monitor import global_rank  # here: importing RLlib costs the CLI seconds
+
+    results = algo.learner_group.foreach_learner(lambda learner: (global_rank(), learner.gradmon_state_digest()))
+    return min(result.get() for result in results)[1]  # a list (local learner) or RemoteCallResults; .get() re-raises
 
 
 def verify_restored_state(expected: str | None, restored: str, checkpoint: str) -> None:
