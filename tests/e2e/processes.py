@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -40,11 +41,27 @@ def mlflow_server_argv(port: int, *store: str) -> list[str]:
     return [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1", *store]
 
 
+FREE_PORT_RANGE = (20000, 32767)
+"""Where ``free_port`` looks: above Ray's worker ports (10002-19999 by default) and below Linux's
+ephemeral range (32768-60999), from which every outgoing connection and every port-0 bind of Ray and
+MLflow takes its port: a port handed out from the ephemeral range could be taken by one of those
+between the test's choice and the server's bind (a server that never came up, seen once in CI)."""
+
+
+_PORTS = random.SystemRandom()  # not the global generator: pytest-randomly seeds it alike in every worker
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (from the ephemeral range)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1, outside the ports the OS and Ray hand out, that was free a moment ago."""
+    for _ in range(200):
+        port = _PORTS.randint(*FREE_PORT_RANGE)  # random: two xdist workers rarely pick the same one
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {FREE_PORT_RANGE} after 200 tries")
 
 
 def wait_http(
@@ -118,7 +135,15 @@ class MlflowServer:
         )
 
     def wait(self, timeout_s: float = 120) -> None:
-        wait_http(f"{self.uri}/health", timeout_s)
+        """Until the server answers; a server that ended instead fails the test at once, with its log."""
+        process = self.processes[-1]
+        try:
+            wait_http(f"{self.uri}/health", timeout_s, proc=process)
+        except Exception as err:
+            ended = process.poll()
+            logs = sorted(self.store.glob("server-*.log"))
+            tail = logs[-1].read_text()[-3000:] if logs else "(no log)"
+            raise AssertionError(f"mlflow server on {self.uri} not up (exit code {ended}): {err}\n{tail}") from err
 
     def kill(self, grace_s: float = 20) -> None:
         """End every server process this object started (a SIGKILL at once when ``grace_s`` is 0)."""
