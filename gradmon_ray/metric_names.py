@@ -8,7 +8,7 @@ modules; ``gradmon_ray.metric_parsing`` is the one place that reads the names ba
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 # Re-exported: every reader says ``mn.head_metric``, ``mn.is_value_head``, ...
 from gradmon_ray.head_labels import (
@@ -16,7 +16,7 @@ from gradmon_ray.head_labels import (
     describe_head,  # noqa: F401
     format_value_heads,  # noqa: F401
     head_label,  # noqa: F401
-    head_metric,
+    head_metric,  # noqa: F401
     is_value_head,  # noqa: F401
     module_metric,  # noqa: F401
     parse_value_heads,  # noqa: F401
@@ -214,6 +214,19 @@ PROBE_SKIPPED = "probe/skipped"
 PROBE_FAILURES = "probe/failures"
 """Probe requests that failed: actor died or restarting, or the analysis raised."""
 
+# --- diagnosis of a non-finite event (rllib.diagnosis; docs/diagnosis.md) ---------
+DIAGNOSIS_REPRODUCED = "diagnosis/reproduced"
+"""After a NaN/Inf gradient, skip or latch: 1 the re-run on a copy was non-finite again (data or weights),
+0 not (transient); with several learners the fraction of them; left out when nothing was re-run."""
+DIAGNOSIS_MINIBATCH = "diagnosis/minibatch"
+"""The first minibatch (from 0, over all epochs of the iteration) with a non-finite gradient or row."""
+DIAGNOSIS_RESULT_KEY = "gradmon_diagnosis"
+DIAGNOSIS_ARTIFACT = "diagnosis/iter_{iteration}_{module}.json"
+"""Not metrics: ``result["learners"][module]``'s key of the ``Diagnosis`` JSONs; one event's artifact."""
+TAG_DIAGNOSIS = "gradmon.diagnosis"
+"""JSON list of the last event's ``Diagnosis`` per module; ``TAG_SKIPPED``: ``iteration 3: skipped 34/34``."""
+TAG_SKIPPED = "gradmon.skipped"
+
 # --- gradient-health early stopping (health_stop config) --------------------------
 HEALTH_STOP_REASON = "health/stop_reason"
 """Logged once, at the iteration a health rule stopped the run: 1 dead, 2 exploding, 3 NaN latch, 4 Inf latch,
@@ -267,14 +280,7 @@ SCALAR_NAMES: tuple[str, ...] = _names_shaped(lambda n: "/" in n and "{" not in 
 TAG_NAMES: tuple[str, ...] = _names_shaped(lambda n: n.startswith("gradmon."))
 PROBE_COUNTERS = (PROBE_REQUESTS_SENT, PROBE_REQUESTS_DROPPED, PROBE_COMPLETED, PROBE_SKIPPED, PROBE_FAILURES)
 
-ABSENT_WHEN_UNDEFINED = (
-    HEAD_NOISE_SCALE,
-    GLOBAL_NOISE_SCALE,
-    HEAD_ENTROPY,
-    HEAD_ENTROPY_NORM,
-    HEAD_KL,
-    HEAD_GRAD_NORM_CV,
-)
+ABSENT_WHEN_UNDEFINED = (HEAD_NOISE_SCALE, GLOBAL_NOISE_SCALE, HEAD_ENTROPY, HEAD_ENTROPY_NORM, HEAD_KL, HEAD_GRAD_NORM_CV)  # noqa: E501  # fmt: skip
 """Metrics left out of an iteration while undefined; RLlib fills a key missing from one with NaN, readers drop it."""
 
 # The spelling of a probe template's ``{bucket}``: ``probe_bucket`` writes it, ``metric_parsing`` reads it.
@@ -284,14 +290,6 @@ _bucket_template = "bucket_{index}"
 def probe_metric(template: str, bucket: str, **parts: str) -> str:
     """Fill a probe template, e.g. ``probe_metric(PROBE_COMPONENT_NORM, "bucket_1", component="task")``."""
     return template.format(bucket=bucket, **parts)
-
-
-def noise_scale_metrics(per_head: Mapping[str, float], global_scale: float | None = None) -> dict[str, float]:
-    """``{HEAD_NOISE_SCALE per head: B, GLOBAL_NOISE_SCALE: B}``; ``global_scale`` None: left out."""
-    out = {head_metric(HEAD_NOISE_SCALE, head): value for head, value in per_head.items()}
-    if global_scale is not None:
-        out[GLOBAL_NOISE_SCALE] = global_scale
-    return out
 
 
 def probe_bucket(index: int) -> str:

@@ -159,11 +159,6 @@ def test_bucket_index_and_probe_bucket():
             mp.bucket_index(bad)
 
 
-def test_noise_scale_metrics_names():
-    assert mn.noise_scale_metrics({"op": 2.0}, 3.0) == {"grad/head/op/noise_scale": 2.0, "grad/noise_scale": 3.0}
-    assert mn.noise_scale_metrics({}, None) == {}
-
-
 # --- multi-module names (``module/<id>/<name>``) and the template index -------------------------------
 
 

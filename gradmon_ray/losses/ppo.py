@@ -112,8 +112,13 @@ def ppo_loss_terms(
     entropy_coeff: float | torch.Tensor,
     kl_coeff: float | torch.Tensor,
     use_kl_loss: bool,
+    separate_means: bool = False,
 ) -> PPOLossTerms:
-    """Evaluate PPO's loss; ``values=None`` means no critic (value terms are zero)."""
+    """Evaluate PPO's loss; ``values=None`` means no critic (value terms are zero).
+
+    ``separate_means``: one masked mean per term instead of one over the stacked terms, so that
+    each term's gradient alone never runs through another's graph (the stacked mean's backward
+    sends it zeros, and 0 x NaN is NaN): the diagnosis's per-term blame (``rllib.diagnosis``)."""
     valid = mask.sum() if mask is not None else None  # one count for every masked mean
     per_head_logp = dist.per_head_logp(actions)
     logp_ratio = torch.exp(per_head_logp.sum(-1) - old_logp)
@@ -140,7 +145,10 @@ def ppo_loss_terms(
         columns += [vf_loss_clipped, vf_loss]
     if use_kl_loss:
         columns.append(prev_dist.kl(dist))  # type: ignore[union-attr]
-    means = iter(_masked_means(torch.stack(columns), mask, valid).unbind(0))  # in ``columns``' order
+    if separate_means:
+        means = iter([_masked_means(column.unsqueeze(0), mask, valid)[0] for column in columns])
+    else:
+        means = iter(_masked_means(torch.stack(columns), mask, valid).unbind(0))  # in ``columns``' order
     policy, mean_entropy = -next(means), next(means)
     zero = None if has_critic and use_kl_loss else torch.zeros((), device=surrogate.device)  # an op: only if used
     mean_vf_loss, mean_vf_unclipped = (next(means), next(means)) if has_critic else (zero, zero)
@@ -178,6 +186,7 @@ def ppo_loss_from_batch(
     use_kl_loss: bool,
     use_critic: bool = True,
     logits: torch.Tensor | None = None,
+    separate_means: bool = False,
 ) -> PPOLossTerms:
     """``ppo_loss_terms`` on an RLlib train batch and ``module.forward_train`` output.
 
@@ -208,4 +217,5 @@ def ppo_loss_from_batch(
         entropy_coeff=entropy_coeff,
         kl_coeff=kl_coeff,
         use_kl_loss=use_kl_loss,
+        separate_means=separate_means,
     )

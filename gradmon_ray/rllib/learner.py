@@ -35,6 +35,7 @@ from gradmon_ray.losses.ppo import explained_variance, ppo_loss_from_batch
 from gradmon_ray.losses.regularizers import resolve_regularizer
 from gradmon_ray.optim import UPGD
 from gradmon_ray.probe.client import LossSettings, ModuleProbe, ProbeClient, ProbeRequest
+from gradmon_ray.rllib.diagnosis_hooks import GradmonDiagnosis
 from gradmon_ray.rllib.monitor import (
     GRADMON_STATE_KEYS,
     NOISE_STATE_KEY,
@@ -60,7 +61,7 @@ __all__ = [
 ]
 
 
-class GradmonPPOTorchLearner(compat.TrainBatchHook, with_gradmon(PPOTorchLearner)):
+class GradmonPPOTorchLearner(with_gradmon(PPOTorchLearner)):
     """PPO torch learner that reports per-head gradient health every training iteration.
 
     Settings: ``learner_config_dict["gradmon"]`` (``gradmon_ray.rllib.settings.GradmonSettings``);
@@ -168,6 +169,7 @@ class GradmonPPOTorchLearner(compat.TrainBatchHook, with_gradmon(PPOTorchLearner
     def on_train_batch(self, batch: Any) -> None:
         # The one place that sees the whole postprocessed batch (GAE done) before the first
         # minibatch: snapshot it and the pre-update weights for the probe, on device, no sync.
+        super().on_train_batch(batch)
         probe = self._probe
         if probe is None or batch is None or not probe.due(self.gradmon_iteration + 1):
             return
@@ -189,6 +191,32 @@ class GradmonPPOTorchLearner(compat.TrainBatchHook, with_gradmon(PPOTorchLearner
             }
         except Exception as exc:  # the probe is an observer: a snapshot it cannot take is a counted failure
             probe.record_failure(f"snapshot: {type(exc).__name__}: {exc}")
+
+    @override(GradmonDiagnosis)
+    def diagnosis_loss_terms(
+        self, module_id: ModuleID, module: Any, batch: dict[str, Any], fwd_out: dict[str, Any]
+    ) -> dict[str, torch.Tensor]:
+        """gradmon's PPO loss term by term (unweighted), then each regularizer by its name."""
+        config = self.config.get_config_for_module(module_id)
+        terms = ppo_loss_from_batch(
+            module,
+            batch,
+            fwd_out,
+            clip_param=config.clip_param,
+            vf_clip_param=config.vf_clip_param,
+            vf_loss_coeff=config.vf_loss_coeff,
+            entropy_coeff=self.entropy_coeff_schedulers_per_module[module_id].get_current_value(),
+            kl_coeff=self.curr_kl_coeffs_per_module[module_id],
+            use_kl_loss=config.use_kl_loss,
+            use_critic=config.use_critic,
+            separate_means=True,  # each term's gradient alone (the stacked mean mixes another's NaN in)
+        )
+        out = {"policy": terms.policy, "value": terms.value, "entropy": terms.entropy}
+        if config.use_kl_loss:
+            out["kl"] = terms.kl
+        for spec in self._regularizers:
+            out[spec.name] = spec.fn(module, batch, fwd_out)
+        return out
 
     def _probe_module_snapshot(self, module_id: ModuleID, batch: Any) -> dict[str, Any]:
         """One module's pre-update weights, batch and PPO coefficients (device tensors, copied)."""

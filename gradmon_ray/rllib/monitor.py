@@ -49,6 +49,7 @@ from ray.rllib.utils.typing import ModuleID
 
 from gradmon_ray import compat
 from gradmon_ray.distributed import LearnerCollective
+from gradmon_ray.rllib.diagnosis_hooks import GradmonDiagnosis
 from gradmon_ray.rllib.gradient_pass import GradmonGradientPass
 from gradmon_ray.rllib.heads import latch_heads
 from gradmon_ray.rllib.module_changes import ModuleChanges
@@ -75,7 +76,12 @@ def global_rank() -> int:
 
 
 class GradmonMonitor(
-    compat.DistributedModulesHook, ModuleChanges, SparseSafeModuleSync, GradmonGradientPass, GradmonReporting
+    GradmonDiagnosis,
+    compat.DistributedModulesHook,
+    ModuleChanges,
+    SparseSafeModuleSync,
+    GradmonGradientPass,
+    GradmonReporting,
 ):
     """The telemetry half of a gradmon learner; ``with_gradmon`` puts it before a ``TorchLearner``."""
 
@@ -92,6 +98,7 @@ class GradmonMonitor(
         # RLlib's build makes the module, then (``configure_optimizers``) the optimizers: the
         # heads are resolved there, so a bad head fails before IMPALA/APPO start their threads.
         super().build()
+        self._setup_diagnosis()
         self._collective = self._make_collective()
         self._hook_handles: list[Any] = []
         for module_id, monitor in self._monitors.items():
@@ -182,8 +189,10 @@ class GradmonMonitor(
 
     def record_head_inputs(self, logits: torch.Tensor, batch: dict, *, module_id: ModuleID) -> None:
         """Keep references to this minibatch's ``logits``, the sampling policy's logits and the
-        loss mask for the step's head health (``rllib.head_health``); no kernel (the reference lives
-        until the next minibatch or the drain, which reads it under ``torch.no_grad``)."""
+        loss mask for the step's head health (``rllib.head_health``), and to the minibatch for a
+        diagnosis (``rllib.diagnosis``); no kernel (the references live until the drain, which
+        reads them under ``torch.no_grad``)."""
+        self.keep_minibatch(module_id, batch)
         self._monitors[module_id].record_head_inputs(
             logits, batch.get(Columns.ACTION_DIST_INPUTS), batch.get(Columns.LOSS_MASK)
         )

@@ -28,7 +28,7 @@ from gradmon_ray.distributed import (
 from gradmon_ray.rllib.metrics_stats import log_step_metrics
 from gradmon_ray.rllib.module_groups import health_blocks, latch_flag_blocks
 from gradmon_ray.rllib.module_telemetry import ModuleTelemetry
-from gradmon_ray.telemetry.noise_scale import noise_scales
+from gradmon_ray.telemetry.noise_scale import noise_scale_metrics, noise_scales
 from gradmon_ray.telemetry.state_digest import state_digest
 
 TELEMETRY_STATE_KEY = "gradmon_telemetry"
@@ -79,6 +79,7 @@ class GradmonReporting:
             for monitor in self._monitors.values():
                 monitor.tracker.skip_iteration()
             self._log_gradmon_metrics(metrics)
+            self._forget_diagnosis_inputs()
             return
         reduced, checksum_ok = self._reduce_step()
         for module_id, monitor in self._monitors.items():
@@ -86,6 +87,7 @@ class GradmonReporting:
             if checksum_ok is not None:
                 metrics[module_id][mn.REPLICA_CHECKSUM_OK] = float(checksum_ok[module_id])
         self._log_gradmon_metrics(metrics)
+        self._forget_diagnosis_inputs()
         self.partially_trained.clear()
         diverged = [mid for mid, ok in (checksum_ok or {}).items() if not ok]
         if diverged:
@@ -115,6 +117,7 @@ class GradmonReporting:
             )
             metrics.update(summary.to_metrics())
             metrics.update(self._noise_scale_metrics(monitor, reduced.noise, summary.minibatches))
+            metrics.update(self._diagnose(monitor, summary, reduced.minibatch_norms))
         else:
             monitor.tracker.skip_iteration()
         if monitor.vgs is not None:
@@ -140,7 +143,7 @@ class GradmonReporting:
         per_head, global_scale = noise_scales(
             monitor.noise, noise, world_size=self._collective.world_size, minibatches=minibatches, rows=rows
         )
-        return mn.noise_scale_metrics(per_head, global_scale)
+        return noise_scale_metrics(per_head, global_scale)
 
     def _log_gradmon_metrics(self, metrics: dict[Any, dict[str, float]]) -> None:
         for module_id, values in metrics.items():

@@ -34,10 +34,12 @@ learners once per iteration together with the rest of the telemetry) are laid ou
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
+
+from gradmon_ray import metric_names as mn
 
 T = TypeVar("T")
 
@@ -160,3 +162,11 @@ def noise_scales(
     defined = {name: value for name, value in scales.items() if math.isfinite(value)}
     global_scale = defined.pop(GLOBAL_ENTRY, None)
     return defined, global_scale
+
+
+def noise_scale_metrics(per_head: Mapping[str, float], global_scale: float | None = None) -> dict[str, float]:
+    """``{mn.HEAD_NOISE_SCALE per head: B, GLOBAL_NOISE_SCALE: B}``; ``global_scale`` None: left out."""
+    out = {mn.head_metric(mn.HEAD_NOISE_SCALE, head): value for head, value in per_head.items()}
+    if global_scale is not None:
+        out[mn.GLOBAL_NOISE_SCALE] = global_scale
+    return out

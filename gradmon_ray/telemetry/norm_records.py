@@ -73,6 +73,10 @@ class NormRecords:
         """Record one minibatch of every module (``GradientNormPlan.compute_all``): no kernel."""
         self._records.append(norms)
 
+    def __len__(self) -> int:
+        """Minibatches recorded this step (the index the next one gets)."""
+        return len(self._records)
+
     def stacked(self) -> StackedNorms | None:
         """Every module's records of the step, stacked once a step (None without a minibatch)."""
         if self._stacked is None and self._records:

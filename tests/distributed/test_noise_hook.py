@@ -10,7 +10,7 @@ bucket rebuild at the end of the first backward the heads are spread over severa
 registers the product's ``NoiseScaleHook`` as its comm hook, computes the all-reduced norms
 with ``GradientNormPlan``, fills the real ``IterationAccumulator``, reduces once per iteration
 with ``reduce_iteration`` over the real ``LearnerCollective`` and turns the reduced lanes
-into metrics with ``noise_scales`` and ``metric_names.noise_scale_metrics`` -- the functions the
+into metrics with ``noise_scales`` and ``telemetry.noise_scale.noise_scale_metrics`` -- the functions the
 learner calls.
 
 The model's loss is ``sum_p <p, c_p>``, so each rank's gradient is exactly the vector ``c``
@@ -49,7 +49,7 @@ from gradmon_ray import metric_names as mn
 from gradmon_ray.distributed import LearnerCollective, NoiseScaleHook, parameter_checksum, reduce_iteration
 from gradmon_ray.telemetry import GradientNormPlan, IterationAccumulator, NoiseScaleTracker, TelemetryLayout
 from gradmon_ray.telemetry.head_norms import ParamRows
-from gradmon_ray.telemetry.noise_scale import GLOBAL_ENTRY, noise_lane_count, noise_scales
+from gradmon_ray.telemetry.noise_scale import GLOBAL_ENTRY, noise_lane_count, noise_scale_metrics, noise_scales
 
 
 def _params():
@@ -301,7 +301,7 @@ def _learn(rank: int, k: int) -> dict:
             minibatches=int(reduced.lanes[layout.minibatches]),
             rows=hook.take_rows(),
         )
-        metrics = mn.noise_scale_metrics(per_head, global_scale)
+        metrics = noise_scale_metrics(per_head, global_scale)
         history.append(
             {
                 "metrics": metrics,

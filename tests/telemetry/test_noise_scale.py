@@ -10,7 +10,7 @@ import torch
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.telemetry import NoiseScaleTracker, gradient_noise_terms
-from gradmon_ray.telemetry.noise_scale import noise_lane_count, noise_scale_inputs, noise_scales
+from gradmon_ray.telemetry.noise_scale import noise_lane_count, noise_scale_inputs, noise_scale_metrics, noise_scales
 
 
 def test_worked_answer():
@@ -108,7 +108,7 @@ def test_undefined_noise_scale_is_left_out_never_nan():
 
     name = {i: mn.head_metric(mn.HEAD_NOISE_SCALE, h) for i, h in enumerate(("op", "blueprint"))}
     lanes = _lanes(small1, big1, 0.5, k, minibatches)
-    metrics = mn.noise_scale_metrics(*noise_scales(tracker, lanes, world_size=k, minibatches=minibatches, rows=rows))
+    metrics = noise_scale_metrics(*noise_scales(tracker, lanes, world_size=k, minibatches=minibatches, rows=rows))
     assert 2 * big1[1] - small1[1] < 0  # blueprint's |G|^2 estimate: negative, so B_simple is undefined
     assert set(metrics) == {name[0], mn.GLOBAL_NOISE_SCALE}  # left out, not NaN
     assert metrics[name[0]] == pytest.approx(ema_ratio((small1[0], big1[0])), rel=1e-9)
@@ -116,7 +116,7 @@ def test_undefined_noise_scale_is_left_out_never_nan():
     # Once the learners agree on blueprint's direction, its EMA turns positive and it is logged, the
     # negative first estimate still in it (remembered, not dropped: 520.1 here, 201.1 without it).
     lanes = _lanes(small2, big2, 0.5, k, minibatches)
-    metrics = mn.noise_scale_metrics(*noise_scales(tracker, lanes, world_size=k, minibatches=minibatches, rows=rows))
+    metrics = noise_scale_metrics(*noise_scales(tracker, lanes, world_size=k, minibatches=minibatches, rows=rows))
     assert set(metrics) == {name[0], name[1], mn.GLOBAL_NOISE_SCALE}
     for i, key in ((0, name[0]), (1, name[1]), (2, mn.GLOBAL_NOISE_SCALE)):
         assert metrics[key] == pytest.approx(ema_ratio((small1[i], big1[i]), (small2[i], big2[i])), rel=1e-9), key
@@ -164,3 +164,8 @@ def test_a_zero_gradient_signal_gives_nan_not_a_division():
     scales = tracker.update([2.0], [1.0], 1.0, 2.0)
     assert tracker.g2_ema == [0.0] and tracker.trace_ema == [1.0]
     assert math.isnan(scales["h"])
+
+
+def test_noise_scale_metrics_names():
+    assert noise_scale_metrics({"op": 2.0}, 3.0) == {"grad/head/op/noise_scale": 2.0, "grad/noise_scale": 3.0}
+    assert noise_scale_metrics({}, None) == {}
