@@ -280,7 +280,7 @@ SCALAR_NAMES: tuple[str, ...] = _names_shaped(lambda n: "/" in n and "{" not in 
 TAG_NAMES: tuple[str, ...] = _names_shaped(lambda n: n.startswith("gradmon."))
 PROBE_COUNTERS = (PROBE_REQUESTS_SENT, PROBE_REQUESTS_DROPPED, PROBE_COMPLETED, PROBE_SKIPPED, PROBE_FAILURES)
 
-ABSENT_WHEN_UNDEFINED = (HEAD_NOISE_SCALE, GLOBAL_NOISE_SCALE, HEAD_ENTROPY, HEAD_ENTROPY_NORM, HEAD_KL, HEAD_GRAD_NORM_CV)  # noqa: E501  # fmt: skip
+ABSENT_WHEN_UNDEFINED = (HEAD_NOISE_SCALE, GLOBAL_NOISE_SCALE, HEAD_ENTROPY, HEAD_ENTROPY_NORM, HEAD_KL, HEAD_GRAD_NORM_CV, DIAGNOSIS_REPRODUCED, DIAGNOSIS_MINIBATCH)  # noqa: E501  # fmt: skip
 """Metrics left out of an iteration while undefined; RLlib fills a key missing from one with NaN, readers drop it."""
 
 # The spelling of a probe template's ``{bucket}``: ``probe_bucket`` writes it, ``metric_parsing`` reads it.

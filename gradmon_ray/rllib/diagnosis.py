@@ -136,6 +136,7 @@ def diagnose_module(
         reproduced=reproduced,
         rerun=rerun,
         rank=rank,
+        heads_total=len(head_names),
     )
 
 

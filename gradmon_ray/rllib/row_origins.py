@@ -12,6 +12,7 @@ sliced on every minibatch).
 from __future__ import annotations
 
 import bisect
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,11 @@ from ray.rllib.connectors.common.batch_individual_items import BatchIndividualIt
 from ray.rllib.connectors.connector_v2 import ConnectorV2
 from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.utils.annotations import override
+
+
+_SUFFIXED = re.compile(r"^([0-9a-f]{32})_\d+$")
+"""RLlib's episode id (a uuid4 hex) with the ``_<index>`` PPO's ``AddOneTsToEpisodesAndTruncate``
+appends in place before this piece runs: the id the EnvRunner gave the episode is the part before."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,8 @@ class RowOrigins(ConnectorV2):
             start = rows[-1].start + rows[-1].length if rows else 0
             agent = None if episode.agent_id is None else str(episode.agent_id)
             ma_id = getattr(episode, "multi_agent_episode_id", None)
-            rows.append(EpisodeRows(str(ma_id or episode.id_), agent, int(episode.t_started), start, len(episode)))
+            episode_id = _SUFFIXED.sub(r"\1", str(ma_id or episode.id_))
+            rows.append(EpisodeRows(episode_id, agent, int(episode.t_started), start, len(episode)))
         self.last = runs
         return batch
 

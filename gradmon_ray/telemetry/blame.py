@@ -4,8 +4,10 @@ Pure torch on the columns of one module's batch (RLlib's column names); no RLlib
 beyond the answer.  ``rllib.diagnosis`` calls it at the drain of an iteration with a non-finite
 event; ``tracking`` and ``viz`` render its ``Diagnosis`` JSON with ``blame_line``.
 
-"Upstream first": a NaN reward makes the GAE value targets of the steps before it in its
-episode NaN, and the batch-wide advantage standardization then makes EVERY advantage NaN.  The
+"Upstream first": a NaN reward makes the GAE value targets of every row before it NaN (RLlib's
+GAE is one backward discounted sum over the episodes concatenated, masked with 0 x NaN = NaN, so
+it crosses episode boundaries), and the batch-wide advantage standardization then makes EVERY
+advantage NaN.  The
 first field (in ``UPSTREAM_FIELDS`` order) with a non-finite value anywhere in the train batch
 is the cause, its first such row is the row blamed, and the fields it poisoned downstream are
 named as spread (``spread_by``).
@@ -29,7 +31,7 @@ RERUN_FIELDS = ("module_logits", "module_logp")
 of the taken action (non-finite there and nowhere upstream: the weights, not the data)."""
 
 SPREAD_BY = {
-    "value_targets": "GAE (a non-finite reward or value reaches every earlier step of its episode)",
+    "value_targets": "GAE (RLlib's backward discounted sum over the concatenated batch: every earlier row)",
     "advantages": "advantage standardization over the whole train batch",
 }
 """Why a downstream field is non-finite in more rows than its cause."""
@@ -72,25 +74,29 @@ def blame_rows(minibatch: Mapping[str, Any], train_batch: Mapping[str, Any] | No
         any_row = rows if any_row is None else any_row | rows
     count = int(any_row.sum()) if any_row is not None else 0
     fields = [f for f, rows in mini_rows.items() if bool(rows.any())]
-    source = train_batch if train_batch is not None else minibatch
-    source_rows = {f: r for f in UPSTREAM_FIELDS if (r := nonfinite_rows(source.get(f))) is not None}
-    if train_batch is None:
-        source_rows.update({f: mini_rows[f] for f in RERUN_FIELDS if f in mini_rows})
-    first_field = next(
-        (f for f in (*UPSTREAM_FIELDS, *RERUN_FIELDS) if f in source_rows and bool(source_rows[f].any())), None
-    )
-    first_row = int(source_rows[first_field].nonzero()[0, 0]) if first_field is not None else None
+    # The cause: the first poisoned field of the whole train batch, upstream first; with none there
+    # (the weights, not the data), the first of the minibatch's own and re-run fields.
+    first_field, first_row, source, in_train = None, None, minibatch, False
+    if train_batch is not None:
+        source_rows = {f: r for f in UPSTREAM_FIELDS if (r := nonfinite_rows(train_batch.get(f))) is not None}
+        first_field = next((f for f in UPSTREAM_FIELDS if f in source_rows and bool(source_rows[f].any())), None)
+        source, in_train = train_batch, True
+    if first_field is None:
+        source_rows, source, in_train = mini_rows, minibatch, False
+        first_field = next((f for f in checked if f in mini_rows and bool(mini_rows[f].any())), None)
+    if first_field is not None:
+        first_row = int(source_rows[first_field].nonzero()[0, 0])
     if first_field is not None and first_field not in fields:
         fields.append(first_field)
     fields.sort(key=checked.index)
     return RowBlame(
         count=count,
         fields=fields,
-        obs_columns=_obs_columns(source.get("obs")) or _obs_columns(minibatch.get("obs")),
+        obs_columns=_obs_columns(source.get("obs")),
         first_row=first_row,
         first_field=first_field,
         spread_by=_spread(source_rows, first_field),
-        in_train_batch=train_batch is not None,
+        in_train_batch=in_train,
     )
 
 
@@ -147,6 +153,8 @@ class Diagnosis:
     rerun: dict[str, Any] = field(default_factory=dict)
     """Per component of the re-run: each loss term's value, per head NaN/Inf gradient counts."""
     rank: int = 0
+    heads_total: int = 0
+    """The module's reported heads (``heads`` is all of them when equal in number)."""
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, sort_keys=True)
@@ -166,9 +174,12 @@ def skipped_text(skipped: int, minibatches: int) -> str:
 def blame_line(diagnosis: Diagnosis) -> str:
     """The console/watch line: what, where, which term and parameter, which rows, reproduced or not."""
     d = diagnosis
-    what = "NaN/Inf in " + (
-        ("head" if len(d.heads) == 1 else "heads") + " " + ",".join(d.heads) if d.heads else "no head's gradient"
-    )
+    if d.heads and len(d.heads) == d.heads_total > 1:
+        what = f"NaN/Inf in every head ({d.heads_total})"
+    elif d.heads:
+        what = ("NaN/Inf in head " if len(d.heads) == 1 else "NaN/Inf in heads ") + ",".join(d.heads)
+    else:
+        what = "NaN/Inf in no head's gradient"
     where = f"minibatch {d.minibatch}/{d.minibatches}" if d.minibatch is not None else "no minibatch kept"
     parts = [f"{what} (module {d.module}), {where}"]
     if d.loss_terms:

@@ -11,6 +11,7 @@ from gradmon_ray import metric_names as mn
 from gradmon_ray import metric_parsing as mp
 from gradmon_ray.telemetry import bands as _bands
 from gradmon_ray.telemetry.bands import worst_head
+from gradmon_ray.tracking.diagnosis_tags import skipped_summary
 
 ALL_MODULES = "__all_modules__"
 """RLlib's key for the learners' results over all modules (``ray.rllib.core.ALL_MODULES``)."""
@@ -19,7 +20,7 @@ DEFAULT_MODULE_ID = "default_policy"
 VALUE_HEAD = mn.VALUE_HEAD
 """gradmon's own modules' value head's reported name (value heads are always last: ``order_heads``)."""
 
-_GRADMON_PREFIXES = ("grad/", "policy/", "latch/", "update/", "vgs/", "probe/")
+_GRADMON_PREFIXES = ("grad/", "policy/", "latch/", "update/", "vgs/", "probe/", "diagnosis/")
 # RLlib result paths -> gradmon names (the training-progress rows of docs/metrics.md).
 _RLLIB_PATHS: dict[str, tuple[str, ...]] = {
     mn.EPISODE_RETURN_MEAN: ("env_runners", "episode_return_mean"),
@@ -214,16 +215,21 @@ def progress_line(
         f"return {ret:.3f}" if ret is not None else "return n/a",
     ]
     heads = heads_in(metrics, value_heads=bands.value_heads)
+    skipped = skipped_summary(metrics)
     if metrics.get(mn.LEARNERS_UPDATED) == 0.0:
         healthy = metrics.get(mn.ENV_RUNNERS_HEALTHY)
         parts.append(
             "no update: nothing to train on" + (f" ({int(healthy)} EnvRunners healthy)" if healthy is not None else "")
         )
+    elif skipped is not None and skipped.endswith("did not train"):  # every norm is NaN: no worst head to name
+        parts.append(skipped)
     elif heads:
         judged = [h for h in heads if include_value_head or not bands.is_value_head(h)] or heads
         norms = {h: metrics[mn.head_metric(mn.HEAD_GRAD_NORM, h)] for h in judged}
         worst, band = worst_head(norms, bands=bands)
         parts.append(f"worst head {worst} {norms[worst]:.3f} ({band})")
+        if skipped is not None:
+            parts.append(skipped)
     else:
         parts.append("telemetry off")
     latched = sorted(set(latched_heads(metrics, "nan")) | set(latched_heads(metrics, "inf")))

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gradmon_ray.tracking.diagnosis_tags import log_diagnosis_artifacts
 from gradmon_ray.tracking.mlflow_io import log_in_batches, to_mlflow_metrics
 from gradmon_ray.tracking.redact import redact_text, uri_secrets
 from gradmon_ray.tracking.spill import SpillWriter
@@ -188,3 +189,5 @@ class SinkWriter:
             latest_tags.update(item.tags)
         metrics = [m for item in batch for m in to_mlflow_metrics(item.metrics, item.step, item.timestamp_ms)]
         log_in_batches(client, self.run_id, metrics=metrics, tags=latest_tags)
+        for item in batch:  # each event's artifacts (``latest_tags`` keeps only the last event's)
+            log_diagnosis_artifacts(client, self.run_id, item.tags)

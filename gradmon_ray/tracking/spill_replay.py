@@ -127,6 +127,7 @@ def replay_spill(path: str | Path, tracking_uri: str | None = None, *, mark_done
     """
     from mlflow.tracking import MlflowClient
 
+    from gradmon_ray.tracking.diagnosis_tags import log_diagnosis_artifacts
     from gradmon_ray.tracking.mlflow_io import log_in_batches, to_mlflow_metrics
     from gradmon_ray.tracking.store_uri import absolute_tracking_uri
 
@@ -151,6 +152,8 @@ def replay_spill(path: str | Path, tracking_uri: str | None = None, *, mark_done
     for r in iterations:
         tags.update(r.get("tags") or {})
     log_in_batches(client, run_id, metrics=metrics, tags=tags)
+    for r in iterations:  # each event's artifacts (the merged tags keep only the last event's)
+        log_diagnosis_artifacts(client, run_id, r.get("tags") or {})
     status = (trailer or {}).get("status")
     if status:
         client.set_terminated(run_id, status=status)

@@ -34,8 +34,10 @@ from gradmon_ray.app.train.resume import ResumePoint
 from gradmon_ray.config import GradmonConfig
 from gradmon_ray.probe.lifecycle import flush_probe, start_probe, stop_probe
 from gradmon_ray.telemetry.bands import BandSet
+from gradmon_ray.telemetry.blame import blame_line
 from gradmon_ray.telemetry.health_stop import HealthStopMonitor, HealthStopRules, StopDecision
 from gradmon_ray.tracking import MlflowSink, progress_line, result_to_metrics
+from gradmon_ray.tracking.diagnosis_tags import diagnoses_in, diagnosis_tags
 from gradmon_ray.tracking.redact import install_log_redaction
 from gradmon_ray.tracking.result_metrics import latch_tags
 
@@ -206,8 +208,11 @@ class _TrainingRun:
 
     def _iteration(self, iteration: int, logged_through: int) -> StopDecision | None:
         """One iteration trained, judged, logged (unless MLflow has it), reported and printed."""
-        metrics = result_to_metrics(self.algo.train())
+        result = self.algo.train()
+        metrics = result_to_metrics(result)
+        diagnoses = diagnoses_in(result)
         tags = latch_tags(metrics, self.named_heads, self.head_order)
+        tags.update(diagnosis_tags(diagnoses, metrics, iteration))
         self.named_heads = self.named_heads or mn.TAG_HEAD_NAMES in tags
         if iteration > logged_through:  # the first iteration MLflow has not seen carries the resume tags
             tags.update(self.resumed_tags)
@@ -230,6 +235,8 @@ class _TrainingRun:
             value_head = self.cfg.health_stop.include_value_head
             total = self.cfg.iterations
             self.progress(progress_line(iteration, total, metrics, bands=self.bands, include_value_head=value_head))
+            for diagnosis in diagnoses:
+                self.progress(f"  diagnosis: {blame_line(diagnosis)}")
         return decision
 
     def save_final(self) -> None:
