@@ -101,6 +101,11 @@ def make_train_batch(learner: Any, training_data: Any) -> Any:
     return learner._make_batch_if_necessary(training_data=training_data)
 
 
+def learner_connector(learner: Any) -> Any:
+    """The learner's connector pipeline (None: it has none, e.g. fed batches only)."""
+    return getattr(learner, "_learner_connector", None)
+
+
 def wants_component(learner: Any, name: str, components: Any, not_components: Any) -> bool:
     """Whether ``get_state(components, not_components=...)`` asks for ``name``."""
     return learner._check_component(name, components, not_components)

@@ -220,9 +220,6 @@ DIAGNOSIS_REPRODUCED = "diagnosis/reproduced"
 0 not (transient); with several learners the fraction of them; left out when nothing was re-run."""
 DIAGNOSIS_MINIBATCH = "diagnosis/minibatch"
 """The first minibatch (from 0, over all epochs of the iteration) with a non-finite gradient or row."""
-DIAGNOSIS_RESULT_KEY = "gradmon_diagnosis"
-DIAGNOSIS_ARTIFACT = "diagnosis/iter_{iteration}_{module}.json"
-"""Not metrics: ``result["learners"][module]``'s key of the ``Diagnosis`` JSONs; one event's artifact."""
 TAG_DIAGNOSIS = "gradmon.diagnosis"
 """JSON list of the last event's ``Diagnosis`` per module; ``TAG_SKIPPED``: ``iteration 3: skipped 34/34``."""
 TAG_SKIPPED = "gradmon.skipped"
@@ -230,7 +227,7 @@ TAG_SKIPPED = "gradmon.skipped"
 # --- gradient-health early stopping (health_stop config) --------------------------
 HEALTH_STOP_REASON = "health/stop_reason"
 """Logged once, at the iteration a health rule stopped the run: 1 dead, 2 exploding, 3 NaN latch, 4 Inf latch,
-5 collapse latch, 6 spiking."""
+5 collapse latch, 6 spiking, 7 reproduced non-finite."""
 
 # --- MLflow tags ------------------------------------------------------------------
 TAG_NAN_LATCHED_HEADS = "gradmon.nan_latched_heads"

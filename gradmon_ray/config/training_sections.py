@@ -161,6 +161,11 @@ class HealthStopSection(ConfigModel):
         False,
         description="Stop as soon as any head's entropy collapse latch fires (telemetry.bands.collapse).",
     )
+    reproduced_nonfinite: bool = Field(
+        False,
+        description="Stop as soon as a NaN/Inf gradient reproduces when gradmon re-runs its minibatch on a copy "
+        "(bad data or weights: it will happen again; a one-off fault does not stop).",
+    )
     include_value_head: bool = Field(
         False,
         description="Also judge the value head, by its own telemetry.bands.value edges, in the streak rules "

@@ -3,7 +3,7 @@
 A mixin of ``GradmonMonitor``: it keeps the references a diagnosis needs (the train batch's columns
 once per update, each module's minibatch once per minibatch: no kernel), installs ``RowOrigins`` in
 the learner connector, and at the drain turns an event into a ``Diagnosis`` logged under the module
-(``metric_names.DIAGNOSIS_RESULT_KEY``, RLlib's ``item_series``: not reduced, one per learner).
+(``telemetry.blame.RESULT_KEY``, RLlib's ``item_series``: not reduced, one per learner).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from gradmon_ray import metric_names as mn
 from gradmon_ray.rllib.diagnosis import DiagnosisInputs, diagnose_module, event_in
 from gradmon_ray.rllib.module_telemetry import ModuleTelemetry
 from gradmon_ray.rllib.row_origins import install_row_origins
+from gradmon_ray.telemetry.blame import RESULT_KEY
 from gradmon_ray.telemetry.tracker import IterationTelemetry
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class GradmonDiagnosis(compat.TrainBatchHook):
 
     def _setup_diagnosis(self) -> None:
         """After RLlib's build (the learner connector exists)."""
-        origins = install_row_origins(getattr(self, "_learner_connector", None))
+        origins = install_row_origins(compat.learner_connector(self))
         self._diagnosis = DiagnosisInputs(origins=origins)
 
     @override(compat.TrainBatchHook)
@@ -88,7 +89,7 @@ class GradmonDiagnosis(compat.TrainBatchHook):
         except Exception:  # an observer: a diagnosis that fails never stops training
             logger.exception("gradmon: the diagnosis of module %s at iteration %d failed", module_id, summary.iteration)
             return {}
-        self.metrics.log_value((module_id, mn.DIAGNOSIS_RESULT_KEY), diagnosis.to_json(), reduce="item_series")
+        self.metrics.log_value((module_id, RESULT_KEY), diagnosis.to_json(), reduce="item_series")
         out = {mn.DIAGNOSIS_MINIBATCH: float(diagnosis.minibatch)} if diagnosis.minibatch is not None else {}
         if diagnosis.reproduced is not None:
             out[mn.DIAGNOSIS_REPRODUCED] = float(diagnosis.reproduced)

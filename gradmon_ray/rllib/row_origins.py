@@ -21,7 +21,6 @@ from ray.rllib.connectors.connector_v2 import ConnectorV2
 from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.utils.annotations import override
 
-
 _SUFFIXED = re.compile(r"^([0-9a-f]{32})_\d+$")
 """RLlib's episode id (a uuid4 hex) with the ``_<index>`` PPO's ``AddOneTsToEpisodesAndTruncate``
 appends in place before this piece runs: the id the EnvRunner gave the episode is the part before."""

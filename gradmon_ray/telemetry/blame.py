@@ -18,10 +18,13 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+
+RESULT_KEY = "gradmon_diagnosis"
+"""The key of the learners' ``Diagnosis`` JSONs under RLlib's ``result["learners"][module]`` (not a metric)."""
 
 UPSTREAM_FIELDS = ("obs", "rewards", "value_targets", "advantages", "action_dist_inputs", "action_logp")
 """Batch columns checked, each computed from the ones before it (env, then GAE, then the
@@ -157,7 +160,7 @@ class Diagnosis:
     """The module's reported heads (``heads`` is all of them when equal in number)."""
 
     def to_json(self) -> str:
-        return json.dumps(self.__dict__, sort_keys=True)
+        return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> Diagnosis:

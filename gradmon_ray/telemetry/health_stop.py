@@ -27,6 +27,7 @@ STOP_REASON_CODES: dict[str, int] = {
     "inf_latch": 4,
     "collapse": 5,
     "spiking": 6,
+    "reproduced_nonfinite": 7,
 }
 """``health/stop_reason`` values (MLflow metrics are numbers); 0 = not stopped."""
 
@@ -49,12 +50,15 @@ class HealthStopRules:
     collapse: bool = False
     """Stop once a head's entropy collapse latch (``latch/collapse/<head>``) fired."""
     include_value_head: bool = False
+    reproduced_nonfinite: bool = False
+    """Stop once a non-finite event's re-run reproduced it (``diagnosis/reproduced``): the data or the
+    weights are bad, so it will happen again; a transient fault (not reproduced) does not stop."""
 
     @property
     def any(self) -> bool:
         """Whether any rule is on."""
         streaks = self.dead_iterations or self.exploding_iterations or self.spiking_iterations
-        return bool(streaks or self.nan_latch or self.inf_latch or self.collapse)
+        return bool(streaks or self.nan_latch or self.inf_latch or self.collapse or self.reproduced_nonfinite)
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,16 @@ class HealthStopMonitor:
             for head in mp.heads_of(metrics, template):
                 if metrics[mn.head_metric(template, head)] >= 1.0:
                     return StopDecision(rule, head, iteration, f"{mn.describe_head(head)}: {what} (latched)")
+        if self.rules.reproduced_nonfinite:
+            for key, value in metrics.items():
+                parsed = mp.parse(key)
+                if parsed is not None and parsed.template == mn.DIAGNOSIS_REPRODUCED and value >= 1.0:
+                    module = parsed.parts.get("module")
+                    where = f" of module {module}" if module else ""
+                    message = (
+                        f"a non-finite gradient{where} reproduced on re-run (data or weights: see gradmon.diagnosis)"
+                    )
+                    return StopDecision("reproduced_nonfinite", module or "", iteration, message)
         decision = None
         for state in _STREAK_STATES:
             needed = getattr(self.rules, f"{state}_iterations")

@@ -1,7 +1,7 @@
 """The learners' ``Diagnosis`` objects, from RLlib's result to MLflow tags, artifacts and console lines.
 
 A learner logs one ``Diagnosis`` JSON per module and non-finite event under
-``result["learners"][module][DIAGNOSIS_RESULT_KEY]`` (RLlib's ``item_series``: one per learner,
+``result["learners"][module][RESULT_KEY]`` (RLlib's ``item_series``: one per learner,
 never averaged).  ``gradmon-ray train`` and the MLflow callback turn them into the
 ``gradmon.diagnosis`` tag (JSON, one per module: the one whose re-run reproduced the event, with
 rows, first); the sink writes each into its artifact ``diagnosis/iter_<n>_<module>.json`` when it
@@ -17,10 +17,13 @@ from typing import Any
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray import metric_parsing as mp
-from gradmon_ray.telemetry.blame import Diagnosis, skipped_text
+from gradmon_ray.telemetry.blame import RESULT_KEY, Diagnosis, skipped_text
 
 logger = logging.getLogger(__name__)
 
+DIAGNOSIS_DIR = "diagnosis"
+DIAGNOSIS_ARTIFACT = DIAGNOSIS_DIR + "/iter_{iteration}_{module}.json"
+"""One event's artifact: the ``Diagnosis`` of module ``module`` at iteration ``iteration``."""
 MAX_TAG_CHARS = 5000
 """The longest tag value every MLflow store keeps (5000 before MLflow 2.x raised it to 8000)."""
 
@@ -32,7 +35,7 @@ def diagnoses_in(result: Mapping[str, Any]) -> list[Diagnosis]:
         return []
     found = []
     for values in learners.values():
-        items = values.get(mn.DIAGNOSIS_RESULT_KEY) if isinstance(values, Mapping) else None
+        items = values.get(RESULT_KEY) if isinstance(values, Mapping) else None
         if isinstance(items, str):
             items = [items]
         parsed = []
@@ -87,7 +90,7 @@ def diagnosis_artifacts(tags: Mapping[str, str]) -> dict[str, str]:
     """Artifact path -> pretty JSON of each diagnosis in ``tags`` (none without the tag)."""
     out = {}
     for diagnosis in diagnoses_from_tag(tags.get(mn.TAG_DIAGNOSIS)):
-        path = mn.DIAGNOSIS_ARTIFACT.format(iteration=diagnosis.iteration, module=diagnosis.module)
+        path = DIAGNOSIS_ARTIFACT.format(iteration=diagnosis.iteration, module=diagnosis.module)
         out[path] = json.dumps(json.loads(diagnosis.to_json()), indent=2, sort_keys=True) + "\n"
     return out
 
@@ -96,6 +99,23 @@ def log_diagnosis_artifacts(client: Any, run_id: str, tags: Mapping[str, str]) -
     """Write the artifacts of ``tags``' diagnoses (``MlflowClient.log_text``; the same again on a retry)."""
     for path, text in diagnosis_artifacts(tags).items():
         client.log_text(run_id, text, path)
+
+
+def load_diagnoses(client: Any, run_id: str) -> list[Diagnosis]:
+    """Every event's ``Diagnosis`` of a run, from its ``diagnosis/`` artifacts, by iteration and module."""
+    import tempfile
+
+    found = []
+    artifacts = [a for a in client.list_artifacts(run_id, DIAGNOSIS_DIR) if a.path.endswith(".json")]
+    with tempfile.TemporaryDirectory(prefix="gradmon-diagnosis-") as directory:
+        for artifact in artifacts:
+            local = client.download_artifacts(run_id, artifact.path, directory)
+            try:
+                with open(local) as handle:
+                    found.append(Diagnosis.from_json(handle.read()))
+            except (OSError, TypeError, ValueError, KeyError):
+                logger.warning("gradmon: unreadable diagnosis artifact %s left out", artifact.path)
+    return sorted(found, key=lambda d: (d.iteration, d.module))
 
 
 def skipped_summary(metrics: Mapping[str, float]) -> str | None:

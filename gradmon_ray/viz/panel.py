@@ -27,6 +27,8 @@ from rich.table import Table
 from rich.text import Text
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray.telemetry.blame import blame_line
+from gradmon_ray.tracking.diagnosis_tags import diagnoses_from_tag
 from gradmon_ray.viz.head_table import (
     BAR_WIDTH,
     LATCH_CLEAR,
@@ -98,6 +100,11 @@ def _header(snap: RunSnapshot, modules: Sequence[str | None], width: int | None 
     reason = snap.tags.get(mn.TAG_STOP_REASON)
     if reason:
         text.append(f"\nstopped: {reason}", style="bold red")
+    skipped = snap.tags.get(mn.TAG_SKIPPED)
+    if skipped:
+        text.append(f"\nlast skip: {skipped}", style="bold yellow")
+    for diagnosis in diagnoses_from_tag(snap.tags.get(mn.TAG_DIAGNOSIS)):
+        text.append(f"\nlast diagnosis (iteration {diagnosis.iteration}): {blame_line(diagnosis)}", style="bold red")
     return text
 
 

@@ -10,12 +10,15 @@ from __future__ import annotations
 import math
 import statistics
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.telemetry.bands import worst_head
+from gradmon_ray.telemetry.blame import Diagnosis, blame_line
+from gradmon_ray.tracking.diagnosis_tags import load_diagnoses
 from gradmon_ray.viz.layout import band_edges_text, group_heads, short_head
 from gradmon_ray.viz.plots import write_plots
 from gradmon_ray.viz.probe_view import ProbeView
@@ -86,8 +89,11 @@ def _range(series: dict[int, float]) -> tuple[float, float] | None:
     return (min(values), max(values)) if values else None
 
 
-def summary_markdown(history: RunHistory, probe: ProbeView, run_name: str = "") -> str:
-    """The report's Markdown: worst heads, latches, VGS scale range, noise scale, latest probe."""
+def summary_markdown(
+    history: RunHistory, probe: ProbeView, run_name: str = "", diagnoses: Sequence[Diagnosis] = ()
+) -> str:
+    """The report's Markdown: worst heads, latches, non-finite events, VGS scale range, noise scale,
+    latest probe."""
     steps = history.head_steps()
     lines = [f"# gradmon-ray report: {run_name or history.run_id}", ""]
     lines.append(f"- run id: `{history.run_id}`")
@@ -118,6 +124,8 @@ def summary_markdown(history: RunHistory, probe: ProbeView, run_name: str = "") 
             lines.append(f"- {r.head}: " + ", ".join(kinds))
     else:
         lines.append("None: no head's log-probs were ever NaN or Inf.")
+    lines += ["", "## Non-finite events (docs/diagnosis.md)", ""]
+    lines += [f"- iteration {d.iteration}: {blame_line(d)}" for d in diagnoses] or ["None."]
     lines += ["", "## Policy heads: entropy and collapse", ""]
     lines += _policy_lines(history)
     lines += ["", "## VGS, noise scale, global norm, skipped updates", ""]
@@ -208,7 +216,8 @@ def write_report(client: Any, run_id: str, out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     files = write_plots(history, probe, out)
     run_name = history.tags.get("mlflow.runName", "")
-    (out / SUMMARY_FILE).write_text(summary_markdown(history, probe, run_name))
+    diagnoses = load_diagnoses(client, run_id)
+    (out / SUMMARY_FILE).write_text(summary_markdown(history, probe, run_name, diagnoses))
     return [*files, out / SUMMARY_FILE]
 
 

@@ -26,7 +26,7 @@ from gradmon_ray.rllib.local_learner import (
     train_batch,
     update,
 )
-from gradmon_ray.telemetry.blame import Diagnosis, blame_line
+from gradmon_ray.telemetry.blame import RESULT_KEY, Diagnosis, blame_line
 from tests.rllib.fault_injection import with_faults
 
 BASE = {
@@ -51,7 +51,7 @@ def _value(results, key):
 
 
 def _diagnosis(results) -> Diagnosis:
-    (text,) = _value(results, mn.DIAGNOSIS_RESULT_KEY)
+    (text,) = _value(results, RESULT_KEY)
     return Diagnosis.from_json(text)
 
 
@@ -145,7 +145,7 @@ def test_one_off_nan_logits_are_not_reproduced_and_a_clean_iteration_has_no_diag
     assert d.reproduced is False and d.rows["count"] == 0
     results = update(learner, train_batch(learner, sample_episodes(cfg, learner, 200)), cfg)
     assert _value(results, mn.DIAGNOSIS_REPRODUCED) != _value(results, mn.DIAGNOSIS_REPRODUCED)  # NaN: not logged
-    assert _value(results, mn.DIAGNOSIS_RESULT_KEY) != _value(results, mn.DIAGNOSIS_RESULT_KEY)
+    assert _value(results, RESULT_KEY) != _value(results, RESULT_KEY)
 
 
 def test_the_diagnosis_json_keeps_the_documented_keys():
