@@ -131,3 +131,15 @@ def test_spiking_streak_of_two_fires_with_its_own_code_and_a_spike_breaks_no_exp
     restored = HealthStopMonitor(HealthStopRules(spiking_iterations=3))
     restored.load_state_dict(monitor.state_dict())  # the spiking streak survives a checkpoint
     assert restored.update(5, _metrics({"op": "spiking"})).rule == "spiking"
+
+
+def test_reproduced_rule_stops_on_a_reproduced_event_of_any_module_and_never_on_a_transient_one():
+    monitor = HealthStopMonitor(HealthStopRules(reproduced_nonfinite=True))
+    assert monitor.update(1, {mn.DIAGNOSIS_REPRODUCED: 0.0}) is None  # transient: training goes on
+    assert monitor.update(2, {}) is None  # no event: the metric is left out
+    decision = monitor.update(
+        3, {"module/p1/" + mn.DIAGNOSIS_REPRODUCED: 0.0, "module/p2/" + mn.DIAGNOSIS_REPRODUCED: 1.0}
+    )
+    assert decision is not None and decision.code == STOP_REASON_CODES["reproduced_nonfinite"] == 7
+    assert decision.head == "p2" and "module p2" in decision.message
+    assert HealthStopMonitor(HealthStopRules()).update(1, {mn.DIAGNOSIS_REPRODUCED: 1.0}) is None  # rule off
