@@ -33,6 +33,7 @@ from ray.rllib.utils.metrics import NUM_ENV_STEPS_SAMPLED_LIFETIME, NUM_ENV_STEP
 
 from gradmon_ray import compat
 from gradmon_ray.rllib import with_gradmon
+from gradmon_ray.telemetry.blame import RESULT_KEY
 
 ALGOS: dict[str, tuple[type[AlgorithmConfig], type]] = {
     "ppo": (PPOConfig, PPOTorchLearner),
@@ -224,8 +225,8 @@ def _is_nan(value: Any) -> bool:
 
 
 def peek(results: dict, module_id: str) -> dict[str, float]:
-    """One module's reduced results as plain floats."""
-    return {key: float(stats.peek()) for key, stats in results[module_id].items()}
+    """One module's reduced results as plain floats (not the diagnoses: a list of JSON strings)."""
+    return {key: float(stats.peek()) for key, stats in results[module_id].items() if key != RESULT_KEY}
 
 
 def shutdown_all(learners: Iterable[Any]) -> None:

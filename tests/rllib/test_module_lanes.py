@@ -31,6 +31,7 @@ from ray.rllib.core.columns import Columns
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch
+from gradmon_ray.telemetry.blame import RESULT_KEY
 from gradmon_ray.telemetry.health_stop import HealthStopMonitor, HealthStopRules
 from gradmon_ray.tracking.result_metrics import result_to_metrics
 
@@ -95,7 +96,10 @@ def one_update():
         results = learner.update(batch=batch, timesteps={}, num_epochs=1, minibatch_size=None)
     finally:
         learner.shutdown()
-    logged = {mid: {k: float(v.peek()) for k, v in res.items() if hasattr(v, "peek")} for mid, res in results.items()}
+    numbers = {
+        mid: {k: v for k, v in res.items() if hasattr(v, "peek") and k != RESULT_KEY} for mid, res in results.items()
+    }
+    logged = {mid: {k: float(v.peek()) for k, v in res.items()} for mid, res in numbers.items()}
     return logged, oracle
 
 

@@ -25,6 +25,7 @@ from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
 from gradmon_ray import compat
 from gradmon_ray.rllib import with_gradmon
+from gradmon_ray.telemetry.blame import RESULT_KEY
 from tests.rllib.fault_injection import with_faults
 from tests.rllib.stock_oracle import stock_head_norms
 from tests.rllib.user_module import TinyActorCritic, default_ppo_module
@@ -76,7 +77,7 @@ def _one_update(algo, gradmon, module_spec=None, **training):
             results = learner.update(batch=batch, timesteps={}, num_epochs=1, minibatch_size=None)
         else:  # IMPALA's update hands the batch to its learner thread and waits for the reduction
             results = learner.update(training_data=TrainingData(batch=batch), timesteps={})
-        return {k: float(v.peek()) for k, v in results[MID].items()}, state, batch, learner
+        return {k: float(v.peek()) for k, v in results[MID].items() if k != RESULT_KEY}, state, batch, learner
     finally:
         runner.stop()
 
@@ -173,7 +174,7 @@ def test_torch_skip_nan_gradients_is_honoured(skip):
         batch = compat.make_train_batch(learner, TrainingData(episodes=runner.sample(num_timesteps=200)))
         before = {k: v.clone() for k, v in learner.module[MID].unwrapped().state_dict().items()}
         results = learner.update(batch=batch, timesteps={}, num_epochs=1, minibatch_size=None)
-        logged = {k: float(v.peek()) for k, v in results[MID].items()}
+        logged = {k: float(v.peek()) for k, v in results[MID].items() if k != RESULT_KEY}
         after = learner.module[MID].unwrapped().state_dict()
         assert logged["grad/nan_count"] == 1.0
         assert logged["update/skipped"] == (1.0 if skip else 0.0)
@@ -196,7 +197,7 @@ def test_global_norm_equals_rllibs_own_clip_norm():
     try:
         batch = compat.make_train_batch(learner, TrainingData(episodes=runner.sample(num_timesteps=200)))
         results = learner.update(batch=batch, timesteps={}, num_epochs=1, minibatch_size=None)
-        logged = {k: float(v.peek()) for k, v in results[MID].items()}
+        logged = {k: float(v.peek()) for k, v in results[MID].items() if k != RESULT_KEY}
         (key,) = [k for k in logged if k.startswith("gradients_") and k.endswith("_global_norm")]
         assert logged[key] == pytest.approx(logged["grad/global_norm"], rel=1e-6)
     finally:

@@ -20,6 +20,7 @@ import gradmon_ray.distributed.collective as collective_module
 from gradmon_ray import metric_names as mn
 from gradmon_ray.rllib import with_gradmon
 from gradmon_ray.rllib.monitor_step import TELEMETRY_STATE_KEY
+from gradmon_ray.telemetry.blame import RESULT_KEY
 from tests.peer.pairs import build_pair, cartpole_config, sample_batch, spaces_of
 from tests.rllib.stock_oracle import stock_head_norms
 from tests.rllib.user_module import TinyActorCritic
@@ -29,7 +30,10 @@ HEADS = {"pi": r"^pi\.", "vf": r"^vf\."}
 
 def _update(learner: Any, batch: Any) -> dict[str, dict[str, float]]:
     results = learner.update(batch=batch, timesteps={}, num_epochs=1, minibatch_size=None)
-    return {mid: {k: float(v.peek()) for k, v in res.items() if hasattr(v, "peek")} for mid, res in results.items()}
+    numbers = {
+        mid: {k: v for k, v in res.items() if hasattr(v, "peek") and k != RESULT_KEY} for mid, res in results.items()
+    }
+    return {mid: {k: float(v.peek()) for k, v in res.items()} for mid, res in numbers.items()}
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,7 @@ from torch import nn
 from gradmon_ray import metric_names as mn
 from gradmon_ray.head_labels import POLICY_LATCH
 from gradmon_ray.rllib import with_gradmon
+from gradmon_ray.telemetry.blame import RESULT_KEY
 from tests.peer.pairs import sample_batch
 from tests.rllib.stock_oracle import stock_head_norms
 from tests.rllib.user_module import TinyActorCritic
@@ -122,7 +123,7 @@ def dials_config(learner_class: type) -> PPOConfig:
 
 
 def _peek(results: dict) -> dict[str, float]:
-    return {k: float(v.peek()) for k, v in results[DEFAULT_MODULE_ID].items() if hasattr(v, "peek")}
+    return {k: float(v.peek()) for k, v in results[DEFAULT_MODULE_ID].items() if hasattr(v, "peek") and k != RESULT_KEY}
 
 
 @pytest.fixture(scope="module")
