@@ -54,6 +54,18 @@ Left out of an iteration while undefined, as ``HEAD_NOISE_SCALE``."""
 HEAD_GRAD_NORM_CV = "grad/head_norm_cv"
 """Population std / mean of the finite action-head norms; left out (never NaN) with fewer than two."""
 
+# --- how far each head moved in the iteration (telemetry.param_movement) -------------------
+HEAD_UPDATE_RATIO = "grad/head/{head}/update_ratio"
+"""|theta_end - theta_start| / |theta_start| of the head's weights over the iteration (all its updates)."""
+UPDATE_RATIO = "grad/update_ratio"
+"""``HEAD_UPDATE_RATIO`` over every trainable parameter of the module."""
+HEAD_PARAM_NORM = "grad/head/{head}/param_norm"
+"""L2 norm of the head's weights at the iteration's end."""
+HEAD_ZERO_GRAD_FRACTION = "grad/head/{head}/zero_grad_fraction"
+"""Fraction of the head's gradient elements exactly 0 in the iteration's last minibatch (dead units)."""
+HEAD_UPDATE_BAND = "grad/head/{head}/update_band"
+"""-1 below, 0 inside, 1 above ``telemetry.bands.update_ratio`` (update ratio / updates; CS231n: ~1e-3)."""
+
 # --- TELE-310/300/301: global norm and non-finite gradient element counts -----------
 GLOBAL_GRAD_NORM = "grad/global_norm"
 """Mean over minibatches of the L2 norm over all trainable parameters, before clipping."""
@@ -154,18 +166,11 @@ VGS_NORMALIZED_VARIANCE = "vgs/normalized_variance"
 VGS_SCALING_FACTOR = "vgs/scaling_factor"
 VGS_STEP_COUNT = "vgs/step_count"
 VGS_WARMUP_ACTIVE = "vgs/warmup_active"
-VGS_DEVICE_METRICS: tuple[str, ...] = (
-    VGS_STOCHASTIC_VAR_P10,
-    VGS_STOCHASTIC_VAR_P50,
-    VGS_STOCHASTIC_VAR_P90,
-    VGS_STOCHASTIC_VAR_MEAN,
-    VGS_GRAD_NORM_EMA,
-    VGS_GRAD_MEAN_EMA,
-    VGS_GRAD_VAR_EMA,
-    VGS_GRAD_MAX_EMA,
-    VGS_NORMALIZED_VARIANCE,
-    VGS_SCALING_FACTOR,
-)
+# fmt: off
+VGS_DEVICE_METRICS: tuple[str, ...] = (VGS_STOCHASTIC_VAR_P10, VGS_STOCHASTIC_VAR_P50, VGS_STOCHASTIC_VAR_P90,
+    VGS_STOCHASTIC_VAR_MEAN, VGS_GRAD_NORM_EMA, VGS_GRAD_MEAN_EMA, VGS_GRAD_VAR_EMA, VGS_GRAD_MAX_EMA,
+    VGS_NORMALIZED_VARIANCE, VGS_SCALING_FACTOR)
+# fmt: on
 """Order of ``VarianceGradientScaler.metrics_tensor()``."""
 VGS_HOST_METRICS: tuple[str, ...] = (VGS_STEP_COUNT, VGS_WARMUP_ACTIVE)
 

@@ -71,6 +71,23 @@ class CollapseSection(ConfigModel):
     )
 
 
+class UpdateRatioSection(ConfigModel):
+    """Where ``grad/head/<head>/update_ratio`` divided by the iteration's minibatch updates should lie:
+    CS231n's rule of thumb is about 1e-3 an update (Karpathy); below ``low`` the head barely learns,
+    above ``high`` it moves too fast."""
+
+    model_config = ConfigDict(frozen=True)
+
+    low: float = Field(1e-4, ge=0.0, description="Below this ratio an update, update_band is -1.")
+    high: float = Field(1e-2, gt=0.0, description="Above this ratio an update, update_band is 1.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> UpdateRatioSection:
+        if not self.low < self.high:
+            raise ValueError(f"update_ratio: low ({self.low}) must be below high ({self.high})")
+        return self
+
+
 class BandsSection(ConfigModel):
     """Health band edges: dead < dead_below <= weak < weak_below <= healthy <= healthy_max < elevated
     <= elevated_max < exploding.  Each set must be positive, finite and strictly increasing.  ``collapse``:
@@ -82,4 +99,9 @@ class BandsSection(ConfigModel):
     value: ValueBandsSection = Field(default_factory=ValueBandsSection, description="The value head's edges.")
     collapse: CollapseSection = Field(
         default_factory=CollapseSection, description="The per-head entropy collapse latch (latch/collapse/<head>)."
+    )
+    update_ratio: UpdateRatioSection = Field(
+        default_factory=UpdateRatioSection,
+        description="The update-to-weight ratio per update a learning head is expected in "
+        "(grad/head/<head>/update_band).",
     )

@@ -24,6 +24,7 @@ from gradmon_ray.rllib.module_telemetry import FoundInfFlags
 from gradmon_ray.telemetry.lane_fold import LaneFold
 from gradmon_ray.telemetry.norm_plan import GradientNormPlan, GradientNorms, PackedNorms
 from gradmon_ray.telemetry.norm_records import NormRecords
+from gradmon_ray.telemetry.param_movement import ParameterMovement
 
 
 class GradmonGradientPass:
@@ -38,6 +39,9 @@ class GradmonGradientPass:
         skip_mask = torch.tensor([float(skip and m.grad_scaler is None) for m in monitors], device=self.device or "cpu")
         self._norm_records = NormRecords(self._norm_plan.slots, skip_mask)
         self._lane_fold = LaneFold([m.tracker.layout for m in monitors])
+        # One copy of the weights a step: how far each head moves (primed again after a restore).
+        self._movement = ParameterMovement(self._norm_plan.slots)
+        self._movement.prime()
         self._pending_norms: PackedNorms | None = None
         self._measured_for_modules = False
         self._postprocessed: set[ModuleID] = set()

@@ -29,6 +29,7 @@ from gradmon_ray.rllib.metrics_stats import log_step_metrics
 from gradmon_ray.rllib.module_groups import health_blocks, latch_flag_blocks
 from gradmon_ray.rllib.module_telemetry import ModuleTelemetry
 from gradmon_ray.telemetry.noise_scale import noise_scale_metrics, noise_scales
+from gradmon_ray.telemetry.param_movement import movement_metrics
 from gradmon_ray.telemetry.state_digest import state_digest
 
 TELEMETRY_STATE_KEY = "gradmon_telemetry"
@@ -118,6 +119,7 @@ class GradmonReporting:
             metrics.update(summary.to_metrics())
             metrics.update(self._noise_scale_metrics(monitor, reduced.noise, summary.minibatches))
             metrics.update(self._diagnose(monitor, summary, reduced.minibatch_norms))
+            metrics.update(self._movement_metrics(monitor, reduced, summary))
         else:
             monitor.tracker.skip_iteration()
         if monitor.vgs is not None:
@@ -126,6 +128,21 @@ class GradmonReporting:
         if monitor.grad_scaler is not None:
             metrics[mn.SCALER_SKIPPED_UPDATES], metrics[mn.GRAD_SCALE] = (float(v) for v in local["scaler"])
         return metrics
+
+    def _movement_metrics(self, monitor: ModuleTelemetry, reduced: ReducedIteration, summary: Any) -> dict[str, float]:
+        """Update ratio, weight norm, zero-gradient fraction per head (``telemetry.param_movement``)."""
+        if reduced.movement is None:
+            return {}
+        index = list(self._monitors.values()).index(monitor)
+        columns = self._norm_plan.slots.norm_columns(index)
+        return movement_metrics(
+            reduced.movement,
+            self._movement.numel[columns],
+            monitor.head_names,
+            updates=summary.minibatches - summary.skipped,
+            band=(monitor.tracker.bands.update_ratio.low, monitor.tracker.bands.update_ratio.high),
+            zero_counts_valid=self._zero_counts_valid,
+        )
 
     def _global_norm_clip(self, module_id: Any) -> float | None:
         """The module's ``grad_clip`` where RLlib clips by global norm (None: no clip, or per tensor/value)."""
@@ -182,7 +199,17 @@ class GradmonReporting:
         ]
         # Every minibatch's norms ride the copy too: the iteration's max, p95 and clip fraction.
         norms = stacked.values if stacked is not None and self.gradmon.telemetry else None
-        reduced = reduce_modules(lanes, parts, collective, checksum=digits, health=health, minibatch_norms=norms)
+        moved = self._movement.measure() if self.gradmon.telemetry else None  # how far each head went
+        self._zero_counts_valid = moved is not None and moved[1]
+        reduced = reduce_modules(
+            lanes,
+            parts,
+            collective,
+            checksum=digits,
+            health=health,
+            minibatch_norms=norms,
+            movement=moved[0] if moved is not None else None,
+        )
         for monitor in self._monitors.values():  # only lanes in use were written (two ops a module saved)
             if monitor.grad_scaler is not None:
                 monitor.scaler_lanes[0].zero_()
@@ -225,8 +252,14 @@ class GradmonReporting:
         return state
 
     @override(Learner)
+    def restore_from_path(self, *args: Any, **kwargs: Any) -> None:
+        super().restore_from_path(*args, **kwargs)
+        self._movement.prime()  # the restored weights are the next step's start
+
+    @override(Learner)
     def set_state(self, state: StateDict) -> None:
         super().set_state(state)
+        self._movement.prime()
         for key, part in _STATE_PARTS.items():
             if key not in state:
                 continue

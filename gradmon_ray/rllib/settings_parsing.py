@@ -17,7 +17,7 @@ from typing import Any
 
 from gradmon_ray.config import RegularizerEntry
 from gradmon_ray.head_labels import check_name
-from gradmon_ray.telemetry.bands import BandSet, CollapseBand, HealthBands
+from gradmon_ray.telemetry.bands import BandSet, CollapseBand, HealthBands, UpdateRatioBand
 
 LEARNER_CONFIG_KEY = "gradmon"
 """Key in ``AlgorithmConfig.learner_config_dict`` holding the gradmon learner settings."""
@@ -113,9 +113,10 @@ def parse_heads(data: Any, at: str) -> Mapping[str, str]:
 
 
 def parse_bands(data: Any, at: str) -> BandSet:
-    """A ``BandSet`` from ``{"action": {edges}, "value": {edges}, "collapse": {...}}`` (missing: defaults)."""
+    """A ``BandSet`` from ``{"action": {edges}, "value": {edges}, "collapse": {...}, "update_ratio": {...}}``
+    (missing: defaults)."""
     bands = mapping(data, at)
-    sections = {"action": HealthBands, "value": HealthBands, "collapse": CollapseBand}
+    sections = {"action": HealthBands, "value": HealthBands, "collapse": CollapseBand, "update_ratio": UpdateRatioBand}
     check_keys(bands, set(sections), at)
     for name, section_cls in sections.items():
         check_keys(

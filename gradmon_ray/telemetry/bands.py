@@ -108,6 +108,22 @@ class CollapseBand:
 
 
 @dataclass(frozen=True)
+class UpdateRatioBand:
+    """The update-to-weight ratio per update (``|delta theta| / |theta|`` of an iteration over its minibatch
+    updates) expected of a learning head: CS231n's rule of thumb is about 1e-3 (Karpathy, "Neural Networks
+    Part 3: Learning and Evaluation", "Ratio of weights:updates"); a decade either side by default."""
+
+    low: float = 1e-4
+    high: float = 1e-2
+
+    def __post_init__(self) -> None:
+        if not (
+            isinstance(self.low, (int, float)) and isinstance(self.high, (int, float)) and 0 <= self.low < self.high
+        ):
+            raise ValueError(f"update_ratio band needs 0 <= low < high, got low={self.low!r} high={self.high!r}")
+
+
+@dataclass(frozen=True)
 class BandSet:
     """The edges for every reported head: ``action`` for the action heads, ``value`` for the value
     heads; ``collapse``: the entropy collapse latch of each action-distribution head.
@@ -119,6 +135,7 @@ class BandSet:
     action: HealthBands = ACTION_BANDS
     value: HealthBands = VALUE_BANDS
     collapse: CollapseBand = CollapseBand()
+    update_ratio: UpdateRatioBand = UpdateRatioBand()
     value_heads: tuple[str, ...] = ()
 
     def is_value_head(self, head: str) -> bool:
@@ -136,7 +153,12 @@ class BandSet:
 
     def to_dict(self) -> dict[str, dict[str, float]]:
         """``{"action": {...}, "value": {...}, "collapse": {...}}`` (the config's ``telemetry.bands`` shape)."""
-        return {"action": asdict(self.action), "value": asdict(self.value), "collapse": asdict(self.collapse)}
+        return {
+            "action": asdict(self.action),
+            "value": asdict(self.value),
+            "collapse": asdict(self.collapse),
+            "update_ratio": asdict(self.update_ratio),
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> BandSet:
@@ -145,7 +167,8 @@ class BandSet:
         action = HealthBands(**{**asdict(ACTION_BANDS), **dict(data.get("action") or {})})
         value = HealthBands(**{**asdict(VALUE_BANDS), **dict(data.get("value") or {})})
         collapse = CollapseBand(**{**asdict(CollapseBand()), **dict(data.get("collapse") or {})})
-        return cls(action=action, value=value, collapse=collapse)
+        ratio = UpdateRatioBand(**{**asdict(UpdateRatioBand()), **dict(data.get("update_ratio") or {})})
+        return cls(action=action, value=value, collapse=collapse, update_ratio=ratio)
 
 
 DEFAULT_BANDS = BandSet()

@@ -109,3 +109,37 @@ def row_slots(parts: tuple[int, list[tuple[slice, int]]], trunk: int) -> tuple[i
     for rows, slot in parts[1]:
         slots[rows] = [slot] * (rows.stop - rows.start)
     return tuple(slots)
+
+
+def flat_pieces(
+    slots: HeadSlots, kept: Sequence[int], targets: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[int], list[int]]:
+    """``targets`` (views shaped like ``slots.params[i]`` for ``i`` in ``kept``) cut into contiguous
+    flat pieces that each go to one slot: (pieces, each one's slot, each one's module).  A whole
+    parameter is one piece; a row-split one, one piece per run of rows of one slot (rows are
+    contiguous in a row-major tensor)."""
+    rows_of = dict(slots.row_params)
+    pieces: list[torch.Tensor] = []
+    piece_slot: list[int] = []
+    piece_module: list[int] = []
+    for i, target in zip(kept, targets, strict=True):
+        flat, module = target.reshape(-1), slots.module_of[i]
+        if i in rows_of:
+            runs, row = _runs(rows_of[i]), flat.numel() // target.shape[0]
+        else:
+            runs, row = [(0, flat.numel(), slots.whole[i])], 1
+        for start, stop, slot in runs:
+            pieces.append(flat[start * row : stop * row])
+            piece_slot.append(slot)
+            piece_module.append(module)
+    return pieces, piece_slot, piece_module
+
+
+def _runs(row_slots: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """``(start, stop, slot)`` of each run of consecutive rows that go to the same slot."""
+    runs, start = [], 0
+    for slot, rows in itertools.groupby(row_slots):
+        stop = start + len(list(rows))
+        runs.append((start, stop, slot))
+        start = stop
+    return runs

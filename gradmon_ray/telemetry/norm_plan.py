@@ -34,7 +34,6 @@ accelerator, so counting the ops a CPU update dispatches (``tests/telemetry/test
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -43,7 +42,7 @@ from typing import NamedTuple
 import torch
 
 from gradmon_ray import compat
-from gradmon_ray.telemetry.head_assignment import HeadSlots
+from gradmon_ray.telemetry.head_assignment import HeadSlots, flat_pieces
 from gradmon_ray.telemetry.head_norms import HeadPart
 
 
@@ -168,7 +167,6 @@ class GradientNormPlan:
         """Every module's trainable parameters, module after module."""
         self.head_names: tuple[str, ...] = self.slots.head_names[0] if len(self.slots.head_names) == 1 else ()
         """The one module's heads (empty for a plan over several modules: ``slots.head_names``)."""
-        self._rows_of = dict(self.slots.row_params)
         # Per pattern of present grads, so that the steady state builds no tensor from host data.
         self._patterns: dict[tuple[bool, ...], _Pattern] = {}
 
@@ -182,21 +180,10 @@ class GradientNormPlan:
         n = sum(g.numel() for g in grads)
         buffer = torch.empty(2 * n, dtype=torch.float32, device=device)
         targets = [v.view(g.shape) for v, g in zip(buffer[n:].split([g.numel() for g in grads]), grads, strict=True)]
-        pieces: list[torch.Tensor] = []
-        piece_slot: list[int] = []
-        piece_module: list[int] = []
+        pieces, piece_slot, piece_module = flat_pieces(slots, kept, targets)
         module_sizes = [0] * slots.num_modules
         for i, target in zip(kept, targets, strict=True):
-            flat, module = target.reshape(-1), slots.module_of[i]
-            module_sizes[module] += flat.numel()
-            if i in self._rows_of:  # rows are contiguous in a row-major gradient: one piece per run of rows
-                runs, row = _runs(self._rows_of[i]), flat.numel() // target.shape[0]
-            else:
-                runs, row = [(0, flat.numel(), slots.whole[i])], 1
-            for start, stop, slot in runs:
-                pieces.append(flat[start * row : stop * row])
-                piece_slot.append(slot)
-                piece_module.append(module)
+            module_sizes[slots.module_of[i]] += target.numel()
         h, m = slots.trunk_base, slots.num_modules
         marks = torch.empty_like(buffer)
         head_pieces = tuple(k for k, slot in enumerate(piece_slot) if slot < h)
@@ -253,13 +240,3 @@ class GradientNormPlan:
         values = torch.stack([*(norms[k] for k in pattern.head_pieces), *norms])
         packed = torch.index_add(pattern.base, 0, pattern.index, values * values)
         return PackedNorms(packed, tuple(norms[pieces : pieces + m]), h)
-
-
-def _runs(row_slots: tuple[int, ...]) -> list[tuple[int, int, int]]:
-    """``(start, stop, slot)`` of each run of consecutive rows that go to the same slot."""
-    runs, start = [], 0
-    for slot, rows in itertools.groupby(row_slots):
-        stop = start + len(list(rows))
-        runs.append((start, stop, slot))
-        start = stop
-    return runs
