@@ -44,11 +44,11 @@ HEAD_GRAD_TREND = "grad/head/{head}/trend"
 HEAD_GRAD_HEALTH = "grad/head/{head}/health"
 """Health band as a code, see ``HEALTH_CODES``."""
 HEAD_NOISE_SCALE = "grad/head/{head}/noise_scale"
-"""B_simple = EMA(tr Sigma) / EMA(|G|^2) over the head's parameters (2+ learners only); left out
+"""B_simple = EMA(tr Sigma) / EMA(|G|^2) over the head's parameters (one learner: its first epoch); left out
 (never NaN) while EMA(|G|^2) <= 0 (docs/metrics.md says when; ``telemetry.noise_scale``).  RLlib's
 result dict shows NaN for a key left out after an earlier iteration logged it."""
 GLOBAL_NOISE_SCALE = "grad/noise_scale"
-"""B_simple over all parameters (2+ learners only): about the critical batch size.
+"""B_simple over all parameters (one learner: the first epoch's minibatches): about the critical batch size.
 
 Left out of an iteration while undefined, as ``HEAD_NOISE_SCALE``."""
 HEAD_GRAD_NORM_CV = "grad/head_norm_cv"

@@ -117,6 +117,11 @@ class DistributedSection(ConfigModel):
     noise_scale: bool = Field(
         True, description="Per-head gradient noise scale via a DDP comm hook (needs reduce_telemetry)."
     )
+    noise_scale_one_learner: bool = Field(
+        True,
+        description="With one learner, the noise scale from the first epoch's minibatches against their mean "
+        "(one op a minibatch of the first epoch; an approximation, docs/metrics.md).",
+    )
     replica_check_every: int = Field(
         10, ge=0, description="Compare parameter checksums across learners every N iterations (0: off)."
     )

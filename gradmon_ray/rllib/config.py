@@ -147,6 +147,7 @@ def _learner_settings(cfg: GradmonConfig, probe: dict[str, Any]) -> dict[str, An
         "collective_backend": cfg.distributed.backend,
         "reduce_telemetry": cfg.distributed.reduce_telemetry,
         "noise_scale": cfg.distributed.noise_scale,
+        "noise_scale_one_learner": cfg.distributed.noise_scale_one_learner,
         "replica_check_every": cfg.distributed.replica_check_every,
         "regularizers": [_plain(r) for r in cfg.regularizers],
         "probe": probe,

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from ray.rllib.core.columns import Columns
 from ray.rllib.core.learner.learner import Learner
 from ray.rllib.utils.annotations import override
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
@@ -47,6 +48,21 @@ class GradmonDiagnosis(compat.TrainBatchHook):
     def keep_minibatch(self, module_id: ModuleID, batch: Mapping[str, Any]) -> None:
         """A reference to module ``module_id``'s minibatch, indexed like the step's norm records."""
         self._diagnosis.keep_minibatch(module_id, len(self._norm_records), batch)
+
+    def in_first_epoch(self, module_id: ModuleID) -> bool:
+        """Whether module ``module_id``'s current minibatch is within the update's first pass over its
+        train batch (``floor(rows / minibatch rows)`` minibatches: disjoint samples); from the kept
+        references' shapes, no host read."""
+        kept = self._diagnosis.minibatches.get(module_id)
+        train = self._diagnosis.train_columns.get(module_id)
+        if not kept or kept[-1][0] != len(self._norm_records) or train is None:
+            return False
+        update = kept[-1][1]
+        if update != self._diagnosis.updates:
+            return False
+        rows, minibatch_rows = _rows(train), _rows(kept[-1][2])
+        position = sum(1 for entry in kept if entry[1] == update)
+        return rows > 0 and minibatch_rows > 0 and position <= rows // minibatch_rows
 
     def diagnosis_loss_terms(
         self, module_id: ModuleID, module: Any, batch: Mapping[str, Any], fwd_out: Mapping[str, Any]
@@ -98,3 +114,9 @@ class GradmonDiagnosis(compat.TrainBatchHook):
     def _forget_diagnosis_inputs(self) -> None:
         """End of the step: the kept minibatches go (the train batch stays until the next update)."""
         self._diagnosis.clear()
+
+
+def _rows(columns: Mapping[str, Any]) -> int:
+    """Rows of a batch's columns (its observations' first dimension: host metadata, no kernel)."""
+    obs = columns.get(Columns.OBS)
+    return int(obs.shape[0]) if isinstance(obs, torch.Tensor) else 0

@@ -78,6 +78,9 @@ class GradmonGradientPass:
         for module_id, monitor in self._monitors.items():
             monitor.unscale(self._optimizers_of(module_id))
         norms = self._norm_plan.compute_all()
+        for module_id, monitor in self._monitors.items():
+            if monitor.epoch_sum is not None and self.in_first_epoch(module_id):
+                monitor.epoch_sum.add(len(self._norm_records))  # one learner's noise scale: one op
         for index, monitor in enumerate(self._monitors.values()):
             if monitor.needs_own_norms:
                 own = self._module_norms(norms, index) if monitor.noise is not None else None

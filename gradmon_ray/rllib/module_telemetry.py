@@ -33,6 +33,7 @@ from gradmon_ray.telemetry import (
     TelemetryTracker,
 )
 from gradmon_ray.telemetry.bands import BandSet
+from gradmon_ray.telemetry.noise_one_learner import EpochGradientSum
 from gradmon_ray.telemetry.noise_scale import GLOBAL_ENTRY
 from gradmon_ray.vgs import VarianceGradientScaler
 
@@ -85,7 +86,11 @@ class ModuleTelemetry:
         self._latch_inputs: list[tuple[torch.Tensor, Any, torch.Tensor | None]] = []
         self.noise_hook = NoiseScaleHook(groups, device, scale=self._loss_scale)  # lanes always reduced
         self.noise: NoiseScaleTracker | None = None
+        self.epoch_sum: EpochGradientSum | None = None
+        """One learner: the first epoch's gradients summed (``setup_noise_scale``); None otherwise."""
         self.no_lanes = torch.zeros(0, dtype=torch.float64, device=device)
+        self.epoch_sum_lanes = self.no_lanes
+        """The drained ``epoch_sum`` of the step (rides the host copy): ``[heads + 1]`` squared norms."""
         """An empty lane segment (a lane group not in use), made once: slicing one each step is an op."""
         self.scaler_lanes = torch.zeros(2, dtype=torch.float64, device=device)
         """[minibatches the GradScaler skipped this step (overflow at its scale), scale of the
@@ -112,6 +117,12 @@ class ModuleTelemetry:
         """Per-head gradient noise scale (2+ learners): the LOCAL squared norms go into device
         lanes before the cross-learner average: from a DDP comm hook on each bucket, or, where
         gradmon averages the gradients itself (``averaged``), from that average."""
+        if not active and settings.noise_scale_one_learner and settings.telemetry:
+            # One learner: the first epoch's minibatches against their mean (``telemetry.noise_one_learner``).
+            self.epoch_sum = EpochGradientSum(self.groups, self.params)
+            self.epoch_sum_lanes = torch.zeros(len(self.groups) + 1, device=self.device)
+            self.noise = NoiseScaleTracker([*self.groups, GLOBAL_ENTRY], beta=settings.noise_ema_beta)
+            return
         if not (settings.noise_scale and active):
             return
         if self.noise_hook.enable() if averaged else self.noise_hook.register(ddp_module):
@@ -147,8 +158,8 @@ class ModuleTelemetry:
 
     @property
     def needs_own_norms(self) -> bool:
-        """Whether ``after_norms`` has work: VGS or the noise-scale hook."""
-        return self.vgs is not None or self.noise is not None
+        """Whether ``after_norms`` has work: VGS or the noise-scale hook (2+ learners)."""
+        return self.vgs is not None or (self.noise is not None and self.epoch_sum is None)
 
     def unscale(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """With a ``GradScaler``, unscale the gradients in place before the norms (it records

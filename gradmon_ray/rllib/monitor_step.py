@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 from ray.rllib.core import ALL_MODULES
 from ray.rllib.core.learner.learner import Learner
@@ -28,8 +27,7 @@ from gradmon_ray.distributed import (
 from gradmon_ray.rllib.metrics_stats import log_step_metrics
 from gradmon_ray.rllib.module_groups import health_blocks, latch_flag_blocks
 from gradmon_ray.rllib.module_telemetry import ModuleTelemetry
-from gradmon_ray.telemetry.noise_scale import noise_scale_metrics, noise_scales
-from gradmon_ray.telemetry.param_movement import movement_metrics
+from gradmon_ray.rllib.step_metrics import GradmonStepMetrics
 from gradmon_ray.telemetry.state_digest import state_digest
 
 TELEMETRY_STATE_KEY = "gradmon_telemetry"
@@ -44,7 +42,7 @@ GRADMON_STATE_KEYS = (TELEMETRY_STATE_KEY, VGS_STATE_KEY, NOISE_STATE_KEY, PROBE
 """Everything gradmon adds to the learner's checkpointed state."""
 
 
-class GradmonReporting:
+class GradmonReporting(GradmonStepMetrics):
     """Mixin: the per-step report and the checkpointed state (needs ``GradmonMonitor.build``)."""
 
     # --- once per telemetry step -------------------------------------------------------
@@ -117,7 +115,10 @@ class GradmonReporting:
                 grad_clip=self._global_norm_clip(monitor.module_id),
             )
             metrics.update(summary.to_metrics())
-            metrics.update(self._noise_scale_metrics(monitor, reduced.noise, summary.minibatches))
+            if monitor.epoch_sum is not None:
+                metrics.update(self._one_learner_noise_metrics(monitor, local["epoch_sum"], reduced.minibatch_norms))
+            else:
+                metrics.update(self._noise_scale_metrics(monitor, reduced.noise, summary.minibatches))
             metrics.update(self._diagnose(monitor, summary, reduced.minibatch_norms))
             metrics.update(self._movement_metrics(monitor, reduced, summary))
         else:
@@ -128,39 +129,6 @@ class GradmonReporting:
         if monitor.grad_scaler is not None:
             metrics[mn.SCALER_SKIPPED_UPDATES], metrics[mn.GRAD_SCALE] = (float(v) for v in local["scaler"])
         return metrics
-
-    def _movement_metrics(self, monitor: ModuleTelemetry, reduced: ReducedIteration, summary: Any) -> dict[str, float]:
-        """Update ratio, weight norm, zero-gradient fraction per head (``telemetry.param_movement``)."""
-        if reduced.movement is None:
-            return {}
-        index = list(self._monitors.values()).index(monitor)
-        columns = self._norm_plan.slots.norm_columns(index)
-        return movement_metrics(
-            reduced.movement,
-            self._movement.numel[columns],
-            monitor.head_names,
-            updates=summary.minibatches - summary.skipped,
-            band=(monitor.tracker.bands.update_ratio.low, monitor.tracker.bands.update_ratio.high),
-            zero_counts_valid=self._zero_counts_valid,
-        )
-
-    def _global_norm_clip(self, module_id: Any) -> float | None:
-        """The module's ``grad_clip`` where RLlib clips by global norm (None: no clip, or per tensor/value)."""
-        config = self.config.get_config_for_module(module_id)
-        clip = getattr(config, "grad_clip", None)
-        return float(clip) if clip is not None and getattr(config, "grad_clip_by", None) == "global_norm" else None
-
-    def _noise_scale_metrics(self, monitor: ModuleTelemetry, noise: np.ndarray, minibatches: int) -> dict[str, float]:
-        """B_simple per head and global from the reduced noise lanes of one step, as metrics."""
-        rows = monitor.noise_hook.take_rows()
-        if monitor.noise is None or monitor.module_id in self.partially_trained:
-            # B_simple needs every learner's local gradient of the module; a learner without
-            # the module's samples has none, so the step has no noise scale for it.
-            return {}
-        per_head, global_scale = noise_scales(
-            monitor.noise, noise, world_size=self._collective.world_size, minibatches=minibatches, rows=rows
-        )
-        return noise_scale_metrics(per_head, global_scale)
 
     def _log_gradmon_metrics(self, metrics: dict[Any, dict[str, float]]) -> None:
         for module_id, values in metrics.items():
@@ -193,6 +161,9 @@ class GradmonReporting:
         lanes = self._lane_fold.fold(stacked, flags)  # every module's lanes at once
         self._norm_records.clear()
         slots = self._norm_plan.slots
+        for monitor in monitors:  # one learner's noise scale: the first epoch's summed gradients, per head
+            if monitor.epoch_sum is not None:
+                monitor.epoch_sum_lanes = monitor.epoch_sum.drain()
         parts = [
             ModuleLanes(m.tracker.layout, m.noise_hook.lanes, _local_segments(m).pack(), slots.norm_columns(k))
             for k, m in enumerate(monitors)
@@ -292,5 +263,6 @@ def _local_segments(monitor: ModuleTelemetry) -> Segments:
         {
             "scaler": monitor.scaler_lanes if monitor.grad_scaler is not None else empty,
             "vgs": monitor.vgs.metrics_tensor() if monitor.vgs is not None else empty,
+            "epoch_sum": monitor.epoch_sum_lanes,
         }
     )

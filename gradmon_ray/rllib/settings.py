@@ -139,6 +139,9 @@ class GradmonSettings:
     collective_backend: str = "auto"
     reduce_telemetry: bool = True
     noise_scale: bool = True
+    noise_scale_one_learner: bool = False
+    """With ONE learner, B_simple from the first epoch's minibatches (``telemetry.noise_one_learner``):
+    one multi-tensor add a minibatch of the first epoch, so off in the drop-in unless asked for."""
     noise_ema_beta: float = 0.9
     replica_check_every: int = 10
     regularizers: tuple[Mapping[str, Any], ...] = ()
@@ -201,6 +204,9 @@ class GradmonSettings:
             collective_backend=typed(data.get("collective_backend", "auto"), "str", where("collective_backend")),
             reduce_telemetry=typed(data.get("reduce_telemetry", True), "bool", where("reduce_telemetry")),
             noise_scale=typed(data.get("noise_scale", True), "bool", where("noise_scale")),
+            noise_scale_one_learner=typed(
+                data.get("noise_scale_one_learner", False), "bool", where("noise_scale_one_learner")
+            ),
             noise_ema_beta=float(typed(data.get("noise_ema_beta", 0.9), "number", where("noise_ema_beta"))),
             replica_check_every=typed(
                 data.get("replica_check_every", 10), "int", where("replica_check_every"), minimum=0

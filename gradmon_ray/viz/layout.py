@@ -97,3 +97,30 @@ def band_edges_text(bands: HealthBands) -> str:
 def modules_of(heads: Iterable[str]) -> list[str | None]:
     """The modules of ``heads`` in first-seen order (``[None]`` for a one-module run)."""
     return [module for module, _ in group_heads(list(heads))]
+
+
+MINIBATCH_PARAMS = ("ppo.minibatch_size", "minibatch_size")
+"""Where a run's minibatch size is among its MLflow params: ``gradmon-ray train``'s, RLlib's (callback)."""
+
+
+def batch_advice(noise_scale: float | None, params: Mapping[str, str]) -> str | None:
+    """``critical batch ~ B_simple = 3,400 samples; minibatch 128: well below it, ...`` (McCandlish et al.
+    2018: far below B_simple each step is mostly noise and larger batches cut the steps about
+    proportionally; far above it, samples are wasted).  None without a finite, positive noise scale."""
+    if noise_scale is None or not math.isfinite(noise_scale) or noise_scale <= 0:
+        return None
+    text = f"critical batch ~ B_simple = {noise_scale:,.0f} samples"
+    minibatch = next((params[k] for k in MINIBATCH_PARAMS if params.get(k) not in (None, "None")), None)
+    try:
+        size = int(float(minibatch)) if minibatch is not None else None
+    except ValueError:
+        size = None
+    if size is None:
+        return text
+    if size < noise_scale / 10:
+        verdict = "well below it: larger minibatches would need about proportionally fewer steps"
+    elif size > noise_scale * 10:
+        verdict = "well above it: smaller minibatches would use the samples better"
+    else:
+        verdict = "near it: a good trade-off of steps and samples"
+    return f"{text}; minibatch {size:,}: {verdict}"

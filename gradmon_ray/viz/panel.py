@@ -41,7 +41,7 @@ from gradmon_ray.viz.head_table import (
     module_tables,
     wrap_parts,
 )
-from gradmon_ray.viz.layout import group_heads
+from gradmon_ray.viz.layout import batch_advice, group_heads
 from gradmon_ray.viz.runs import RunSnapshot, resolve_run, snapshot
 
 __all__ = [
@@ -103,6 +103,10 @@ def _header(snap: RunSnapshot, modules: Sequence[str | None], width: int | None 
     skipped = snap.tags.get(mn.TAG_SKIPPED)
     if skipped:
         text.append(f"\nlast skip: {skipped}", style="bold yellow")
+    for module in modules:
+        advice = batch_advice(snap.module_value(mn.GLOBAL_NOISE_SCALE, module), snap.params)
+        if advice:
+            text.append(f"\n{f'module {module}: ' if module else ''}{advice}", style="bold")
     for diagnosis in diagnoses_from_tag(snap.tags.get(mn.TAG_DIAGNOSIS)):
         text.append(f"\nlast diagnosis (iteration {diagnosis.iteration}): {blame_line(diagnosis)}", style="bold red")
     return text

@@ -19,7 +19,7 @@ from gradmon_ray import metric_names as mn
 from gradmon_ray.telemetry.bands import worst_head
 from gradmon_ray.telemetry.blame import Diagnosis, blame_line
 from gradmon_ray.tracking.diagnosis_tags import load_diagnoses
-from gradmon_ray.viz.layout import band_edges_text, group_heads, short_head
+from gradmon_ray.viz.layout import band_edges_text, batch_advice, group_heads, short_head
 from gradmon_ray.viz.plots import write_plots
 from gradmon_ray.viz.probe_view import ProbeView
 from gradmon_ray.viz.runs import RunHistory, head_band, latest_probe, load_history
@@ -184,8 +184,9 @@ def _module_lines(history: RunHistory, module: str | None) -> list[str]:
     noise = [noise_series[s] for s in sorted(noise_series) if math.isfinite(noise_series[s])]
     if noise:
         lines.append(f"- gradient noise scale (global): median {statistics.median(noise):.4g}, last {noise[-1]:.4g}")
+        lines.append(f"- batch size: {batch_advice(statistics.median(noise), history.params)} (from the median)")
     else:
-        lines.append("- gradient noise scale: not measured (needs two or more learners)")
+        lines.append("- gradient noise scale: not measured (distributed.noise_scale* off, or not defined yet)")
     norm = history.module_series(mn.GLOBAL_GRAD_NORM, module)
     if norm:
         low, high = _range(norm) or (math.nan, math.nan)

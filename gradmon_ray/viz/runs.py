@@ -176,6 +176,7 @@ class RunSnapshot:
     """Heads with a policy entropy or collapse latch (``policy_heads``)."""
     bands: BandSet = DEFAULT_BANDS
     """The edges the run judged its heads by, and its value heads (``layout.run_bands``)."""
+    params: dict[str, str] = field(default_factory=dict)
 
     def head_value(self, template: str, head: str) -> float | None:
         """The latest value of the per-head ``template`` for ``head`` (a label), None if never logged."""
@@ -214,6 +215,7 @@ def snapshot(client: Any, run: Any) -> RunSnapshot:
         probe=probe,
         policy_heads=policy_heads(metrics, heads),
         bands=run_bands(run.data.params, tags),
+        params=dict(run.data.params),
     )
 
 
@@ -230,6 +232,7 @@ class RunHistory:
     """Heads with a policy entropy or collapse latch, whose series are loaded too."""
     bands: BandSet = DEFAULT_BANDS
     """The edges the run judged its heads by, and its value heads (``layout.run_bands``)."""
+    params: dict[str, str] = field(default_factory=dict)
 
     def steps(self, name: str) -> list[int]:
         """The steps at which ``name`` was logged, ascending."""
@@ -293,4 +296,5 @@ def load_history(client: Any, run_id: str, extra: Iterable[str] = ()) -> RunHist
         tags=tags,
         policy_heads=policy,
         bands=bands,
+        params=dict(run.data.params),
     )

@@ -330,3 +330,14 @@ def test_range_edges_are_inclusive_or_exclusive_as_documented(data, ok):
     else:
         with pytest.raises(ConfigError):
             config_from_dict(data)
+
+
+def test_the_update_ratio_band_needs_low_below_high_and_reaches_the_learner_settings():
+    with pytest.raises(ConfigError, match="update_ratio"):
+        config_from_dict({"telemetry": {"bands": {"update_ratio": {"low": 0.1, "high": 0.01}}}})
+    cfg = config_from_dict({"telemetry": {"bands": {"update_ratio": {"low": 1e-5, "high": 0.5}}}})
+    from gradmon_ray.rllib.config import build_ppo_config
+    from gradmon_ray.rllib.settings import GradmonSettings
+
+    settings = GradmonSettings.from_learner_config(build_ppo_config(cfg).learner_config_dict, full_learner=True)
+    assert (settings.bands.update_ratio.low, settings.bands.update_ratio.high) == (1e-5, 0.5)

@@ -99,7 +99,7 @@ def test_unknown_key_lists_the_full_learners_allowed_keys():
 @pytest.mark.parametrize(
     ("gradmon", "where", "allowed"),
     [
-        ({"bands": {"actoin": {}}}, "['bands']", ["action", "collapse", "value"]),
+        ({"bands": {"actoin": {}}}, "['bands']", ["action", "collapse", "update_ratio", "value"]),
         ({"bands": {"action": {"healthy": 1.0}}}, "['bands']['action']", [f.name for f in fields(HealthBands)]),
         ({"bands": {"collapse": {"iters": 3}}}, "['bands']['collapse']", [f.name for f in fields(CollapseBand)]),
         ({"per_module": {"a": {"head": {}}}}, "['per_module']['a']", ["bands", "heads", "value_heads"]),

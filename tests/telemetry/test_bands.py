@@ -151,6 +151,7 @@ def test_band_set_round_trips_every_section_through_its_dict():
             "action": {"dead_below": 0.02, "healthy_max": 3.0},
             "value": {"elevated_max": 100.0},
             "collapse": {"threshold": 0.2, "iterations": 9},
+            "update_ratio": {"high": 0.05},
         }
     )
     assert custom.action.edges == (0.02, 0.1, 3.0, 5.0)  # elevated_max keeps its default 5.0
@@ -169,6 +170,7 @@ def test_band_set_round_trips_every_section_through_its_dict():
             "elevated_max": 100.0,
         },
         "collapse": {"threshold": 0.2, "iterations": 9},
+        "update_ratio": {"low": 1e-4, "high": 0.05},  # low keeps its default
     }
     assert BandSet.from_dict(custom.to_dict()) == custom
 

@@ -96,3 +96,24 @@ CUSTOM_VALUE = HealthBands(0.02, 0.2, 5.0, 20.0)
 def test_edges_that_do_not_parse_fall_back_to_the_defaults_kind_by_kind(params, action, value):
     bands = run_bands(params)
     assert (bands.action, bands.value) == (action, value)
+
+
+@pytest.mark.parametrize(
+    "noise, params, expected",
+    [
+        (3400.0, {"ppo.minibatch_size": "128"}, "critical batch ~ B_simple = 3,400 samples; minibatch 128: well below"),
+        (3400.0, {"minibatch_size": "4096"}, "minibatch 4,096: near it"),
+        (100.0, {"ppo.minibatch_size": "2048"}, "minibatch 2,048: well above it"),
+        (3400.0, {"minibatch_size": "None"}, "critical batch ~ B_simple = 3,400 samples"),
+    ],
+)
+def test_batch_advice_says_where_the_minibatch_lies_against_the_noise_scale(noise, params, expected):
+    from gradmon_ray.viz.layout import batch_advice
+
+    assert expected in batch_advice(noise, params)
+
+
+def test_no_advice_without_a_positive_noise_scale():
+    from gradmon_ray.viz.layout import batch_advice
+
+    assert batch_advice(None, {}) is None and batch_advice(float("nan"), {}) is None and batch_advice(-3.0, {}) is None
