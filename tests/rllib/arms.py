@@ -34,7 +34,10 @@ def small_config(modules: int, *, minibatches: int, epochs: int = 1, vgs: bool =
 def drop_in(cfg: GradmonConfig, learner_class: type = FusedAdamPPOTorchLearner) -> Any:
     """``with_gradmon(learner_class)`` with the run config's gradmon settings a drop-in reads."""
     config = local_ppo_config(cfg, with_gradmon(learner_class))
-    settings = {k: v for k, v in config.learner_config_dict["gradmon"].items() if k not in FULL_LEARNER_KEYS}
+    # The drop-in's own defaults where the run config's differ: the one-learner noise scale (an op a
+    # first-epoch minibatch) is opt-in there (``GradmonSettings.noise_scale_one_learner``).
+    dropped = {*FULL_LEARNER_KEYS, "noise_scale_one_learner"}
+    settings = {k: v for k, v in config.learner_config_dict["gradmon"].items() if k not in dropped}
     return config.learners(learner_config_dict={"gradmon": settings}).build_learner(spaces=module_spaces(cfg))
 
 

@@ -102,6 +102,9 @@ def test_the_norm_pass_launches_the_same_kernels_for_1_2_and_8_modules():
     kernels, views = {}, {}
     for modules in MODULES:
         cfg = _config(modules)
+        # The one-learner noise scale adds one multi-tensor add per module to the first epoch's
+        # minibatches (``telemetry.noise_one_learner``): not part of the norm pass.
+        cfg.distributed.noise_scale_one_learner = False
         learner = build_local_learner(cfg)
         batch = train_batch(learner, sample_episodes(cfg, learner, cfg.ppo.train_batch_size))
         _, norm_pass, _ = count_update(learner, batch, cfg)
