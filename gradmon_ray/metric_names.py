@@ -35,8 +35,7 @@ HEAD_GRAD_NORM_MAX = "grad/head/{head}/norm_max"
 HEAD_GRAD_NORM_P95 = "grad/head/{head}/norm_p95"
 """95th percentile (linear interpolation, ``numpy.percentile``'s default) of the iteration's minibatch norms."""
 HEAD_GRAD_NORM_ARGMAX = "grad/head/{head}/argmax_minibatch"
-"""Index (from 0, over all epochs of the step) of the minibatch with ``HEAD_GRAD_NORM_MAX``; the three
-are left out while the head had no gradient (rank-local: identical on replicas after the average)."""
+"""Index (from 0, over all epochs) of the minibatch with ``HEAD_GRAD_NORM_MAX``; the three left out without gradient."""
 HEAD_GRAD_NORM_PREV = "grad/head/{head}/norm_prev"
 """The previous iteration's value of ``HEAD_GRAD_NORM`` (trend detection)."""
 HEAD_GRAD_TREND = "grad/head/{head}/trend"
@@ -45,12 +44,9 @@ HEAD_GRAD_HEALTH = "grad/head/{head}/health"
 """Health band as a code, see ``HEALTH_CODES``."""
 HEAD_NOISE_SCALE = "grad/head/{head}/noise_scale"
 """B_simple = EMA(tr Sigma) / EMA(|G|^2) over the head's parameters (one learner: its first epoch); left out
-(never NaN) while EMA(|G|^2) <= 0 (docs/metrics.md says when; ``telemetry.noise_scale``).  RLlib's
-result dict shows NaN for a key left out after an earlier iteration logged it."""
+(never NaN) while EMA(|G|^2) <= 0 (``telemetry.noise_scale``; RLlib's result shows NaN for a key left out)."""
 GLOBAL_NOISE_SCALE = "grad/noise_scale"
-"""B_simple over all parameters (one learner: the first epoch's minibatches): about the critical batch size.
-
-Left out of an iteration while undefined, as ``HEAD_NOISE_SCALE``."""
+"""B_simple over all parameters: about the critical batch size; left out while undefined (``HEAD_NOISE_SCALE``)."""
 HEAD_GRAD_NORM_CV = "grad/head_norm_cv"
 """Population std / mean of the finite action-head norms; left out (never NaN) with fewer than two."""
 
@@ -65,6 +61,12 @@ HEAD_ZERO_GRAD_FRACTION = "grad/head/{head}/zero_grad_fraction"
 """Fraction of the head's gradient elements exactly 0 in the iteration's last minibatch (dead units)."""
 HEAD_UPDATE_BAND = "grad/head/{head}/update_band"
 """-1 below, 0 inside, 1 above ``telemetry.bands.update_ratio`` (update ratio / updates; CS231n: ~1e-3)."""
+
+SHARED_GRAD_NORM = "grad/shared_norm"
+"""Every ``telemetry.shared_gradients_every`` iterations: the norm of the module's own loss's gradient on the
+parameters two or more modules' losses reach (a shared encoder)."""
+SHARED_GRAD_COSINE_MIN = "grad/shared_cosine_min"
+"""Its lowest cosine with another module's (-1: opposite pulls); every pair: tag ``TAG_SHARED_COSINES``."""
 
 # --- TELE-310/300/301: global norm and non-finite gradient element counts -----------
 GLOBAL_GRAD_NORM = "grad/global_norm"
@@ -114,20 +116,16 @@ SKIPPED_UPDATES = "update/skipped"
 SKIPPED_UPDATES_TOTAL = "update/skipped_total"
 """Skipped minibatch updates since the start of the run (restored from checkpoints)."""
 SCALER_SKIPPED_UPDATES = "update/scaler_skipped"
-"""Mixed precision only: minibatch updates the grad scaler skipped this iteration (overflow at its
-scale; the scaler then backs off). Not counted in ``update/skipped``, never a latch."""
+"""Mixed precision: minibatch updates the grad scaler skipped (overflow; it backs off); not in ``update/skipped``."""
 GRAD_SCALE = "update/grad_scale"
 """Mixed precision only: the grad scaler's loss scale at the iteration's last minibatch."""
 TELEMETRY_ITERATION = "update/telemetry_iteration"
 """The learner's own 1-based count of training iterations (the latches' clock)."""
 REPLICA_CHECKSUM_OK = "update/replica_checksum_ok"
-"""1 when all learner replicas' parameters were bitwise identical at this check iteration
-(logged every ``distributed.replica_check_every`` iterations with 2+ learners; a mismatch
-stops training with ReplicaDivergenceError)."""
-
+"""1 when all learner replicas' parameters were bitwise identical (every ``distributed.replica_check_every``
+iterations with 2+ learners; a mismatch stops training with ReplicaDivergenceError)."""
 LEARNERS_UPDATED = "update/trained"
-"""1 when the learners trained this iteration; 0 when they had nothing to train on (e.g. every
-EnvRunner down and being restarted): such an iteration logs no gradient telemetry at all."""
+"""1 when the learners trained; 0 when they had nothing to train on (every EnvRunner down): no telemetry then."""
 
 # --- training progress (copied from RLlib's result dict) --------------------------
 EPISODE_RETURN_MEAN = "env/episode_return_mean"
@@ -228,6 +226,8 @@ DIAGNOSIS_MINIBATCH = "diagnosis/minibatch"
 TAG_DIAGNOSIS = "gradmon.diagnosis"
 """JSON list of the last event's ``Diagnosis`` per module; ``TAG_SKIPPED``: ``iteration 3: skipped 34/34``."""
 TAG_SKIPPED = "gradmon.skipped"
+TAG_SHARED_COSINES = "gradmon.shared_cosines"
+"""JSON ``{"<a>_vs_<b>": cosine}`` of the modules' gradients on shared parameters (the last measurement)."""
 
 # --- gradient-health early stopping (health_stop config) --------------------------
 HEALTH_STOP_REASON = "health/stop_reason"
@@ -242,9 +242,8 @@ TAG_HEAD_NAMES = "gradmon.head_names"
 """Comma-separated head names: the action heads in action-space order (a ``Dict`` space's sorted keys,
 or ``model.head_names`` for ``MultiDiscrete``), then the value heads; the same in every run."""
 TAG_VALUE_HEADS = "gradmon.value_heads"
-"""Comma-separated heads judged as value heads (by the value bands, never as action heads): ``value``,
-``vf`` and those the module or the gradmon settings' ``value_heads`` declare.  Written with
-``gradmon.head_names`` by a run that declares any; a run without it has ``value`` and ``vf`` only."""
+"""Comma-separated value heads (judged by the value bands): ``value``, ``vf`` and those the module or the settings'
+``value_heads`` declare; written with ``gradmon.head_names`` by a run that declares any (else: those two)."""
 TAG_STATUS = "gradmon.status"
 """``running``, ``finished``, ``stopped`` (a health rule ended it) or ``failed``."""
 TAG_STOP_REASON = "gradmon.stop_reason"

@@ -98,6 +98,12 @@ class TelemetrySection(ConfigModel):
         True, description="Fused Adam, which skips non-finite updates on the device (no host sync)."
     )
     bands: BandsSection = Field(default_factory=BandsSection, description="Health band edges of gradient norms.")
+    shared_gradients_every: int = Field(
+        10,
+        ge=0,
+        description="Every N iterations, each module's gradient on parameters modules share, and their cosines "
+        "(several modules; 0: off).",
+    )
 
 
 class VgsSection(ConfigModel):

@@ -130,9 +130,8 @@ class ReducedIteration(NamedTuple):
     minibatch_norms: np.ndarray | None = None
     """``[minibatches, heads + 1]``: this learner's own minibatch norms of the module (its heads,
     its global norm), None where they were not handed over."""
-    movement: np.ndarray | None = None
-    """``[4, heads + 1]``: the module's columns of ``movement`` (``telemetry.param_movement``), None
-    where it was not handed over (identical on every replica: the weights are)."""
+    extra: dict[str, np.ndarray] | None = None
+    """``reduce_modules``' ``extra`` as this learner had them (learner-wide: the same for every module)."""
 
 
 class ModuleLanes(NamedTuple):
@@ -159,7 +158,7 @@ def reduce_modules(
     checksum: torch.Tensor,
     health: Sequence[HealthBlock] = (),
     minibatch_norms: torch.Tensor | None = None,
-    movement: torch.Tensor | None = None,
+    extra: Mapping[str, torch.Tensor] | None = None,
 ) -> list[ReducedIteration]:
     """ONE SUM reduction and ONE device->host copy for every module of the learner.
 
@@ -176,8 +175,8 @@ def reduce_modules(
     local_parts: dict[str, torch.Tensor] = {"checksum": checksum}
     if minibatch_norms is not None:
         local_parts["minibatch_norms"] = minibatch_norms
-    if movement is not None:
-        local_parts["movement"] = movement
+    for name, tensor in (extra or {}).items():
+        local_parts[f"extra.{name}"] = tensor
     for i, part in enumerate(modules):
         reduced_parts[f"{i}.noise"] = part.noise
         local_parts[f"{i}.local"] = part.local
@@ -202,7 +201,7 @@ def reduce_modules(
         if minibatch_norms is not None
         else np.zeros((0, 0))
     )
-    moved = local_host["movement"].reshape(4, -1) if movement is not None else None  # [quantities, slots]
+    extra_host = {name: local_host[f"extra.{name}"] for name in extra or {}}  # rank-local, flat
     return [
         ReducedIteration(
             part.layout.merge_replicas(reduced_host["lanes"][offsets[i] : offsets[i + 1]], collective.world_size),
@@ -212,7 +211,7 @@ def reduce_modules(
             health_host.get(i, empty),
             local_host["checksum"],
             norms[:, list(part.norm_columns)] if minibatch_norms is not None else None,
-            moved[:, list(part.norm_columns)] if movement is not None else None,
+            extra_host,
         )
         for i, part in enumerate(modules)
     ]

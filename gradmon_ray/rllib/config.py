@@ -138,6 +138,7 @@ def _learner_settings(cfg: GradmonConfig, probe: dict[str, Any]) -> dict[str, An
     """``learner_config_dict["gradmon"]`` (read by ``GradmonSettings``) from the run config."""
     return {
         "telemetry": cfg.telemetry.enabled,
+        "shared_gradients_every": cfg.telemetry.shared_gradients_every,
         "fused_optimizer": cfg.telemetry.fused_optimizer,
         "bands": _plain(cfg.telemetry.bands),  # {"action": {edges}, "value": {edges}}
         "optimizer": cfg.optimizer,

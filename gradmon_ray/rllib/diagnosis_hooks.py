@@ -64,6 +64,16 @@ class GradmonDiagnosis(compat.TrainBatchHook):
         position = sum(1 for entry in kept if entry[1] == update)
         return rows > 0 and minibatch_rows > 0 and position <= rows // minibatch_rows
 
+    def module_loss(self, module_id: ModuleID, batch: Mapping[str, Any], fwd_out: Mapping[str, Any]) -> torch.Tensor:
+        """Module ``module_id``'s training loss on ``batch`` without gradmon's per-minibatch recording
+        (the shared-gradient analysis); here the wrapped learner's own, its metrics thrown away."""
+        config = self.config.get_config_for_module(module_id)
+        saved, self.metrics = self.metrics, MetricsLogger()
+        try:
+            return super().compute_loss_for_module(module_id=module_id, config=config, batch=batch, fwd_out=fwd_out)
+        finally:
+            self.metrics = saved
+
     def diagnosis_loss_terms(
         self, module_id: ModuleID, module: Any, batch: Mapping[str, Any], fwd_out: Mapping[str, Any]
     ) -> dict[str, torch.Tensor] | None:
@@ -73,15 +83,7 @@ class GradmonDiagnosis(compat.TrainBatchHook):
         throw-away logger (the real ones stay the training's)."""
         if not isinstance(self, Learner):
             return None
-        config = self.config.get_config_for_module(module_id)
-        saved, self.metrics = self.metrics, MetricsLogger()
-        try:
-            total = super().compute_loss_for_module(  # the wrapped learner's (gradmon's own comes before this mixin)
-                module_id=module_id, config=config, batch=batch, fwd_out=fwd_out
-            )
-        finally:
-            self.metrics = saved
-        return {"total": total}
+        return {"total": GradmonDiagnosis.module_loss(self, module_id, batch, fwd_out)}
 
     def _diagnose(
         self, monitor: ModuleTelemetry, summary: IterationTelemetry, norms: np.ndarray | None

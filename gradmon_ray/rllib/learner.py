@@ -35,7 +35,6 @@ from gradmon_ray.losses.ppo import explained_variance, ppo_loss_from_batch
 from gradmon_ray.losses.regularizers import resolve_regularizer
 from gradmon_ray.optim import UPGD
 from gradmon_ray.probe.client import LossSettings, ModuleProbe, ProbeClient, ProbeRequest
-from gradmon_ray.rllib.diagnosis_hooks import GradmonDiagnosis
 from gradmon_ray.rllib.monitor import (
     GRADMON_STATE_KEYS,
     NOISE_STATE_KEY,
@@ -46,6 +45,7 @@ from gradmon_ray.rllib.monitor import (
     with_gradmon,
 )
 from gradmon_ray.rllib.monitor_step import GradmonReporting
+from gradmon_ray.rllib.ppo_analysis_losses import PPOAnalysisLosses
 from gradmon_ray.rllib.settings import LEARNER_CONFIG_KEY
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 
-class GradmonPPOTorchLearner(with_gradmon(PPOTorchLearner)):
+class GradmonPPOTorchLearner(PPOAnalysisLosses, with_gradmon(PPOTorchLearner)):
     """PPO torch learner that reports per-head gradient health every training iteration.
 
     Settings: ``learner_config_dict["gradmon"]`` (``gradmon_ray.rllib.settings.GradmonSettings``);
@@ -191,32 +191,6 @@ class GradmonPPOTorchLearner(with_gradmon(PPOTorchLearner)):
             }
         except Exception as exc:  # the probe is an observer: a snapshot it cannot take is a counted failure
             probe.record_failure(f"snapshot: {type(exc).__name__}: {exc}")
-
-    @override(GradmonDiagnosis)
-    def diagnosis_loss_terms(
-        self, module_id: ModuleID, module: Any, batch: dict[str, Any], fwd_out: dict[str, Any]
-    ) -> dict[str, torch.Tensor]:
-        """gradmon's PPO loss term by term (unweighted), then each regularizer by its name."""
-        config = self.config.get_config_for_module(module_id)
-        terms = ppo_loss_from_batch(
-            module,
-            batch,
-            fwd_out,
-            clip_param=config.clip_param,
-            vf_clip_param=config.vf_clip_param,
-            vf_loss_coeff=config.vf_loss_coeff,
-            entropy_coeff=self.entropy_coeff_schedulers_per_module[module_id].get_current_value(),
-            kl_coeff=self.curr_kl_coeffs_per_module[module_id],
-            use_kl_loss=config.use_kl_loss,
-            use_critic=config.use_critic,
-            separate_means=True,  # each term's gradient alone (the stacked mean mixes another's NaN in)
-        )
-        out = {"policy": terms.policy, "value": terms.value, "entropy": terms.entropy}
-        if config.use_kl_loss:
-            out["kl"] = terms.kl
-        for spec in self._regularizers:
-            out[spec.name] = spec.fn(module, batch, fwd_out)
-        return out
 
     def _probe_module_snapshot(self, module_id: ModuleID, batch: Any) -> dict[str, Any]:
         """One module's pre-update weights, batch and PPO coefficients (device tensors, copied)."""

@@ -83,6 +83,10 @@ class GradmonReporting(GradmonStepMetrics):
         reduced, checksum_ok = self._reduce_step()
         for module_id, monitor in self._monitors.items():
             metrics[module_id].update(self._module_metrics(monitor, reduced[module_id]))
+        extra = next(iter(reduced.values())).extra if reduced else None
+        if extra and "shared" in extra:
+            for module_id, values in self._shared_metrics(self._shared_ids, extra["shared"]).items():
+                metrics.setdefault(module_id, {}).update(values)
             if checksum_ok is not None:
                 metrics[module_id][mn.REPLICA_CHECKSUM_OK] = float(checksum_ok[module_id])
         self._log_gradmon_metrics(metrics)
@@ -172,6 +176,10 @@ class GradmonReporting(GradmonStepMetrics):
         norms = stacked.values if stacked is not None and self.gradmon.telemetry else None
         moved = self._movement.measure() if self.gradmon.telemetry else None  # how far each head went
         self._zero_counts_valid = moved is not None and moved[1]
+        extra = {"movement": moved[0]} if moved is not None else {}
+        shared = self._shared_gradients()  # every shared_gradients_every steps, with shared parameters
+        if shared is not None:
+            self._shared_ids, extra["shared"] = shared
         reduced = reduce_modules(
             lanes,
             parts,
@@ -179,7 +187,7 @@ class GradmonReporting(GradmonStepMetrics):
             checksum=digits,
             health=health,
             minibatch_norms=norms,
-            movement=moved[0] if moved is not None else None,
+            extra=extra,
         )
         for monitor in self._monitors.values():  # only lanes in use were written (two ops a module saved)
             if monitor.grad_scaler is not None:

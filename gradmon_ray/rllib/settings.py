@@ -143,6 +143,9 @@ class GradmonSettings:
     """With ONE learner, B_simple from the first epoch's minibatches (``telemetry.noise_one_learner``):
     one multi-tensor add a minibatch of the first epoch, so off in the drop-in unless asked for."""
     noise_ema_beta: float = 0.9
+    shared_gradients_every: int = 10
+    """Every N telemetry steps, each module's gradient on parameters modules share (``rllib.shared_gradients``;
+    0: never); only with two or more modules in one minibatch."""
     replica_check_every: int = 10
     regularizers: tuple[Mapping[str, Any], ...] = ()
     """``GradmonPPOTorchLearner``: ``{"name", "fn", "weight", "enabled"}`` terms added to the loss."""
@@ -208,6 +211,9 @@ class GradmonSettings:
                 data.get("noise_scale_one_learner", False), "bool", where("noise_scale_one_learner")
             ),
             noise_ema_beta=float(typed(data.get("noise_ema_beta", 0.9), "number", where("noise_ema_beta"))),
+            shared_gradients_every=typed(
+                data.get("shared_gradients_every", 10), "int", where("shared_gradients_every")
+            ),
             replica_check_every=typed(
                 data.get("replica_check_every", 10), "int", where("replica_check_every"), minimum=0
             ),

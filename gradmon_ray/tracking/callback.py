@@ -41,7 +41,7 @@ from gradmon_ray.tracking.callback_settings import (
     CallbackSettings,
     pinned_settings,
 )
-from gradmon_ray.tracking.diagnosis_tags import diagnoses_in, diagnosis_tags
+from gradmon_ray.tracking.diagnosis_tags import diagnoses_in, diagnosis_tags, shared_cosine_tags
 from gradmon_ray.tracking.mlflow_sink import END_PLOTS_S, MlflowSink
 from gradmon_ray.tracking.redact import install_log_redaction, redact_text, redact_uri
 from gradmon_ray.tracking.result_metrics import latch_tags, result_to_metrics, run_value_heads
@@ -175,6 +175,7 @@ class GradmonMLflowCallback(RLlibCallback, metaclass=_PinnedWhenShipped):
             metrics = result_to_metrics(result, self.settings.module_id)
             tags = latch_tags(metrics, self._heads_named, self._head_order, self._value_heads)
             tags.update(diagnosis_tags(diagnoses_in(result), metrics, step))
+            tags.update(shared_cosine_tags(result))
             self._heads_named = self._heads_named or mn.TAG_HEAD_NAMES in tags
             self.sink.log_iteration(step, metrics, tags)  # non-blocking
             self._last_step = step

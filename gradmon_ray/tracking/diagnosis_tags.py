@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 DIAGNOSIS_DIR = "diagnosis"
 DIAGNOSIS_ARTIFACT = DIAGNOSIS_DIR + "/iter_{iteration}_{module}.json"
 """One event's artifact: the ``Diagnosis`` of module ``module`` at iteration ``iteration``."""
+SHARED_COSINES_KEY = "gradmon_shared_cosines"
+"""The learner-wide key (``result["learners"]["__all_modules__"]``) of every pair's shared-gradient cosine (JSON)."""
 MAX_TAG_CHARS = 5000
 """The longest tag value every MLflow store keeps (5000 before MLflow 2.x raised it to 8000)."""
 
@@ -48,6 +50,16 @@ def diagnoses_in(result: Mapping[str, Any]) -> list[Diagnosis]:
             # A learner whose own data reproduced the event names its rows; others saw only the average.
             found.append(max(parsed, key=lambda d: (bool(d.reproduced), (d.rows or {}).get("count", 0), -d.rank)))
     return found
+
+
+def shared_cosine_tags(result: Mapping[str, Any]) -> dict[str, str]:
+    """``gradmon.shared_cosines``: the pairs' cosines of this iteration (rank 0's: the weights are the same)."""
+    learners = result.get("learners")
+    wide = learners.get("__all_modules__") if isinstance(learners, Mapping) else None
+    items = wide.get(SHARED_COSINES_KEY) if isinstance(wide, Mapping) else None
+    if isinstance(items, str):
+        items = [items]
+    return {mn.TAG_SHARED_COSINES: items[0]} if items else {}
 
 
 def diagnosis_tags(diagnoses: list[Diagnosis], metrics: Mapping[str, float], iteration: int) -> dict[str, str]:

@@ -93,3 +93,12 @@ def test_each_events_artifact_is_written_live_and_from_a_spill_file(tmp_path, de
         paths = sorted(a.path for a in client.list_artifacts(run_id, "diagnosis"))
         assert paths == ["diagnosis/iter_1_p1.json", "diagnosis/iter_2_p1.json", "diagnosis/iter_2_p2.json"]
         assert [json.loads(d.to_json()) for d in load_diagnoses(client, run_id)] == expected
+
+
+def test_the_shared_cosines_tag_is_the_learners_json_and_absent_without_it():
+    from gradmon_ray.tracking.diagnosis_tags import SHARED_COSINES_KEY, shared_cosine_tags
+
+    pairs = json.dumps({"p0_vs_p1": -0.25})
+    result = {"learners": {"__all_modules__": {SHARED_COSINES_KEY: [pairs, pairs]}}}
+    assert shared_cosine_tags(result) == {mn.TAG_SHARED_COSINES: pairs}
+    assert shared_cosine_tags({"learners": {"__all_modules__": {}}}) == {}

@@ -37,7 +37,7 @@ from gradmon_ray.telemetry.bands import BandSet
 from gradmon_ray.telemetry.blame import blame_line
 from gradmon_ray.telemetry.health_stop import HealthStopMonitor, HealthStopRules, StopDecision
 from gradmon_ray.tracking import MlflowSink, progress_line, result_to_metrics
-from gradmon_ray.tracking.diagnosis_tags import diagnoses_in, diagnosis_tags
+from gradmon_ray.tracking.diagnosis_tags import diagnoses_in, diagnosis_tags, shared_cosine_tags
 from gradmon_ray.tracking.redact import install_log_redaction
 from gradmon_ray.tracking.result_metrics import latch_tags
 
@@ -213,6 +213,7 @@ class _TrainingRun:
         diagnoses = diagnoses_in(result)
         tags = latch_tags(metrics, self.named_heads, self.head_order)
         tags.update(diagnosis_tags(diagnoses, metrics, iteration))
+        tags.update(shared_cosine_tags(result))
         self.named_heads = self.named_heads or mn.TAG_HEAD_NAMES in tags
         if iteration > logged_through:  # the first iteration MLflow has not seen carries the resume tags
             tags.update(self.resumed_tags)
