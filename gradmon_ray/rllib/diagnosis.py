@@ -62,7 +62,9 @@ class DiagnosisInputs:
         self.train_columns = {mid: dict(part) for mid, part in policy_batches.items()}
 
     def clear(self) -> None:
+        """The step's end: nothing kept holds device memory until the next update."""
         self.minibatches = defaultdict(list)
+        self.train_columns = {}
 
 
 def event_in(summary: IterationTelemetry) -> bool:
