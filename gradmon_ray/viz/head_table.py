@@ -108,6 +108,15 @@ def _latch(value: float | None) -> Text:
     return Text(LATCH_SET, style="bold red") if value > 0 else Text(LATCH_CLEAR, style="dim")
 
 
+_UPDATE_BAND_STYLES = {-1.0: "yellow", 0.0: "", 1.0: "bold red"}
+"""The update ratio's cell by its band (``telemetry.bands.update_ratio``): below it, inside, above."""
+
+
+def _update_ratio(snap: RunSnapshot, head: str, compact: bool) -> Text:
+    ratio, band = snap.head_value(mn.HEAD_UPDATE_RATIO, head), snap.head_value(mn.HEAD_UPDATE_BAND, head)
+    return Text(short_number(ratio) if compact else fmt(ratio, ".2g"), style=_UPDATE_BAND_STYLES.get(band, ""))
+
+
 def head_cells(snap: RunSnapshot, head: str, *, compact: bool = False) -> dict[str, Text]:
     """The panel's cells for one head, keyed by row name (``ROWS``); ``compact``: at most
     ``COMPACT_CELL`` characters each."""
@@ -130,6 +139,7 @@ def head_cells(snap: RunSnapshot, head: str, *, compact: bool = False) -> dict[s
         "NaN latch": _latch(snap.head_value(mn.HEAD_NAN_LATCH, latch)),
         "Inf latch": _latch(snap.head_value(mn.HEAD_INF_LATCH, latch)),
         "noise scale": Text(short_number(noise) if compact else fmt(noise, ".3g")),
+        "update ratio": _update_ratio(snap, head, compact),
         "entropy norm": Text(fmt(entropy_norm), style="bold red" if low else ""),
         "collapse": _latch(snap.head_value(mn.HEAD_COLLAPSE_LATCH, latch)),
     }
@@ -166,12 +176,14 @@ ROWS: tuple[str, ...] = (
     "NaN latch",
     "Inf latch",
     "noise scale",
+    "update ratio",
     "entropy norm",
     "collapse",
 )
 _OPTIONAL_ROWS = {
     "max norm": mn.HEAD_GRAD_NORM_MAX,
     "noise scale": mn.HEAD_NOISE_SCALE,
+    "update ratio": mn.HEAD_UPDATE_RATIO,
     "entropy norm": mn.HEAD_ENTROPY_NORM,
     "collapse": mn.HEAD_COLLAPSE_LATCH,
 }

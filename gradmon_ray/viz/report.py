@@ -191,6 +191,13 @@ def _module_lines(history: RunHistory, module: str | None) -> list[str]:
     if norm:
         low, high = _range(norm) or (math.nan, math.nan)
         lines.append(f"- global gradient norm: last {norm[max(norm)]:.4g}, min {low:.4g}, max {high:.4g}")
+    ratio = history.module_series(mn.UPDATE_RATIO, module)
+    if ratio:
+        lines.append(f"- update-to-weight ratio (all weights, per iteration): last {ratio[max(ratio)]:.3g}")
+    cosine = history.module_series(mn.SHARED_GRAD_COSINE_MIN, module)
+    if cosine:
+        last = cosine[max(cosine)]
+        lines.append(f"- shared parameters: lowest cosine with another module's gradient {last:+.2f} (last)")
     skipped = history.module_series(mn.SKIPPED_UPDATES_TOTAL, module)
     lines.append(f"- skipped updates: {int(skipped[max(skipped)])}" if skipped else "- skipped updates: not logged")
     return lines

@@ -254,12 +254,10 @@ class RunHistory:
         return sorted(steps)
 
 
-MODULE_SCALARS: tuple[str, ...] = (
-    mn.VGS_SCALING_FACTOR,
-    mn.GLOBAL_NOISE_SCALE,
-    mn.SKIPPED_UPDATES_TOTAL,
-    mn.GLOBAL_GRAD_NORM,
-)
+# fmt: off
+MODULE_SCALARS: tuple[str, ...] = (mn.VGS_SCALING_FACTOR, mn.GLOBAL_NOISE_SCALE, mn.SKIPPED_UPDATES_TOTAL,
+    mn.GLOBAL_GRAD_NORM, mn.UPDATE_RATIO, mn.SHARED_GRAD_NORM, mn.SHARED_GRAD_COSINE_MIN)
+# fmt: on
 """Per-module series (``module/<id>/<name>`` in a multi-module run) the panel, plots and report read."""
 HISTORY_SCALARS: tuple[str, ...] = (*MODULE_SCALARS, mn.EPISODE_RETURN_MEAN)
 """Run-level series the plots and the report read besides the per-head ones (a one-module run's names)."""
