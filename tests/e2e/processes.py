@@ -41,8 +41,9 @@ def mlflow_server_argv(port: int, *store: str) -> list[str]:
     return [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1", *store]
 
 
-FREE_PORT_RANGE = (20000, 32767)
-"""Where ``free_port`` looks: above Ray's worker ports (10002-19999 by default) and below Linux's
+FREE_PORT_RANGE = (22000, 32767)
+"""Where ``free_port`` looks: above Ray's worker ports (10002-19999 by default; 20100-20999 for
+``test_job_submit_e2e``'s head node) and below Linux's
 ephemeral range (32768-60999), from which every outgoing connection and every port-0 bind of Ray and
 MLflow takes its port: a port handed out from the ephemeral range could be taken by one of those
 between the test's choice and the server's bind (a server that never came up, seen once in CI)."""
