@@ -83,12 +83,12 @@ class GradmonReporting(GradmonStepMetrics):
         reduced, checksum_ok = self._reduce_step()
         for module_id, monitor in self._monitors.items():
             metrics[module_id].update(self._module_metrics(monitor, reduced[module_id]))
+            if checksum_ok is not None:
+                metrics[module_id][mn.REPLICA_CHECKSUM_OK] = float(checksum_ok[module_id])
         extra = next(iter(reduced.values())).extra if reduced else None
         if extra and "shared" in extra:
             for module_id, values in self._shared_metrics(self._shared_ids, extra["shared"]).items():
                 metrics.setdefault(module_id, {}).update(values)
-            if checksum_ok is not None:
-                metrics[module_id][mn.REPLICA_CHECKSUM_OK] = float(checksum_ok[module_id])
         self._log_gradmon_metrics(metrics)
         self._forget_diagnosis_inputs()
         self.partially_trained.clear()
