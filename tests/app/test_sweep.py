@@ -203,3 +203,16 @@ def test_every_tune_report_carries_the_sweep_metric():
     measured = {"update/trained": 0.0}
     assert carry.fill(measured) == {"update/trained": 0.0, "env/episode_return_mean": 2.5}
     assert measured == {"update/trained": 0.0}  # the caller's dict (MLflow's copy) is not changed
+
+
+def test_a_checkpoint_whose_learner_state_is_missing_is_torn(tmp_path):
+    """RLlib writes a learner's subcomponents first and its ``state.pkl`` last: a learner lost mid-save
+    leaves the folder without it (seen in the multi-node fault test), and every retry would fail on it."""
+    from gradmon_ray.app.sweep.trials import torn_learner_state
+
+    learner = tmp_path / "learner_group" / "learner"
+    (learner / "rl_module").mkdir(parents=True)
+    assert torn_learner_state(tmp_path)
+    (learner / "state.pkl").write_bytes(b"x")
+    assert not torn_learner_state(tmp_path)
+    assert not torn_learner_state(tmp_path / "no-learner-group")  # remote learners' state saved elsewhere

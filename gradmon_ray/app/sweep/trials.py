@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import os
 import shutil
@@ -21,6 +22,8 @@ from gradmon_ray import metric_names as mn
 from gradmon_ray.app.sweep.progress import trial_run_name
 from gradmon_ray.config import apply_overrides, config_from_dict
 from gradmon_ray.tracking.redact import redact_uri
+
+logger = logging.getLogger(__name__)
 
 TRIAL_STATE_FILE = "gradmon_trial.json"
 PARENT_RUN_TAG = "mlflow.parentRunId"  # MLflow's own tag: the UI nests runs under their parent
@@ -145,8 +148,20 @@ def _tune_reporter(cfg: Any, sink: Any, every: int, metric: MetricCarry, built: 
         # tune.report copies the checkpoint into the trial's storage before it returns (Ray's own pattern).
         with tempfile.TemporaryDirectory(prefix="gradmon-ckpt-") as directory:
             algo.save_to_path(os.path.join(directory, "algo"))
+            if torn_learner_state(Path(directory) / "algo"):  # a learner lost mid-save: keep Tune's last one
+                logger.warning("gradmon: iteration %d's checkpoint lost its learner state; not kept", iteration)
+                tune.report(payload)
+                return
             state = resume_state(algo, iteration, sink.run_id, monitor)
             (Path(directory) / TRIAL_STATE_FILE).write_text(json.dumps(state))
             tune.report(payload, checkpoint=tune.Checkpoint.from_directory(directory))
 
     return report
+
+
+def torn_learner_state(algo_dir: Path) -> bool:
+    """Whether an ``Algorithm.save_to_path`` directory holds a learner-group folder without the learner's
+    own state file: RLlib writes a learner's subcomponents first and ``state.pkl`` last, so a learner
+    lost mid-save (its node preempted) leaves it out, and restoring that checkpoint fails every retry."""
+    learner = Path(algo_dir) / "learner_group" / "learner"
+    return learner.is_dir() and not any((learner / f"state{suffix}").is_file() for suffix in (".pkl", ".msgpack"))
