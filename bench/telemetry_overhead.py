@@ -15,7 +15,7 @@ round, so that drift on the machine and the previous arm's memory traffic hit al
 * ``dropin``: ``with_gradmon(FusedAdamPPOTorchLearner)``, the drop-in a user of their own RLlib
   learner writes: ``stock-fused`` with gradmon's telemetry attached, built from the same run
   config, its ``learner_config_dict["gradmon"]`` stripped of the keys only the full learner reads
-  (``settings_parsing.FULL_LEARNER_KEYS``: optimizer, regularizers, probe, ...; the drop-in keeps
+  (``settings_parsing.drop_in_settings``: optimizer, regularizers, probe, the opt-ins ...; the drop-in keeps
   its learner's loss and optimizer);
 * ``gradmon-twin``: a second ``gradmon``, identical: ``gradmon/gradmon-twin`` is an A/A
   comparison whose distance from 1 is the run's noise floor (``--no-twin`` leaves it out).
@@ -103,7 +103,7 @@ from gradmon_ray.rllib.local_learner import (
     train_batch,
     update,
 )
-from gradmon_ray.rllib.settings_parsing import FULL_LEARNER_KEYS
+from gradmon_ray.rllib.settings_parsing import drop_in_settings
 from gradmon_ray.telemetry.op_counts import OpCounter, counting_calls
 
 RATIOS = [("gradmon", "off"), ("gradmon", "stock"), ("gradmon", "stock-fused"), ("dropin", "stock-fused")]
@@ -126,7 +126,7 @@ def build_drop_in(cfg: GradmonConfig) -> Any:
     """``with_gradmon(FusedAdamPPOTorchLearner)`` from the run config, its gradmon settings stripped
     of the keys only ``GradmonPPOTorchLearner`` reads (as ``tests/rllib/test_host_reads.py``)."""
     config = local_ppo_config(cfg, with_gradmon(FusedAdamPPOTorchLearner))
-    settings = {k: v for k, v in config.learner_config_dict["gradmon"].items() if k not in FULL_LEARNER_KEYS}
+    settings = drop_in_settings(config.learner_config_dict["gradmon"])
     return config.learners(learner_config_dict={"gradmon": settings}).build_learner(spaces=module_spaces(cfg))
 
 

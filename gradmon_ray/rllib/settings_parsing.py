@@ -170,3 +170,14 @@ def regularizers(data: Any) -> tuple[Mapping[str, Any], ...]:
         )
     allowed = RegularizerEntry.model_fields  # what build_ppo_config writes, one entry each
     return tuple(frozen(check_keys(mapping(e, f"{at}[{i}]"), allowed, f"{at}[{i}]")) for i, e in enumerate(data))
+
+
+DROP_IN_OPT_INS = ("noise_scale_one_learner",)
+"""Settings the run config turns on that cost the drop-in ops a minibatch: left at the drop-in's default."""
+
+
+def drop_in_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """A full learner's ``learner_config_dict["gradmon"]`` as the drop-in takes it by default: without
+    the keys only ``GradmonPPOTorchLearner`` reads and without ``DROP_IN_OPT_INS`` (the benchmarks'
+    and tests' drop-in arm: a user who copies gradmon-ray train's settings into ``with_gradmon``)."""
+    return {k: v for k, v in settings.items() if k not in FULL_LEARNER_KEYS and k not in DROP_IN_OPT_INS}

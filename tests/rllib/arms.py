@@ -11,7 +11,7 @@ from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 from gradmon_ray.config import GradmonConfig
 from gradmon_ray.rllib import with_gradmon
 from gradmon_ray.rllib.local_learner import build_local_learner, local_ppo_config, module_spaces, update
-from gradmon_ray.rllib.settings_parsing import FULL_LEARNER_KEYS
+from gradmon_ray.rllib.settings_parsing import drop_in_settings
 from gradmon_ray.telemetry.op_counts import OpCounter, counting_calls
 from tests.peer.pairs import fused_adam
 
@@ -34,10 +34,7 @@ def small_config(modules: int, *, minibatches: int, epochs: int = 1, vgs: bool =
 def drop_in(cfg: GradmonConfig, learner_class: type = FusedAdamPPOTorchLearner) -> Any:
     """``with_gradmon(learner_class)`` with the run config's gradmon settings a drop-in reads."""
     config = local_ppo_config(cfg, with_gradmon(learner_class))
-    # The drop-in's own defaults where the run config's differ: the one-learner noise scale (an op a
-    # first-epoch minibatch) is opt-in there (``GradmonSettings.noise_scale_one_learner``).
-    dropped = {*FULL_LEARNER_KEYS, "noise_scale_one_learner"}
-    settings = {k: v for k, v in config.learner_config_dict["gradmon"].items() if k not in dropped}
+    settings = drop_in_settings(config.learner_config_dict["gradmon"])
     return config.learners(learner_config_dict={"gradmon": settings}).build_learner(spaces=module_spaces(cfg))
 
 
