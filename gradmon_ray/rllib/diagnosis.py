@@ -75,12 +75,13 @@ def event_in(summary: IterationTelemetry) -> bool:
     )
 
 
-def first_nonfinite_minibatch(norms: np.ndarray | None) -> int | None:
-    """The first row of ``[minibatches, heads + 1]`` norms with a non-finite entry."""
+def first_nonfinite_minibatch(norms: np.ndarray | None, among: Sequence[int] | None = None) -> int | None:
+    """The first row of ``[minibatches, heads + 1]`` norms with a non-finite entry (of rows ``among``)."""
     if norms is None or norms.size == 0:
         return None
-    rows = np.flatnonzero(~np.isfinite(norms).all(axis=1))
-    return int(rows[0]) if rows.size else None
+    bad = ~np.isfinite(norms).all(axis=1)
+    rows = [i for i in (range(len(bad)) if among is None else among) if i < len(bad) and bad[i]]
+    return int(rows[0]) if rows else None
 
 
 def diagnose_module(
@@ -96,11 +97,14 @@ def diagnose_module(
     rank: int = 0,
 ) -> Diagnosis:
     """The blame for one module's non-finite event in this step (see the module docstring)."""
-    first = first_nonfinite_minibatch(norms)
+    kept = inputs.minibatches.get(module_id, [])
+    # A module absent from a minibatch (a sparse agent) has NaN norms there ("no gradient"): only the
+    # minibatches it was in can blame it.
+    present = sorted({index for index, _, _ in kept})
+    first = first_nonfinite_minibatch(norms, present or None)
     heads = (
         [] if first is None else [h for h, v in zip(head_names, norms[first, :-1], strict=False) if not np.isfinite(v)]
     )
-    kept = inputs.minibatches.get(module_id, [])
     chosen = next((k for k in kept if k[0] == first), None) if first is not None else None
     if chosen is None:  # no non-finite norm (a latch only): the first kept minibatch with a bad row
         chosen = next((k for k in kept if blame_rows(k[2]).count > 0), kept[0] if kept and first is None else None)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -40,7 +41,10 @@ def shared_gradients(multi_module: Any, batch: Mapping[Any, Mapping[str, Any]], 
     with each module's (1 with itself); None when no parameter is reached by two losses."""
     modules = [m for m in multi_module.values() if isinstance(m, torch.nn.Module)]  # a MultiRLModule is not one
     params = list({id(p): p for m in modules for p in m.parameters() if p.requires_grad}.values())
-    with torch.enable_grad():
+    with ExitStack() as stack, torch.enable_grad():
+        for module in modules:  # 2+ learners: a DDP forward outside no_sync would wait for a backward sync
+            if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+                stack.enter_context(module.no_sync())
         fwd = multi_module.forward_train({mid: dict(columns) for mid, columns in batch.items()})
         grads = {}
         for module_id, columns in batch.items():

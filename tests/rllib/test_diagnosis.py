@@ -173,3 +173,14 @@ def test_skipped_text(skipped, minibatches, text):
     from gradmon_ray.telemetry.blame import skipped_text
 
     assert skipped_text(skipped, minibatches) == text
+
+
+def test_a_module_absent_from_a_minibatch_is_not_blamed_for_its_no_gradient_nans():
+    """A sparse agent's module has NaN norms ("no gradient") in the minibatches it was not in: only
+    those it was in count."""
+    from gradmon_ray.rllib.diagnosis import first_nonfinite_minibatch
+
+    norms = np.array([[np.nan, np.nan], [1.0, 2.0], [1.0, np.inf], [np.nan, np.nan]])
+    assert first_nonfinite_minibatch(norms) == 0
+    assert first_nonfinite_minibatch(norms, [1, 2]) == 2
+    assert first_nonfinite_minibatch(norms, [1]) is None
