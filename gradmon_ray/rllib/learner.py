@@ -31,7 +31,7 @@ from ray.rllib.utils.annotations import override
 from ray.rllib.utils.typing import ModuleID, StateDict, TensorType
 
 from gradmon_ray import compat
-from gradmon_ray.losses.ppo import explained_variance, ppo_loss_from_batch
+from gradmon_ray.losses.ppo import explained_variance
 from gradmon_ray.losses.regularizers import resolve_regularizer
 from gradmon_ray.optim import UPGD
 from gradmon_ray.probe.client import LossSettings, ModuleProbe, ProbeClient, ProbeRequest
@@ -126,22 +126,8 @@ class GradmonPPOTorchLearner(PPOAnalysisLosses, with_gradmon(PPOTorchLearner)):
         module = self.module[module_id].unwrapped()
         logits = fwd_out[Columns.ACTION_DIST_INPUTS]
         logits = self.logits_for_loss(module_id, logits)
-        terms = ppo_loss_from_batch(
-            module,
-            batch,
-            fwd_out,
-            logits=logits,
-            clip_param=config.clip_param,
-            vf_clip_param=config.vf_clip_param,
-            vf_loss_coeff=config.vf_loss_coeff,
-            entropy_coeff=self.entropy_coeff_schedulers_per_module[module_id].get_current_value(),
-            kl_coeff=self.curr_kl_coeffs_per_module[module_id],
-            use_kl_loss=config.use_kl_loss,
-            use_critic=config.use_critic,
-        )
-        total = terms.total
-        for spec in self._regularizers:
-            total = total + spec.weight * spec.fn(module, batch, fwd_out)
+        terms = self._ppo_terms(module_id, module, batch, fwd_out, config=config, logits=logits)
+        total = self._with_regularizers(terms.total, module, batch, fwd_out)
         if self.gradmon.telemetry and module_id in self.gradmon_modules:
             self.record_logp(terms.per_head_logp, batch.get(Columns.LOSS_MASK), module_id=module_id)
             self.record_head_inputs(logits, batch, module_id=module_id)

@@ -24,13 +24,25 @@ class PPOAnalysisLosses(GradmonDiagnosis):
     """The PPO learner's losses for the re-runs (needs ``GradmonPPOTorchLearner``'s schedules and regularizers)."""
 
     def _ppo_terms(
-        self, module_id: ModuleID, module: Any, batch: Mapping[str, Any], fwd_out: Mapping[str, Any], separate: bool
+        self,
+        module_id: ModuleID,
+        module: Any,
+        batch: Mapping[str, Any],
+        fwd_out: Mapping[str, Any],
+        *,
+        config: Any = None,
+        logits: torch.Tensor | None = None,
+        separate: bool = False,
     ) -> PPOLossTerms:
-        config = self.config.get_config_for_module(module_id)
+        """gradmon's PPO loss of ``module`` on ``batch``, term by term, with the learner's coefficients
+        (``config``: the module's, looked up when not given; ``logits``: the loss's own, see
+        ``GradmonPPOTorchLearner.logits_for_loss``)."""
+        config = config if config is not None else self.config.get_config_for_module(module_id)
         return ppo_loss_from_batch(
             module,
             batch,
             fwd_out,
+            logits=logits,
             clip_param=config.clip_param,
             vf_clip_param=config.vf_clip_param,
             vf_loss_coeff=config.vf_loss_coeff,
@@ -45,8 +57,15 @@ class PPOAnalysisLosses(GradmonDiagnosis):
     def module_loss(self, module_id: ModuleID, batch: Mapping[str, Any], fwd_out: Mapping[str, Any]) -> torch.Tensor:
         """gradmon's PPO loss with its coefficients, plus the regularizers (what training minimises)."""
         module = self.module[module_id].unwrapped()
-        total = self._ppo_terms(module_id, module, batch, fwd_out, separate=False).total
-        return total + sum(spec.weight * spec.fn(module, batch, fwd_out) for spec in self._regularizers)
+        return self._with_regularizers(self._ppo_terms(module_id, module, batch, fwd_out).total, module, batch, fwd_out)
+
+    def _with_regularizers(
+        self, total: torch.Tensor, module: Any, batch: Mapping[str, Any], fwd_out: Mapping[str, Any]
+    ) -> torch.Tensor:
+        """``total`` plus each configured regularizer times its weight (no op without any)."""
+        for spec in self._regularizers:
+            total = total + spec.weight * spec.fn(module, batch, fwd_out)
+        return total
 
     @override(GradmonDiagnosis)
     def diagnosis_loss_terms(

@@ -45,11 +45,11 @@ class ParameterMovement:
         views = lambda flat: [v.view(p.shape) for v, p in zip(flat.split(sizes), params, strict=True)]  # noqa: E731
         self._views = {"start": views(self._start), "end": views(self._end), "grads": views(grads)}
         self._delta, self._grads, self._zeros = delta, grads, zeros
-        kept = range(len(params))
         h, m = slots.trunk_base, slots.num_modules
         self.width = h + m
+        cut = lambda flat: flat_pieces(slots, range(len(params)), views(flat))  # noqa: E731 (same cut for each buffer)
         # Per buffer order [start, delta, end, zeros]: each piece to its head slot, every piece to its module's total.
-        _, piece_slot, piece_module = flat_pieces(slots, kept, self._views["grads"])
+        self._zero_pieces, piece_slot, piece_module = cut(zeros)
         head_pieces = [k for k, slot in enumerate(piece_slot) if slot < h]
         self._order = [*head_pieces, *range(len(piece_slot))]
         destinations = [*(piece_slot[k] for k in head_pieces), *(h + module for module in piece_module)]
@@ -58,20 +58,15 @@ class ParameterMovement:
         )
         self._base = torch.zeros(len(QUANTITIES) * self.width, device=device)
         numel = np.zeros(self.width)
-        pieces, _, _ = flat_pieces(slots, kept, self._views["grads"])
-        for piece, slot, module in zip(pieces, piece_slot, piece_module, strict=True):
+        for piece, slot, module in zip(self._zero_pieces, piece_slot, piece_module, strict=True):
             numel[h + module] += piece.numel()
             if slot < h:
                 numel[slot] += piece.numel()
         self.numel = numel
         """Elements per slot (host): the denominators of the zero-gradient fractions."""
-        self._pieces = {name: self._buffer_pieces(name) for name in ("start", "end")}
-        self._delta_pieces, _, _ = flat_pieces(slots, kept, views(delta))
-        self._zero_pieces, _, _ = flat_pieces(slots, kept, views(zeros))
+        self._pieces = {"start": cut(self._start)[0], "end": cut(self._end)[0]}
+        self._delta_pieces = cut(delta)[0]
         self.primed = False
-
-    def _buffer_pieces(self, name: str) -> list[torch.Tensor]:
-        return flat_pieces(self.slots, range(len(self.params)), self._views[name])[0]
 
     def prime(self) -> None:
         """Copy the parameters as the next step's start (at build, after a restore or a module change)."""
