@@ -5,7 +5,7 @@ Per component (``DistributionHeads.names``: the log-prob latches, ``heads.latch_
 - gradmon's ``FactoredCategorical`` (a ``for_heads`` class, or a subclass): its ``head_names``;
 - RLlib's ``TorchMultiCategorical`` (or a subclass) over a 1-d ``MultiDiscrete``: ``a0``, ``a1``, ...;
 - RLlib's ``TorchMultiDistribution`` (or a subclass) over a flat ``Dict``: the keys in dm-tree's
-  sorted-key order;
+  sorted-key order; over a flat ``Tuple``: ``a0``, ``a1``, ...;
 - anything else: the whole policy as one latch, ``head_labels.POLICY_LATCH``.
 
 Per-head entropy and KL (``DistributionHeads.sizes``: the number of actions of each component, else
@@ -13,7 +13,7 @@ None) are computed from the raw logits as one plain categorical per component
 (``telemetry.head_entropy``), so they are on only where the distribution IS that: exactly RLlib's
 ``TorchCategorical`` over ``Discrete``, RLlib's own ``get_partial_dist_cls`` class of
 ``TorchMultiCategorical`` over ``MultiDiscrete``, the same of ``TorchMultiDistribution`` over a
-``Dict`` whose every child distribution is exactly ``TorchCategorical``, or a class made by
+``Dict`` or ``Tuple`` whose every child distribution is exactly ``TorchCategorical``, or a class made by
 ``FactoredCategorical.for_heads``.  A subclass of any of them (a temperature in ``from_logits``, say)
 keeps its latches but gets no entropy or KL: they are left out of the results, not NaN.
 """
@@ -25,7 +25,6 @@ from typing import Any
 
 import gymnasium as gym
 import torch
-import tree  # dm-tree, an RLlib dependency
 from ray.rllib.core.distribution.torch.torch_distribution import (
     TorchCategorical,
     TorchMultiCategorical,
@@ -35,6 +34,7 @@ from ray.rllib.core.distribution.torch.torch_distribution import (
 from gradmon_ray import compat
 from gradmon_ray.head_labels import POLICY_LATCH, check_name
 from gradmon_ray.losses.distribution import FactoredCategorical
+from gradmon_ray.rllib.zero_config_heads import component_names, component_space
 
 _RLLIB_PARTIAL = TorchCategorical.get_partial_dist_cls()
 """A class made by RLlib's ``Distribution.get_partial_dist_cls``: its ``from_logits`` code marks RLlib's own."""
@@ -68,12 +68,10 @@ def distribution_heads(module: Any) -> DistributionHeads:
         else:
             names = [f"a{i}" for i in range(len(space.nvec))]
             sizes = tuple(int(n) for n in space.nvec) if _is_rllib_partial(dist_cls, TorchMultiCategorical) else None
-    elif _is_subclass(dist_cls, TorchMultiDistribution) and isinstance(space, gym.spaces.Dict):
-        if any(isinstance(s, (gym.spaces.Dict, gym.spaces.Tuple)) for s in space.spaces.values()):
-            names = [POLICY_LATCH]
-        else:
-            names = tree.flatten({key: key for key in space.spaces})  # dm-tree's (RLlib's) order
-            sizes = _categorical_children(dist_cls, space, names)
+    elif _is_subclass(dist_cls, TorchMultiDistribution) and isinstance(space, (gym.spaces.Dict, gym.spaces.Tuple)):
+        flat = component_names(space)  # dm-tree's (RLlib's) order; None: nested
+        names = [POLICY_LATCH] if flat is None else flat
+        sizes = None if flat is None else _categorical_children(dist_cls, space, flat)
     else:
         names = [POLICY_LATCH]
         if dist_cls is TorchCategorical and isinstance(space, gym.spaces.Discrete):
@@ -98,15 +96,18 @@ def _is_rllib_partial(cls: type, parent: type) -> bool:
     )
 
 
-def _categorical_children(dist_cls: type, space: gym.spaces.Dict, names: list[Any]) -> tuple[int, ...] | None:
-    """Each ``Discrete`` key's ``n`` in ``names``' order when ``dist_cls`` is RLlib's own partial of
+def _categorical_children(
+    dist_cls: type, space: gym.spaces.Dict | gym.spaces.Tuple, names: list[str]
+) -> tuple[int, ...] | None:
+    """Each ``Discrete`` component's ``n`` in ``names``' order when ``dist_cls`` is RLlib's own partial of
     ``TorchMultiDistribution`` whose every child, built from zero logits, is exactly ``TorchCategorical``."""
     if not _is_rllib_partial(dist_cls, TorchMultiDistribution):
         return None
-    if not all(isinstance(space[key], gym.spaces.Discrete) for key in names):
+    components = [component_space(space, name) for name in names]
+    if not all(isinstance(component, gym.spaces.Discrete) for component in components):
         return None
     dist = dist_cls.from_logits(torch.zeros(1, int(dist_cls.required_input_dim(space))))
     children = compat.child_distributions(dist)
     if len(children) != len(names) or any(type(child) is not TorchCategorical for child in children):
         return None
-    return tuple(int(space[key].n) for key in names)
+    return tuple(int(component.n) for component in components)

@@ -124,13 +124,17 @@ def vpg_oracle_loss(learner: Any, module_id: ModuleID, batch: Mapping, fwd_out: 
 LossFn = Callable[[Any, ModuleID, Mapping, Mapping], torch.Tensor]
 
 
+OracleHead = str | tuple[str, int, int]
+"""A head: a ``named_parameters()`` prefix, or ``(prefix, lo, hi)``: rows ``lo:hi`` of each such parameter."""
+
+
 @dataclass(frozen=True)
 class OracleSpec:
     """What the oracle computes: ``loss(learner, module_id, batch, fwd_out)`` per module in the
-    forward output, and per module id the heads as ``named_parameters()`` prefixes."""
+    forward output, and per module id the heads (``OracleHead``)."""
 
     loss: LossFn
-    heads: Mapping[ModuleID, Mapping[str, str]]
+    heads: Mapping[ModuleID, Mapping[str, OracleHead]]
 
 
 def rllib_loss_of(learner_cls: type) -> LossFn:
@@ -175,16 +179,20 @@ class OracleRecorder:
             if mid not in self.module.keys():  # noqa: SIM118 (a MultiRLModule iterates otherwise)
                 continue
             named = dict(self.module[mid].unwrapped().named_parameters())
-            norms = {h: _norm(total, [p for n, p in named.items() if n.startswith(pre)]) for h, pre in heads.items()}
+            norms = {h: _norm(total, named, head) for h, head in heads.items()}
             if not all(math.isnan(v) for v in norms.values()):  # a module the loss reaches: it trains
                 out[mid] = norms
         return out
 
 
-def _norm(total: torch.Tensor, params: list[torch.Tensor]) -> float:
+def _norm(total: torch.Tensor, named: Mapping[str, torch.Tensor], head: OracleHead) -> float:
+    """autograd's L2 norm over the parameters named ``prefix...`` (only rows ``lo:hi`` of each, for
+    a ``(prefix, lo, hi)`` head)."""
+    prefix, rows = (head, slice(None)) if isinstance(head, str) else (head[0], slice(head[1], head[2]))
+    params = [p for n, p in named.items() if n.startswith(prefix)]
     assert params, "an oracle head prefix matched no parameter"
     grads = torch.autograd.grad(total, params, retain_graph=True, allow_unused=True)
-    used = [g for g in grads if g is not None]
+    used = [g[rows] for g in grads if g is not None]
     return math.sqrt(sum(float(g.double().pow(2).sum()) for g in used)) if used else math.nan
 
 

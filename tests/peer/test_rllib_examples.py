@@ -13,7 +13,6 @@ The examples with custom learners also train bit for bit like the unwrapped lear
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 from collections.abc import Callable
@@ -274,10 +273,10 @@ def test_custom_lstm_module_time_ranked_batches(ray_session) -> None:
             )
         )
     )
-    heads = {"pi": "_pi_head.", "vf": "_values.", "lstm": "_lstm.", GLOBAL: ""}
-    gradmon = {"heads": {"pi": r"^_pi_head\.", "vf": r"^_values\.", "lstm": r"^_lstm\."}}
+    # Zero-config: a custom module's top-level children are its heads, named as they are.
+    heads = {"_lstm": "_lstm.", "_fc_net": "_fc_net.", "_pi_head": "_pi_head.", "_values": "_values.", GLOBAL: ""}
     oracle = OracleSpec(rllib_loss_of(PPOTorchLearner), {DEFAULT_MODULE_ID: heads})
-    train_against_oracle(config, PPOTorchLearner, oracle, gradmon)
+    train_against_oracle(config, PPOTorchLearner, oracle)
 
 
 # --- multi_agent/different_spaces_for_agents.py ---------------------------------------------
@@ -354,10 +353,10 @@ def _shared_encoder_config() -> VPGConfig:
 def test_shared_encoder_vpg_one_optimizer_for_all_modules(ray_session) -> None:
     """VPG, an encoder module shared by two policy modules, ONE optimizer for all of them: each
     policy's norms are its own loss's; the encoder (no loss of its own) gets both losses' sum."""
-    per_policy = {"pi": "_pi_head.", GLOBAL: ""}
-    heads = {"p0": per_policy, "p1": per_policy, SHARED_ENCODER_ID: {"net": "_net.", GLOBAL: ""}}
+    per_policy = {"_pi_head": "_pi_head.", GLOBAL: ""}  # zero-config: each module's children
+    heads = {"p0": per_policy, "p1": per_policy, SHARED_ENCODER_ID: {"_net": "_net.", GLOBAL: ""}}
     oracle = OracleSpec(vpg_oracle_loss, heads)
-    run = train_against_oracle(_shared_encoder_config(), SharedOptimizerVPGLearner, oracle, SHARED_ENCODER_GRADMON)
+    run = train_against_oracle(_shared_encoder_config(), SharedOptimizerVPGLearner, oracle)
     assert all(it.trained() == {"p0", "p1", SHARED_ENCODER_ID} for it in run)
 
 
@@ -375,16 +374,10 @@ def test_two_step_game_grouped_agents_tuple_action_space(ray_session) -> None:
         .multi_agent(policies={"p0"}, policy_mapping_fn=lambda aid, *a, **kw: "p0")
         .rl_module(rl_module_spec=MultiRLModuleSpec(rl_module_specs={"p0": RLModuleSpec()}))
     )
-    # No zero-config heads for a Tuple action space: refused at build, in one line naming what to give.
-    zero_config = copy.deepcopy(config).learners(learner_class=with_gradmon(PPOTorchLearner))
-    runner = env_runner(zero_config)
-    try:
-        with pytest.raises(ValueError, match=r"module 'p0'.*no zero-config heads for a Tuple action space"):
-            zero_config.build_learner(spaces=runner.get_spaces())
-    finally:
-        runner.stop()
-    oracle = OracleSpec(rllib_loss_of(PPOTorchLearner), {"p0": PPO_HEADS})
-    run = train_against_oracle(config, PPOTorchLearner, oracle, {"heads": {"pi": r"^pi\.", "vf": r"^vf\."}})
+    # Zero-config: one head per Tuple component (RLlib's multi-distribution's rows of pi), then vf.
+    heads = {"a0": ("pi.", 0, 2), "a1": ("pi.", 2, 4), "vf": "vf.", GLOBAL: ""}
+    oracle = OracleSpec(rllib_loss_of(PPOTorchLearner), {"p0": heads})
+    run = train_against_oracle(config, PPOTorchLearner, oracle)
     assert all(it.trained() == {"p0"} for it in run)
 
 

@@ -15,7 +15,9 @@ error for a regex that matches nothing.
 
 from __future__ import annotations
 
+import logging
 import math
+import re
 from collections import OrderedDict
 
 import gymnasium as gym
@@ -56,6 +58,11 @@ SPACES = {
     "dict-discrete": (
         gym.spaces.Dict(OrderedDict([("shape", gym.spaces.Discrete(4)), ("colour", gym.spaces.Discrete(2))])),
         {"colour": (0, 2), "shape": (2, 6)},
+    ),
+    # A Tuple keeps its order: a0 (Discrete 3), a1 (Box: 2 x 1), a2 (Discrete 2).
+    "tuple": (
+        gym.spaces.Tuple([gym.spaces.Discrete(3), gym.spaces.Box(-1.0, 1.0, (1,)), gym.spaces.Discrete(2)]),
+        {"a0": (0, 3), "a1": (3, 5), "a2": (5, 7)},
     ),
 }
 PI_W, PI_B, VF_W, VF_B = "pi.net.mlp.0.weight", "pi.net.mlp.0.bias", "vf.net.mlp.0.weight", "vf.net.mlp.0.bias"
@@ -161,32 +168,79 @@ def test_an_unmatched_regex_lists_every_parameter_grouped_by_prefix():
     assert message.endswith(f"its parameters: {listing}")
 
 
-def test_a_module_that_is_not_a_default_module_says_what_to_pass():
+def _child_norms(module, loss: torch.Tensor) -> dict[str, float]:
+    """Per top-level child (by its ``named_parameters()`` prefix, written out): autograd's L2 norm."""
+    named = dict(module.named_parameters())
+    out = {}
+    for child in dict.fromkeys(name.split(".")[0] for name in named):
+        grads = torch.autograd.grad(loss, [p for n, p in named.items() if n.startswith(child + ".")], retain_graph=True)
+        out[child] = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+    return out
+
+
+def _assert_children_are_the_heads(module, loss: torch.Tensor, children: list[str]) -> None:
+    groups = head_parameter_groups(module, {})
+    assert list(groups) == children
+    expected = _child_norms(module, loss)
+    params = [p for p in module.parameters() if p.requires_grad]
+    module.zero_grad(set_to_none=True)
+    loss.backward()
+    got = dict(zip(groups, GradientNormPlan(groups, params).compute().head_norms.tolist(), strict=True))
+    for head in children:
+        assert expected[head] > 1e-6, head  # a real gradient, not two zeros agreeing
+        assert got[head] == pytest.approx(expected[head], rel=1e-5), head
+
+
+def test_a_module_that_is_not_a_default_module_gets_its_children_as_heads_and_one_line(caplog):
     module = RLModuleSpec(
         module_class=TinyActorCritic, observation_space=OBS, action_space=gym.spaces.Discrete(2)
     ).build()
-    with pytest.raises(ValueError) as err:
-        head_parameter_groups(module, {})
-    message = str(err.value)
-    assert message.startswith("TinyActorCritic has no gradmon heads (no head_parameter_groups() and no RLlib")
-    assert "learner_config_dict={'gradmon': {'heads': {" in message
-    assert message.endswith("body: [0.weight, 0.bias]; policy_out: [weight, bias]; value_out: [weight, bias]")
+    batch = {Columns.OBS: torch.rand(8, 5) * 2 - 1}
+    out = module.forward_train(batch)
+    values = module.compute_values(batch, embeddings=out[Columns.EMBEDDINGS])
+    loss = out[Columns.ACTION_DIST_INPUTS].pow(2).sum() + values.pow(3).sum()
+    with caplog.at_level(logging.WARNING, logger="gradmon_ray.rllib.zero_config_heads"):
+        _assert_children_are_the_heads(module, loss, ["body", "policy_out", "value_out"])
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "\n" not in line
+    assert line.startswith("gradmon: TinyActorCritic has no per-component heads (no head_parameter_groups() and no")
+    assert "its heads are its top-level children ['body', 'policy_out', 'value_out']" in line
+    assert "learner_config_dict={'gradmon': {'heads': {" in line and "'value_heads'" in line
+    assert "body: [0.weight, 0.bias]; policy_out: [weight, bias]; value_out: [weight, bias]" in line
+
+
+def test_a_module_without_children_is_one_head_and_one_without_parameters_is_refused():
+    class Flat(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(3, 2))
+
+    flat = Flat()
+    groups = head_parameter_groups(flat, {})
+    assert list(groups) == ["module"] and groups["module"][0] is flat.w
+    flat.w.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"^Flat has no trainable parameter: gradmon has nothing to monitor$"):
+        head_parameter_groups(flat, {})
 
 
 @pytest.mark.parametrize(
     ("space", "reason"),
     [
-        (gym.spaces.Tuple([gym.spaces.Discrete(2), gym.spaces.Discrete(3)]), "a Tuple action space"),
         (gym.spaces.Dict({"vf": gym.spaces.Discrete(2), "x": gym.spaces.Discrete(2)}), r"keys \['vf'\] cannot"),
         (
             gym.spaces.Dict({"a": gym.spaces.Dict({"b": gym.spaces.Discrete(2)}), "c": gym.spaces.Discrete(2)}),
-            r"component\(s\) \['a'\] are themselves Dict/Tuple",
+            r"a Dict action space with Dict/Tuple components",
         ),
+        (gym.spaces.Tuple([gym.spaces.Tuple([gym.spaces.Discrete(2)])]), r"a Tuple action space with Dict/Tuple"),
     ],
 )
-def test_spaces_without_zero_config_heads_are_refused_clearly(space, reason):
-    with pytest.raises(ValueError, match=rf"^DefaultPPOTorchRLModule has no gradmon heads \(.*{reason}.*give them as"):
-        head_parameter_groups(default_module("ppo", space), {})
+def test_a_default_module_without_components_falls_back_to_its_children(space, reason, caplog):
+    module = default_module("ppo", space)
+    loss = stock_style_loss(module)
+    with caplog.at_level(logging.WARNING, logger="gradmon_ray.rllib.zero_config_heads"):
+        _assert_children_are_the_heads(module, loss, ["encoder", "pi", "vf"])
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert re.search(rf"DefaultPPOTorchRLModule has no per-component heads \(.*{reason}", line), line
 
 
 def test_overlapping_row_heads_on_a_default_module_are_refused():
@@ -205,6 +259,11 @@ def test_latch_and_head_health_names_follow_the_components():
     single = default_module("ppo", gym.spaces.MultiDiscrete([5]))
     assert latch_heads(single) == ("a0",) and list(head_parameter_groups(single, {})) == ["a0", "vf"]
     assert head_sizes(single, latch_heads(single)) == (5,)
+    pair = default_module("ppo", gym.spaces.Tuple([gym.spaces.Discrete(3), gym.spaces.Discrete(2)]))
+    assert latch_heads(pair) == ("a0", "a1") and list(head_parameter_groups(pair, {})) == ["a0", "a1", "vf"]
+    assert head_sizes(pair, latch_heads(pair)) == (3, 2)  # RLlib's own categoricals: entropy/KL per component
+    mixed = default_module("ppo", SPACES["tuple"][0])
+    assert latch_heads(mixed) == ("a0", "a1", "a2") and head_sizes(mixed, latch_heads(mixed)) is None
 
 
 def test_an_injected_gradient_fault_stays_in_its_row_head():
@@ -253,3 +312,20 @@ def test_per_component_log_probs_of_a_mixed_dict_use_the_same_rows():
     want_m = categorical(4, 6, actions["m"][:, 0]) + categorical(6, 9, actions["m"][:, 1])
     want_z = categorical(9, 12, actions["z"])
     torch.testing.assert_close(got, torch.stack([want_b, want_m, want_z], dim=-1))
+
+
+def test_per_component_log_probs_of_a_tuple_keep_its_order():
+    """A Tuple's components in declaration order: ``a0`` a categorical on rows 0:3, ``a1`` a
+    Gaussian on rows 3 (mean) and 4 (log-std), ``a2`` a categorical on rows 5:7."""
+    from gradmon_ray.rllib.heads import per_head_logp
+
+    space, rows = SPACES["tuple"]
+    module = default_module("ppo", space)
+    logits = torch.randn(6, 7, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        a0, a1, a2 = module.get_train_action_dist_cls().from_logits(logits).sample()
+    got = per_head_logp(module, logits, (a0, a1, a2), 3)
+    want_a0 = torch.distributions.Categorical(logits=logits[:, 0:3]).log_prob(a0)
+    want_a1 = torch.distributions.Normal(logits[:, 3:4], logits[:, 4:5].exp()).log_prob(a1).sum(-1)
+    want_a2 = torch.distributions.Categorical(logits=logits[:, 5:7]).log_prob(a2)
+    torch.testing.assert_close(got, torch.stack([want_a0, want_a1, want_a2], dim=-1))
