@@ -1,4 +1,4 @@
-"""Every private RLlib / Ray / torch API gradmon uses, in one place, for one Ray version.
+"""Every private RLlib / Ray / torch API gradmon uses, in one place, for the Ray versions it supports.
 
 RLlib's ``Learner`` exposes no public hook for several things the monitor needs (the
 whole postprocessed train batch, the grad scaler);
@@ -9,7 +9,8 @@ here, loudly, and nowhere else.  This module imports nothing from ``gradmon_ray`
 the bottom layer, so the pure layers may use it too).  ``check_ray_version()`` runs when a
 gradmon learner is built.
 
-Private uses kept here (Ray 2.60 / torch 2.x):
+Private uses kept here (Ray 2.58-2.60 / torch 2.x; where a use differed between them, the function
+below holds both forms):
 
 - ``Learner._make_batch_if_necessary`` (overridden by ``TrainBatchHook``, called by ``make_train_batch``)
 - ``TorchLearner._make_modules_ddp_if_necessary`` and ``TorchLearner._update`` (``DistributedModulesHook``,
@@ -43,26 +44,34 @@ from typing import Any
 
 import torch
 
-RAY_VERSION = "2.60"
-"""The Ray minor version this module was written and tested against."""
+SUPPORTED_RAY_MINORS = ("2.58", "2.59", "2.60")
+"""The Ray minor releases every function below was checked against (``pyproject.toml``'s range says the
+same; CI runs the fast lane and a drop-in run on the oldest).  Between them, no private API used here
+changed; what did change around gradmon is listed in docs/operations.md ("Ray versions")."""
 
 
 class RayVersionError(RuntimeError):
-    """The installed Ray is not the version ``gradmon_ray.compat`` was written for."""
+    """The installed Ray is not one of the versions ``gradmon_ray.compat`` was written for."""
 
 
 def check_ray_version(version: str | None = None) -> None:
-    """Raise ``RayVersionError`` unless Ray's ``major.minor`` is ``RAY_VERSION``."""
+    """Raise ``RayVersionError`` unless Ray's ``major.minor`` is one of ``SUPPORTED_RAY_MINORS``."""
     if version is None:
         import ray
 
         version = ray.__version__
     minor = ".".join(version.split(".")[:2])
-    if minor != RAY_VERSION:
+    if minor not in SUPPORTED_RAY_MINORS:
         raise RayVersionError(
-            f"gradmon_ray.compat was written for Ray {RAY_VERSION}.x and uses private RLlib APIs; "
-            f"Ray {version} is installed: check every function in gradmon_ray/compat.py, then update RAY_VERSION"
+            f"gradmon-ray supports Ray {', '.join(SUPPORTED_RAY_MINORS)} (it uses private RLlib APIs, checked against "
+            f"each in gradmon_ray/compat.py); Ray {version} is installed: "
+            f"pip install 'ray[default,rllib,tune]>={SUPPORTED_RAY_MINORS[0]},<{_next_minor(SUPPORTED_RAY_MINORS[-1])}'"
         )
+
+
+def _next_minor(minor: str) -> str:
+    major, low = minor.split(".")
+    return f"{major}.{int(low) + 1}"
 
 
 class TrainBatchHook:

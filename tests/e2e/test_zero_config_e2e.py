@@ -1,5 +1,6 @@
 """Zero-config heads end to end: ``with_gradmon(PPOTorchLearner)`` on RLlib's default module for a
-``MultiDiscrete([3, 4])`` env with NO gradmon settings at all, one real ``train()`` on local Ray.
+``MultiDiscrete([3, 4])`` env with NO gradmon settings at all, two real ``train()`` calls on local Ray
+(``.ci/run`` runs this module on the oldest supported Ray too).
 
 Values are checked against autograd of the sliced output layer in
 ``tests/rllib/test_zero_config_heads.py``; here: every component's norm, latch and head health
@@ -37,9 +38,11 @@ def test_multidiscrete_default_module_reports_each_component_without_heads(ray_s
     )
     algo = config.build_algo()
     try:
-        logged = dict(algo.train()["learners"]["default_policy"])
+        results = [dict(algo.train()["learners"]["default_policy"]) for _ in range(2)]  # .ci/run's oldest-Ray lane
     finally:
         algo.stop()
+    logged = results[-1]
+    assert [r[mn.MINIBATCH_UPDATES] for r in results] == [1.0, 1.0]  # both iterations trained
     norms = {head: logged[mn.head_metric(mn.HEAD_GRAD_NORM, head)] for head in ("a0", "a1", "vf")}
     assert logged[mn.MINIBATCH_UPDATES] == 1.0  # the premise: RLlib's window-1 norm is of the same minibatch
     # The values, through RLlib's real train(): the global norm is RLlib's own (log_gradients);

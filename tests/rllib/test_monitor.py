@@ -150,15 +150,30 @@ def test_with_gradmon_needs_a_torch_learner_and_is_idempotent():
 
 
 def test_ray_minor_version_is_checked(monkeypatch):
-    compat.check_ray_version("2.60.0")
-    compat.check_ray_version("2.60.7")
-    with pytest.raises(compat.RayVersionError, match=r"written for Ray 2\.60"):
-        compat.check_ray_version("2.61.0")
+    for version in ("2.58.0", "2.58.1", "2.59.0", "2.60.0", "2.60.7"):
+        compat.check_ray_version(version)
+    for version in ("2.57.1", "2.61.0", "3.0.0"):
+        with pytest.raises(compat.RayVersionError, match=rf"supports Ray 2\.58, 2\.59, 2\.60 .* Ray {version} is"):
+            compat.check_ray_version(version)
     import ray
 
-    monkeypatch.setattr(ray, "__version__", "2.59.1")
-    with pytest.raises(compat.RayVersionError, match=r"Ray 2\.59\.1 is installed"):
+    monkeypatch.setattr(ray, "__version__", "2.57.1")
+    with pytest.raises(compat.RayVersionError, match=r"pip install 'ray\[default,rllib,tune\]>=2\.58,<2\.61'$"):
         _build({"heads": HEADS})
+
+
+def test_pyproject_states_the_ray_range_compat_checks():
+    """The one range, twice: what pip lets in is what ``check_ray_version`` accepts."""
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    (ray_req,) = [Requirement(d) for d in project["dependencies"] if Requirement(d).name == "ray"]
+    for minor in ("2.57", *compat.SUPPORTED_RAY_MINORS, "2.61"):
+        accepted = minor in compat.SUPPORTED_RAY_MINORS
+        assert [ray_req.specifier.contains(f"{minor}.{patch}") for patch in (0, 3)] == [accepted, accepted], minor
 
 
 @pytest.mark.parametrize("skip", [True, False])
