@@ -80,12 +80,19 @@ def _host_port(address: str) -> tuple[str, int] | None:
     return host, int(port)
 
 
-def ray_address_problem(address: str | None, timeout_s: float = 15.0) -> str | None:
-    """Why nothing can be reached at Ray ``address`` (None: a TCP connection opened, or no address).
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(9)
+"""HTTP/2's client preface and an empty SETTINGS frame: every gRPC server (Ray's GCS and its Ray Client
+server are) answers with a SETTINGS frame of its own before anything else (RFC 9113, 3.4)."""
+_SETTINGS_FRAME_TYPE = 0x04
 
-    Only the TCP port is tried: a refused connection or an unknown host is final at once (no
-    Ray listens there now); a silent one is retried until ``timeout_s``.  ``ray.init`` itself
-    would retry for minutes without a word.
+
+def ray_address_problem(address: str | None, timeout_s: float = 15.0) -> str | None:
+    """Why no Ray cluster can be reached at Ray ``address`` (None: a gRPC server answered, or no address).
+
+    The TCP port is tried, then HTTP/2's handshake, which Ray's GCS (and Ray Client) server answers
+    at once: a refused connection, an unknown host or a server that answers something else (a web
+    server, a dashboard port) is final at once; silence is retried until ``timeout_s``.  ``ray.init``
+    itself would retry for minutes, with a warning every few seconds.
     """
     target = _host_port(address) if address else None
     if target is None:
@@ -94,8 +101,13 @@ def ray_address_problem(address: str | None, timeout_s: float = 15.0) -> str | N
     while True:
         remaining = deadline - time.monotonic()
         try:
-            with socket.create_connection(target, timeout=max(0.1, min(remaining, 3.0))):
+            answer = _http2_answer(target, timeout=max(0.1, min(remaining, 3.0)))
+            if len(answer) >= 9 and answer[3] == _SETTINGS_FRAME_TYPE:
                 return None
+            reason = (
+                f"{target[0]}:{target[1]} answers, but not as a Ray cluster does (no gRPC); give the head's GCS "
+                f"address (host:{GCS_PORT} by default) or ray://host:{CLIENT_PORT}"
+            )
         except socket.gaierror as exc:
             reason = f"unknown host {target[0]!r} ({exc.strerror})"
         except ConnectionRefusedError:
@@ -106,6 +118,13 @@ def ray_address_problem(address: str | None, timeout_s: float = 15.0) -> str | N
                 continue
             reason = f"no answer from {target[0]}:{target[1]} within {timeout_s:g} s ({exc.strerror or exc})"
         return f"cannot reach Ray at {address}: {reason}; start the cluster or fix the address (unset: a local Ray)"
+
+
+def _http2_answer(target: tuple[str, int], timeout: float) -> bytes:
+    """The first bytes the server at ``target`` sends after HTTP/2's preface (b"": it closed at once)."""
+    with socket.create_connection(target, timeout=timeout) as conn:
+        conn.sendall(HTTP2_PREFACE)
+        return conn.recv(64)
 
 
 def over_total_problem(request: Mapping[str, float], total: Mapping[str, float]) -> str | None:

@@ -4,8 +4,11 @@ Through the CLI against a real Ray: ``tests/e2e/test_up_front_checks_e2e.py``.""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
+from tests.app.ray_address_stubs import answering, grpc_like, web_server
 from tests.e2e.processes import free_port
 
 
@@ -45,11 +48,37 @@ def test_a_ray_address_nothing_answers_at_is_refused_at_once(monkeypatch):
     assert attempts == [("127.0.0.1", port)] and sleeps == []  # a refusal is final: one try, no wait (no clock)
     monkeypatch.undo()
     assert "unknown host 'no-such-host.invalid'" in ray_address_problem("no-such-host.invalid:6379")
-    with socket.socket() as listening:  # something that accepts the connection passes
-        listening.bind(("127.0.0.1", 0))
-        listening.listen()
-        assert ray_address_problem(f"127.0.0.1:{listening.getsockname()[1]}") is None
+    with grpc_like() as address:  # a gRPC server's handshake (Ray's GCS: the e2e) passes
+        assert ray_address_problem(address) is None
     assert ray_address_problem(None) is None and ray_address_problem("auto") is None
+
+
+def test_a_ray_address_where_something_else_answers_is_refused_at_once():
+    """A web server (a dashboard port given for the GCS one, say): ``ray.init`` would retry for minutes."""
+    from gradmon_ray.app.resource_wait import ray_address_problem
+
+    with web_server() as address:
+        started = time.monotonic()
+        problem = ray_address_problem(address)
+        assert time.monotonic() - started < 2.0  # final at once, not after the 15 s of silence
+    host, port = address.split(":")
+    assert problem == (
+        f"cannot reach Ray at {address}: {host}:{port} answers, but not as a Ray cluster does (no gRPC); give the "
+        "head's GCS address (host:6379 by default) or ray://host:10001; start the cluster or fix the address "
+        "(unset: a local Ray)"
+    )
+
+
+def test_a_silent_listener_is_refused_after_the_timeout_in_seconds():
+    """Accepts, never answers: retried until ``timeout_s`` (seconds: a ms/s mix-up is 1000x off)."""
+    from gradmon_ray.app.resource_wait import ray_address_problem
+
+    with answering(None) as address:
+        started = time.monotonic()
+        problem = ray_address_problem(address, timeout_s=1.5)
+        elapsed = time.monotonic() - started
+    assert 1.4 <= elapsed <= 4.0, elapsed
+    assert problem is not None and f"no answer from {address} within 1.5 s" in problem
 
 
 def test_a_request_over_the_total_and_one_that_fits():

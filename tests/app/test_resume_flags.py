@@ -17,6 +17,7 @@ from gradmon_ray.app.train.checkpoints import CheckpointReporter
 from gradmon_ray.app.train.resume import CHECKPOINT_ROOT_ENV
 from gradmon_ray.config import GradmonConfig
 from tests.app.conftest import Learners
+from tests.app.ray_address_stubs import grpc_like
 from tests.app.test_resume_command import _fake_training, _run
 
 DONE = 5
@@ -70,14 +71,13 @@ def test_iterations_not_above_those_done_are_refused_before_ray(store, learners,
 
 
 def test_ray_address_and_iterations_reach_the_resumed_run_after_trains_checks(store, learners, monkeypatch, capsys):
-    """``--iterations DONE+1`` is accepted; ``--ray-address`` (a port that answers) is the resumed
+    """``--iterations DONE+1`` is accepted; ``--ray-address`` (a gRPC server) is the resumed
     run's Ray; the run's config's advisories are printed as ``train`` prints them."""
     seen = _fake_training(monkeypatch)
     cfg = learners.cfg.model_copy(deep=True)
     cfg.vgs.enabled, cfg.vgs.apply_to, cfg.optimizer = True, "gradient", "adam"  # an advisory, as train gives
     run_id = _interrupted(store, learners, cfg)
-    with socket.create_server(("127.0.0.1", 0)) as listening:
-        address = f"127.0.0.1:{listening.getsockname()[1]}"
+    with grpc_like() as address:  # answers HTTP/2's handshake as Ray's GCS does
         argv = ["train", "--resume", run_id, "--mlflow-uri", store, "--iterations", str(DONE + 1)]
         assert cli.main([*argv, "--ray-address", address]) == 0
     out, err = capsys.readouterr()

@@ -10,11 +10,13 @@ run behind).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.app.ray_address_stubs import web_server
 from tests.e2e.in_process import run_cli
 from tests.e2e.processes import free_port
 
@@ -60,6 +62,24 @@ def test_a_ray_address_nothing_answers_at(command, without_shared_ray, tmp_path)
         f"on 127.0.0.1:{port}; start the cluster or fix the address (unset: a local Ray)"
     )
     assert sorted(p.name for p in run_dir.iterdir()) == []
+
+
+def test_a_ray_address_where_a_web_server_answers_is_refused_at_once(without_shared_ray, tmp_path):
+    """Before, ``ray.init`` printed Ray's GCS warnings for minutes (a new user's report: 20 of them, then
+    a ``ConnectionError`` traceback); now one line, well before the 15 s a silent address gets."""
+    with web_server() as address:
+        started = time.monotonic()
+        err = _refused(["train", *TINY, "--ray-address", address], tmp_path)
+        assert time.monotonic() - started < 10.0
+    assert err.startswith(f"gradmon-ray: config error: resources.ray_address: cannot reach Ray at {address}: ")
+    assert "answers, but not as a Ray cluster does (no gRPC)" in err
+
+
+def test_a_real_ray_gcs_passes_the_address_check(lasting_ray_address):
+    """The handshake the check expects is what a real Ray head's GCS answers (the session's shared Ray)."""
+    from gradmon_ray.app.resource_wait import ray_address_problem
+
+    assert ray_address_problem(lasting_ray_address, timeout_s=5.0) is None
 
 
 def test_ray_address_from_the_environment_is_named_as_such(without_shared_ray, tmp_path, monkeypatch):
