@@ -34,7 +34,7 @@ from gradmon_ray import metric_names as mn
 from gradmon_ray.rllib import with_gradmon
 from tests.doc_blocks import ROOT, drop_in_blocks
 from tests.e2e.processes import clean_env, kill_group
-from tests.test_docs import _readme_drop_in_example
+from tests.test_docs import README_TRAIN, _readme_drop_in_example
 
 pytestmark = pytest.mark.e2e
 
@@ -89,7 +89,7 @@ def test_appo_example_as_written(ray_session):
     setup, train, read = _readme_drop_in_example()
     namespace: dict = {}
     exec(compile(ast.Module(body=setup, type_ignores=[]), "README.md", "exec"), namespace)
-    assert ast.unparse(train) == "result = config.build_algo().train()"
+    assert [ast.unparse(stmt) for stmt in train] == README_TRAIN  # _train_until_learner_results: the same loop
     config = namespace["config"].training(grad_clip=GRAD_CLIP).reporting(log_gradients=True)
     assert config.grad_clip_by == "global_norm"
     algo = config.build_algo()
