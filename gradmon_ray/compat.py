@@ -16,7 +16,7 @@ below holds both forms):
 - ``TorchLearner._make_modules_ddp_if_necessary`` and ``TorchLearner._update`` (``DistributedModulesHook``,
   for ``gradmon_ray.rllib.module_sync``)
 - ``Checkpointable._check_component`` (``wants_component``)
-- ``TorchLearner._grad_scalers`` (``grad_scaler``)
+- ``TorchLearner._grad_scalers`` (``grad_scaler``, ``idle_grad_scalers``)
 - ``torch.amp.GradScaler._get_scale_async`` (``scale_tensor``)
 - the ``optimizer.found_inf`` attribute fused Adam reads (``set_found_inf``)
 - ``TorchMultiCategorical._cats``, ``TorchMultiDistribution._flat_child_distributions``
@@ -40,6 +40,8 @@ below holds both forms):
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -124,6 +126,35 @@ def grad_scaler(learner: Any, module_id: str) -> torch.amp.GradScaler | None:
     """The module's ``GradScaler`` (``config.experimental(_torch_grad_scaler_class=...)``), else None."""
     scalers = learner._grad_scalers
     return scalers[module_id] if scalers is not None else None
+
+
+class _IdleGradScaler:
+    """A module's ``GradScaler`` as RLlib's ``apply_gradients`` sees it while the module has no
+    gradient: ``step`` and ``update`` leave its optimizer and the scaler as they were (the real
+    ``step`` would assert "No inf checks were recorded for this optimizer")."""
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.scaler = scaler
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None: ...
+
+    def update(self, new_scale: Any = None) -> None: ...
+
+    def get_scale(self) -> float:
+        return self.scaler.get_scale()  # RLlib logs every module's scale
+
+
+@contextmanager
+def idle_grad_scalers(learner: Any, module_ids: Collection[str]) -> Iterator[None]:
+    """Inside the block, RLlib's ``apply_gradients`` neither steps nor updates the ``GradScaler`` of
+    ``module_ids`` (modules without any gradient this minibatch); they are put back afterwards."""
+    scalers = learner._grad_scalers or {}  # None without mixed precision
+    saved = {mid: scalers[mid] for mid in module_ids if mid in scalers}
+    scalers.update({mid: _IdleGradScaler(scaler) for mid, scaler in saved.items()})
+    try:
+        yield
+    finally:
+        scalers.update(saved)
 
 
 def scale_tensor(scaler: torch.amp.GradScaler) -> torch.Tensor:

@@ -7,7 +7,12 @@ what needs its own slice (VGS, the noise-scale hook). The step (``apply_gradient
 own, with the non-finite flag handed to fused optimizers as ``found_inf`` (no host read), and
 the minibatch's norms of every module are ONE record (``NormRecords``). Nothing here reads the
 device from the host, whatever the number of modules (``tests/rllib/test_host_reads.py`` counts
-it)."""
+it).
+
+A module without any gradient this minibatch (no rows in it: sparse multi-agent batches; known on
+the host, every ``p.grad`` is None) is idle: no ``GradScaler.unscale_``, no VGS (statistics,
+warm-up clock, scale), no step preparation, and RLlib does not step its ``GradScaler``; only its
+norms (NaN: "missing") go into the record."""
 
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 from ray.rllib.utils.annotations import override
 from ray.rllib.utils.typing import ModuleID, ParamDict
 
+from gradmon_ray import compat
 from gradmon_ray.rllib.module_telemetry import FoundInfFlags
 from gradmon_ray.telemetry.lane_fold import LaneFold
 from gradmon_ray.telemetry.norm_plan import GradientNormPlan, GradientNorms, PackedNorms
@@ -43,6 +49,7 @@ class GradmonGradientPass:
         self._movement = ParameterMovement(self._norm_plan.slots)
         self._movement.prime()
         self._pending_norms: PackedNorms | None = None
+        self._idle_modules: set[ModuleID] = set()  # the measured minibatch's monitored modules without any gradient
         self._measured_for_modules = False
         self._postprocessed: set[ModuleID] = set()
 
@@ -75,14 +82,18 @@ class GradmonGradientPass:
     def _measure(self) -> PackedNorms:
         """Every monitored module's norms in one pass (batched), then each module's own follow-up."""
         self._postprocessed: set[ModuleID] = set()
+        # Host-side (RLlib left ``.grad`` None: the module had no rows), never a device read.
+        self._idle_modules = {mid for mid, m in self._monitors.items() if all(p.grad is None for p in m.params)}
         for module_id, monitor in self._monitors.items():
-            monitor.unscale(self._optimizers_of(module_id))
+            if module_id not in self._idle_modules:  # unscale_ of an optimizer without gradients records no inf check
+                monitor.unscale(self._optimizers_of(module_id))
         norms = self._norm_plan.compute_all()
         for module_id, monitor in self._monitors.items():
             if monitor.epoch_sum is not None and self.in_first_epoch(module_id):
                 monitor.epoch_sum.add(len(self._norm_records))  # one learner's noise scale: one op
-        for index, monitor in enumerate(self._monitors.values()):
-            if monitor.needs_own_norms:
+        for index, (module_id, monitor) in enumerate(self._monitors.items()):
+            # An idle module's norms are NaN: nothing for VGS (zeros would teach it) or the noise lanes.
+            if monitor.needs_own_norms and module_id not in self._idle_modules:
                 own = self._module_norms(norms, index) if monitor.noise is not None else None
                 monitor.after_norms(norms.flags[index], own)
         return norms
@@ -109,7 +120,11 @@ class GradmonGradientPass:
         with ExitStack() as stack:
             flags = stack.enter_context(FoundInfFlags())
             dropped: set[int] = set()
+            idle_scalers = [mid for mid in self._idle_modules if self._monitors[mid].grad_scaler is not None]
+            stack.enter_context(compat.idle_grad_scalers(self, idle_scalers))
             for index, (module_id, monitor) in enumerate(self._monitors.items()):
+                if module_id in self._idle_modules:
+                    continue  # no gradient: nothing to step, flag or scale
                 params = monitor.prepare_step(self._optimizers_of(module_id), skip_nonfinite, flags, norms.flags[index])
                 stack.enter_context(monitor.scaled_update())
                 for param in params:

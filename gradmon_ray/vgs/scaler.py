@@ -34,6 +34,11 @@ getters (``get_normalized_variance``, ``get_scaling_factor``, ``get_metrics``,
 
 Where the factor acts (on the gradient, or on the optimizer's update) is the learner's
 choice: ``observe(scale_gradients=False)`` only returns it (``optim.scaled_step`` applies it to the update).
+
+A step in which no parameter has a gradient at all (every ``p.grad`` is None: a module absent
+from a sparse multi-agent minibatch) is left out entirely: no statistics update, no warmup step
+(the ``step()`` after it does not count), nothing scaled; ``observe`` returns 1.  Known on the
+host, so no sync.  A parameter without a gradient beside others that have one still counts as 0.
 """
 
 from __future__ import annotations
@@ -119,6 +124,7 @@ class VarianceGradientScaler(VGSStatistics, VGSAggregation, VGSReporting, VGSChe
         self.granularity = granularity
         self.quantile_sample_size = int(quantile_sample_size)
         self._step_count = 0
+        self._idle = False  # the last observation had no gradient at all: the next step() does not count
         self._device = self._parameters[0].device if self._parameters else torch.device("cpu")
         self._numel = [p.numel() for p in self._parameters]
         compiled = kernels.wants_compile(compile, sum(self._numel))
@@ -148,6 +154,11 @@ class VarianceGradientScaler(VGSStatistics, VGSAggregation, VGSReporting, VGSChe
         return self._step_count < self.warmup_steps
 
     # --- per step (no host sync) -------------------------------------------------------------
+    def _no_gradient(self) -> bool:
+        """Whether no parameter has a gradient (host-side; remembered for the next ``step()``)."""
+        self._idle = all(p.grad is None for p in self._parameters)
+        return self._idle
+
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._parameters]
 
@@ -181,7 +192,7 @@ class VarianceGradientScaler(VGSStatistics, VGSAggregation, VGSReporting, VGSChe
         whose gradients are not finite; non-finite entries are also cleaned before they can
         reach the EMAs, so a NaN can never poison them.
         """
-        if not self.enabled or not self._parameters:
+        if not self.enabled or not self._parameters or self._no_gradient():
             return
         keep, weight = self._weight(skip)
         self._record(keep, weight, self._fold(self._grads(), weight))
@@ -191,7 +202,7 @@ class VarianceGradientScaler(VGSStatistics, VGSAggregation, VGSReporting, VGSChe
         """Fold the current gradients into the statistics and return this step's factor as a
         0-d device tensor (1 during warmup); with ``scale_gradients`` also multiply every
         ``p.grad`` by it (in the same pass where it can: element granularity, ``p90``)."""
-        if not self.enabled or not self._parameters:
+        if not self.enabled or not self._parameters or self._no_gradient():
             return torch.ones((), device=self._device)
         grads = self._grads()
         sampled = self._sample_parts or (self._flat and self._sample is not None)
@@ -238,9 +249,10 @@ class VarianceGradientScaler(VGSStatistics, VGSAggregation, VGSReporting, VGSChe
         return self.observe(skip, scale_gradients=True)
 
     def step(self) -> None:
-        """Advance the warmup clock by one optimisation step."""
-        if self.enabled:
+        """Advance the warmup clock by one optimisation step (not after an observation without gradients)."""
+        if self.enabled and not self._idle:
             self._step_count += 1
+        self._idle = False
 
 
 __all__ = [

@@ -6,6 +6,7 @@ Seed test 5 and the state round trip: ``test_checkpoint.py``; undefined (NaN/Inf
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import math
 from pathlib import Path
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 from gradmon_ray import metric_names as mn
 from gradmon_ray.vgs import VarianceGradientScaler
 from gradmon_ray.vgs.scaler import analytic_normalized_variance_of_abs
-from tests.vgs.vgs_oracle import assert_vgs_metrics_close, numpy_vgs_metrics
+from tests.vgs.vgs_oracle import assert_same_vgs_state, assert_vgs_metrics_close, numpy_vgs_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -350,3 +351,56 @@ def test_alpha_zero_is_allowed_and_never_scales():
 def test_bad_settings_are_refused_with_the_documented_message(kwargs):
     with pytest.raises(ValueError, match=r"^need alpha >= 0, eps > 0, warmup_steps >= 0, quantile_sample_size >= 1$"):
         VarianceGradientScaler([torch.nn.Parameter(torch.zeros(2))], **kwargs)
+
+
+# --- a step without any gradient (a module absent from a sparse multi-agent minibatch) ---------
+@pytest.mark.parametrize("scale_gradients", [True, False], ids=["gradient", "update"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        {"aggregation_method": "p90"},  # exact percentiles (fewer entries than the sample)
+        {"aggregation_method": "p90", "quantile_sample_size": 37},  # the one-pass sampled step
+        {"aggregation_method": "mean"},
+        {"aggregation_method": "weighted_mean", "granularity": "tensor"},
+        {"aggregation_method": "p90", "granularity": "tensor"},
+    ],
+    ids=["p90-exact", "p90-sampled", "mean", "weighted_mean-tensor", "p90-tensor"],
+)
+def test_a_step_without_any_gradient_is_left_out_entirely(case, scale_gradients):
+    """Steps in which every ``p.grad`` is None, between real ones: each leaves the state exactly as
+    it was (statistics, applied-update counters, warmup clock: no zeros folded in, no warmup step),
+    returns a factor of 1 and creates no gradient; after the stream every ``vgs/*`` metric equals
+    the numpy VGS fed only the real steps.  (Before: ``RuntimeError: Tensor list must have at least
+    one tensor`` on the unsampled gradient path; elsewhere zeros folded and the clock advanced.)"""
+    shapes = [(6, 5), (5,), (3, 4)]
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    common = {"beta": 0.8, "alpha": 3.0, "eps": 1e-8, "warmup_steps": 3}
+    vgs = VarianceGradientScaler(params, **common, **case)
+    gen = torch.Generator().manual_seed(5)
+    centre = [torch.randn(s, generator=gen) for s in shapes]
+    fed = []
+    for step in range(9):
+        if step in (1, 3, 4, 7):  # no gradient at all
+            for p in params:
+                p.grad = None
+            before = copy.deepcopy(vgs.state_dict())
+            if step == 4:
+                vgs.update_statistics()
+            else:
+                assert float(vgs.observe(scale_gradients=scale_gradients)) == 1.0
+            vgs.step()
+            assert_same_vgs_state(vgs.state_dict(), before, f"step {step}")
+            assert all(p.grad is None for p in params)
+            continue
+        grads = [c * (1 + (0.2 + step % 3) * torch.randn(c.shape, generator=gen)) for c in centre]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        vgs.observe(scale_gradients=scale_gradients)
+        vgs.step()
+        fed.append([g.numpy() for g in grads])
+    sample = vgs._sample.cpu().numpy() if vgs._sample is not None else None
+    assert (sample is not None) == ("quantile_sample_size" in case)
+    oracle = {k: v for k, v in case.items() if k != "quantile_sample_size"}
+    expected = numpy_vgs_metrics(fed, sample=sample, **common, **oracle)
+    assert expected[mn.VGS_STEP_COUNT] == 5 and expected[mn.VGS_SCALING_FACTOR] < 0.99  # past warmup: it acts
+    assert_vgs_metrics_close(vgs.get_metrics(), expected)

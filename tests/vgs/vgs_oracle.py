@@ -118,3 +118,15 @@ def assert_vgs_metrics_close(got: dict, expected: dict, rel: float = 2e-4) -> No
         else:
             abs_tol = 1e-7
         assert float(got[name]) == pytest.approx(want, rel=rel, abs=abs_tol), (name, float(got[name]), want)
+
+
+def assert_same_vgs_state(got: dict, want: dict, what: str = "VGS state") -> None:
+    """Two ``VarianceGradientScaler.state_dict()``s equal bit for bit (statistics, counters, clock)."""
+    import torch
+
+    assert got.keys() == want.keys(), what
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got[key], value), f"{what}: {key} changed"
+        else:
+            assert got[key] == value or (value != value and got[key] != got[key]), f"{what}: {key} changed"
