@@ -27,6 +27,7 @@ from mlflow.utils import validation as mlflow_validation
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray import metric_parsing as mp
+from gradmon_ray.config.module_patterns import is_pattern
 from gradmon_ray.head_labels import MAX_NAME_LENGTH, check_name
 from gradmon_ray.rllib.module import ModelConfigError, resolve_heads
 from gradmon_ray.rllib.settings import GradmonSettings
@@ -134,11 +135,15 @@ def test_what_the_rule_accepts():
 @given(bad=names.filter(lambda n: not accepted(n)))
 def test_every_place_that_takes_a_name_refuses_a_bad_one_in_one_line(bad):
     """The gradmon settings (heads keys, value_heads, modules, per_module keys) and gradmon's own
-    module (``model.head_names``, ``Dict`` action keys)."""
+    module (``model.head_names``, ``Dict`` action keys).  ``modules`` also takes glob patterns
+    (``config.module_patterns``): a bad name that is one (``*``, ``a?b``) is accepted there."""
+    glob = isinstance(bad, str) and is_pattern(bad) and accepted(bad.replace("*", "x").replace("?", "x"))
+    if glob:
+        assert GradmonSettings.from_learner_config({"gradmon": {"modules": [bad]}}).modules == (bad,)
     entries = [
         {"heads": {bad: r"^pi\."}},
         {"value_heads": [bad]},
-        {"modules": [bad]},
+        *([] if glob else [{"modules": [bad]}]),
         {"per_module": {bad: {}}},
         {"per_module": {"p0": {"heads": {bad: r"^pi\."}}}},
         {"per_module": {"p0": {"value_heads": [bad]}}},

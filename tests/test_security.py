@@ -110,3 +110,41 @@ def test_the_only_code_loaded_from_config_is_a_regularizer_or_env_import_path():
         # unpickling a callback class pinned on the driver: the class pickle named (no new trust)
         ("gradmon_ray/tracking/callback.py", "module"),
     ]
+
+
+# Every slice with an end in app/, tracking/ and probe/ that is not a cut of a message: ids and
+# digests, lists and batches, and redact.py's own parsing.  A message is cut by ``redact.short``
+# (masked, then cut), never by a slice: a cut inside a password hides it from the masking (#46 item 3).
+NOT_MESSAGES = {
+    ("gradmon_ray/app/cli_common.py", "problems[:few]"),  # a list of problems, each masked by error_line
+    # error_line masks its whole line before clip_line cuts it
+    ("gradmon_ray/app/cli_common.py", "line[:limit - len(gap)]"),
+    ("gradmon_ray/app/cli_common.py", "line[:(limit - len(gap) - 1) * 2 // 3]"),
+    ("gradmon_ray/app/sweep/run.py", "parent_id[:8]"),
+    ("gradmon_ray/app/train/checkpoints.py", "restored[:12]"),
+    ("gradmon_ray/app/train/checkpoints.py", "expected[:12]"),
+    ("gradmon_ray/app/train/command.py", "RESUME_FLAGS[:-1]"),
+    ("gradmon_ray/probe/actor.py", "uuid.uuid4().hex[:12]"),
+    ("gradmon_ray/probe/connectors.py", "hashlib.sha256(repr(value).encode()).digest()[:8]"),
+    ("gradmon_ray/tracking/mlflow_io.py", "metric_list[i:i + MAX_METRICS_PER_BATCH]"),
+    ("gradmon_ray/tracking/mlflow_io.py", "param_list[i:i + MAX_PARAMS_PER_BATCH]"),
+    ("gradmon_ray/tracking/mlflow_io.py", "tag_list[i:i + MAX_TAGS_PER_BATCH]"),
+    ("gradmon_ray/tracking/uri_credentials.py", "rest[:cut]"),
+}
+
+
+def test_messages_are_masked_before_they_are_cut():
+    def cuts(path: Path) -> list[str]:
+        rel = str(path.relative_to(ROOT))
+        if rel.split("/")[1] not in ("app", "tracking", "probe") or rel == "gradmon_ray/tracking/redact.py":
+            return []
+        found = [
+            (node.lineno, ast.unparse(node))
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice) and node.slice.upper is not None
+        ]
+        return [
+            f"line {n}: {text}: cut a message with redact.short" for n, text in found if (rel, text) not in NOT_MESSAGES
+        ]
+
+    _assert_none_fail(cuts, PACKAGE)

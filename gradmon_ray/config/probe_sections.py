@@ -12,8 +12,8 @@ from typing import Union
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from gradmon_ray.config.base import ConfigError, ConfigModel
+from gradmon_ray.config.module_patterns import check_module_entry
 from gradmon_ray.config.sections import CustomResources, Text, check_custom_resources
-from gradmon_ray.head_labels import check_name
 from gradmon_ray.import_paths import resolve_regularizer_fn
 
 RESERVED_REGULARIZER_NAMES = ("task", "entropy", "kl", "value", "total")
@@ -73,8 +73,8 @@ class ProbeSection(ConfigModel):
     )
     modules: Union[list[Text], None] = Field(
         None,
-        description="Multi-agent: the module ids to probe (null: every monitored module); an id the run's "
-        "MultiRLModule does not have stops the learner's build.",
+        description="Multi-agent: the module ids or glob patterns (league_*) to probe (null: every monitored "
+        "module); an id no module of the run matches is reported once in the learner's log, not refused.",
     )
 
     @field_validator("modules")
@@ -83,7 +83,7 @@ class ProbeSection(ConfigModel):
         if modules is not None and not modules:
             raise ConfigError("", "must be a non-empty list of module ids or null (every module)")
         try:
-            return None if modules is None else [check_name(m, "module id") for m in modules]
+            return None if modules is None else [check_module_entry(m, "module id") for m in modules]
         except ValueError as exc:
             raise ConfigError("", str(exc)) from None
 

@@ -4,6 +4,9 @@ The group is a ``ray.util.collective`` group.  With gloo it becomes a ``torch.di
 sub-group of the world RLlib already created for DDP, under a run-unique name that never is
 ``"default"`` (that name would mean torch's WORLD group, and destroying it would tear down
 RLlib's DDP).  It is created lazily on the first reduction and destroyed on learner shutdown.
+A reduction that has not completed within ``timeout_s`` raises ``CollectiveTimeoutError`` naming
+the step (``distributed.agreement``): Ray's gloo group has torch's 30-minute timeout, its NCCL
+group none.
 
 Why ONE SUM allreduce carries everything: every lane that would need MAX is a 0/1 flag
 (per-head NaN/Inf latches on the *local* log-probs), and for 0/1 flags ``OR == (SUM > 0)``.
@@ -22,6 +25,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from gradmon_ray.distributed.agreement import run_within, timed_out
 from gradmon_ray.telemetry.accumulator import IterationAccumulator, reduce_and_copy
 from gradmon_ray.telemetry.lane_layout import TelemetryLayout
 
@@ -58,7 +62,15 @@ class LearnerCollective:
     one learner takes the same code path with nothing to reduce.
     """
 
-    def __init__(self, group_name: str, world_size: int, rank: int, backend: str, device: torch.device) -> None:
+    def __init__(
+        self,
+        group_name: str,
+        world_size: int,
+        rank: int,
+        backend: str,
+        device: torch.device,
+        timeout_s: float | None = None,
+    ) -> None:
         if group_name == "default":
             raise ValueError("never name the gradmon collective group 'default' (torch's WORLD group)")
         self.group_name = group_name
@@ -66,7 +78,10 @@ class LearnerCollective:
         self.rank = int(rank)
         self.backend = resolve_backend(backend, device) if self.world_size > 1 else "none"
         self.calls = 0
+        self.timeout_s = timeout_s
+        """How long one reduction may wait for the other learners (None: the transport's own limit)."""
         self._initialized = False
+        self._stuck = False  # a reduction timed out: its group is left alone (destroying it would block)
 
     @property
     def active(self) -> bool:
@@ -88,9 +103,18 @@ class LearnerCollective:
         """
         if not self.active:
             return tensor
-        self._allreduce(tensor)
+        # In a helper thread, waited for at most ``timeout_s``: no transport here takes a deadline.
+        if not run_within(lambda: self._transport(tensor), self.timeout_s):
+            self._stuck = True
+            what = f"the telemetry reduce of step {self.calls + 1} (group {self.group_name})"
+            raise timed_out(what, self.rank, self.world_size, self.timeout_s or 0.0)
         self.calls += 1
         return tensor
+
+    def _transport(self, tensor: torch.Tensor) -> None:
+        self._allreduce(tensor)
+        if tensor.is_cuda:  # NCCL: the reduction is queued on a stream; wait for it here, within the deadline
+            torch.cuda.synchronize(tensor.device)
 
     def _allreduce(self, tensor: torch.Tensor) -> None:
         """The transport: one in-place SUM through the Ray collective group (made on first use)."""
@@ -101,7 +125,7 @@ class LearnerCollective:
 
     def destroy(self) -> None:
         """Tear down this group only (RLlib's DDP world is left alone)."""
-        if not self._initialized:
+        if not self._initialized or self._stuck:
             return
         from ray.util import collective
 
@@ -266,28 +290,3 @@ class Segments:
             out[name] = np.asarray(flat[start : start + size])
             start += size
         return out
-
-
-# --- replica checksum ---------------------------------------------------------------------
-CHECKSUM_BITS = 48
-_CHUNK = 1 << 24
-
-
-def parameter_checksum(params: list[torch.Tensor]) -> torch.Tensor:
-    """A 48-bit checksum of the parameters' exact bit patterns, as two float64 "digits".
-
-    ``sum_i bits_i * w_i mod 2^48`` with fixed odd weights ``w_i``: a change of any single
-    element changes it (``w_i`` is odd and ``|delta bits| < 2^33``).  The two 24-bit digits
-    stay exact in float64 after summing over up to 2^29 learners, so ``SUM == K * own`` is an
-    exact test across replicas.
-    """
-    flat = torch.cat([p.detach().reshape(-1).float() for p in params])
-    bits = flat.view(torch.int32).to(torch.int64)
-    index = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64)
-    weights = (index * 2654435761 + 1) | 1  # odd, distinct, deterministic
-    total = (bits * weights).sum() & ((1 << CHECKSUM_BITS) - 1)
-    return torch.stack([(total // _CHUNK).double(), (total % _CHUNK).double()])
-
-
-class ReplicaDivergenceError(RuntimeError):
-    """Learner replicas hold different parameters: the run can no longer be trusted."""

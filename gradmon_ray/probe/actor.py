@@ -51,6 +51,8 @@ class GradientProbe:
             user function is imported in the actor's process).
         track_grad_norms: take each regularizer's gradient (ADR-009); off by default.
         device: where the module copy lives (``"cuda"`` when the actor got a GPU).
+        skip_through: iterations up to this one are in the run already (a resumed run trains them
+            again): probed, not logged a second time.
     """
 
     def __init__(
@@ -62,8 +64,10 @@ class GradientProbe:
         regularizers: Sequence[Mapping[str, Any]] = (),
         track_grad_norms: bool = False,
         device: str | None = None,
+        skip_through: int = 0,
     ) -> None:
         self.num_buckets = int(num_buckets)
+        self._skip_through = int(skip_through)
         self._regularizers: list[RegularizerSpec] = (
             [resolve_regularizer(**dict(entry)) for entry in regularizers] if track_grad_norms else []
         )
@@ -102,7 +106,7 @@ class GradientProbe:
         if "ok" in values:
             metrics[mn.PROBE_DURATION_S] = duration
             self.last_metrics = metrics
-            if self._sink is not None:
+            if self._sink is not None and request.iteration > self._skip_through:
                 self._sink.log_iteration(request.iteration, metrics)
         return ProbeOutcome(
             request.iteration, status, duration, num_metrics=len(metrics), message="; ".join(problems), modules=statuses
@@ -172,11 +176,13 @@ def start_probe_actor(
     num_gpus: float = 0.0,
     max_restarts: int = 3,
     resources: Mapping[str, float] | None = None,
+    skip_through: int = 0,
 ) -> Any:
     """Start the named probe actor (its own CPU, or a GPU fraction) and wait until it is up.
 
     ``resources``: custom Ray resources it asks for besides (``probe.custom_resources``), which
-    pins it, and a restart of it, to nodes advertising them.
+    pins it, and a restart of it, to nodes advertising them.  ``skip_through``: the last iteration
+    the run has in MLflow already (``GradientProbe``).
 
     A restarted actor is rebuilt from these same arguments, so it writes into the same run.
     ``max_task_retries=0``: a probe that died with the actor is counted as failed by the
@@ -201,6 +207,7 @@ def start_probe_actor(
         regularizers=[dict(r) for r in regularizers],
         track_grad_norms=track_grad_norms,
         device="cuda" if num_gpus > 0 else "cpu",
+        skip_through=skip_through,
     )
     ray.get(handle.ready.remote())
     return handle

@@ -22,8 +22,11 @@ PROBE_RUN_WAIT_S = 15.0
 PROBE_FLUSH_S = 30.0
 
 
-def start_probe(cfg: GradmonConfig, name: str, sink: MlflowSink) -> Any:
-    """Start the GradientProbe actor writing into the sink's run (None, with a warning, if it cannot start)."""
+def start_probe(cfg: GradmonConfig, name: str, sink: MlflowSink, skip_through: int = 0) -> Any:
+    """Start the GradientProbe actor writing into the sink's run (None, with a warning, if it cannot start).
+
+    ``skip_through``: the last iteration the run has in MLflow (a resumed run's ``logged_through``):
+    the iterations it trains again are probed, and not logged twice."""
     from gradmon_ray.probe import start_probe_actor
 
     run_id = sink.wait_for_run(PROBE_RUN_WAIT_S)
@@ -45,6 +48,7 @@ def start_probe(cfg: GradmonConfig, name: str, sink: MlflowSink) -> Any:
             num_gpus=cfg.probe.num_gpus,
             max_restarts=cfg.probe.max_restarts,
             resources=cfg.probe.custom_resources,
+            skip_through=skip_through,
         )
     except Exception as exc:  # the probe is an observer: training goes on without it
         logger.warning("gradient probe actor could not start (%s: %s); training without it", type(exc).__name__, exc)

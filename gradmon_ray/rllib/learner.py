@@ -162,11 +162,8 @@ class GradmonPPOTorchLearner(PPOAnalysisLosses, with_gradmon(PPOTorchLearner)):
         # The modules monitored NOW (one added mid-run is probed from its first probed iteration,
         # a removed one no more), those with rows in this batch (a sparse agent may have none),
         # and of those the ones in probe.modules when it is set.
-        chosen = self.gradmon.probe.modules  # probe.modules: only these (None: every monitored module)
-        present = [
-            mid
-            for mid in self.gradmon_modules
-            if mid in batch.policy_batches and (chosen is None or str(mid) in chosen)
+        present = [  # probe.modules: only those it names, by id or pattern (None: every monitored module)
+            mid for mid in self.gradmon_modules if mid in batch.policy_batches and self.gradmon.probe.probes(mid)
         ]
         if not present or not probe.reserve():
             return

@@ -18,6 +18,11 @@ and after ``backward`` every module's gradients are averaged in ONE all-reduce o
 learners that trained the module this update (``distributed.gradient_average``).  A learner
 with one module keeps RLlib's DDP as it is; so does a config that sets its own
 ``torch_ddp_kwargs["process_group"]``.
+
+With mixed precision (``_torch_grad_scaler_class``) the average is of scaled gradients, as DDP's
+is, so every learner's ``GradScaler`` of a module must hold the same scale: they all start when
+the average is arranged (``_start_grad_scalers``), not at the module's first loss on each
+learner, and then see the same averaged gradient, so they skip and back off together.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from ray.rllib.core.learner.learner import Learner
 from ray.rllib.utils.annotations import override
 from ray.rllib.utils.typing import ModuleID, ParamDict
 
+from gradmon_ray import compat
 from gradmon_ray.distributed.gradient_average import ModuleGradientAverage
 
 
@@ -85,9 +91,30 @@ class SparseSafeModuleSync:
                 # collective on the others.  Its constructor has synced the buffers already.
                 module[mid].require_forward_param_sync = False
         self._gradient_average = ModuleGradientAverage(
-            [[p for p in module[mid].unwrapped().parameters() if p.requires_grad] for mid in torch_ids]
+            [[p for p in module[mid].unwrapped().parameters() if p.requires_grad] for mid in torch_ids],
+            names=torch_ids,
+            timeout_s=self.gradmon.collective_timeout_s,  # type: ignore[attr-defined]
+            follows=self._gradient_average,  # a learner this change missed still meets an exchange of its size
         )
         self._synced_module_ids = torch_ids
+        self._start_grad_scalers()
+
+    def _start_grad_scalers(self) -> None:
+        """Mixed precision (``_torch_grad_scaler_class``): every averaged module's ``GradScaler``
+        starts now, on every learner at once, so that all learners' scalers of a module hold ONE
+        scale.  RLlib's start lazily, at the module's first loss on that learner: a learner with
+        none of the module's samples would hold no scale (``unscale_``/``step`` of the gradient
+        it is handed raise) or, starting later than the others, another scale (the average would
+        sum gradients scaled by 2^16 with ones scaled by 2^15).  Started together, they stay
+        together: every learner unscales the same averaged gradient by the same scale, so all
+        find the same overflow, skip the same steps and back off or grow alike."""
+        average = self._gradient_average
+        if average is None:
+            return
+        for mid, params in zip(self._synced_module_ids, average.modules, strict=True):
+            scaler = compat.grad_scaler(self, mid)
+            if scaler is not None and params:
+                scaler.scale(torch.zeros((), device=params[0].device))  # starts it; no-op once started
 
     @override(Learner)
     def compute_gradients(self, loss_per_module: dict[ModuleID, Any], **kwargs: Any) -> ParamDict:

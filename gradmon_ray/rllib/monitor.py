@@ -128,6 +128,8 @@ class GradmonMonitor(
         """One ``ModuleTelemetry`` per monitored module; every head is resolved first (errors name the module)."""
         module_ids = self._torch_module_ids()
         self.gradmon.check_modules(module_ids)
+        self._seen_modules = {str(mid) for mid in self.module.keys()}  # noqa: SIM118 (ModuleChanges.warn_unseen_modules)
+        self._unseen_warned = False
         wanted = [mid for mid in module_ids if self._wants(mid)]
         specs = []
         for module_id in wanted:
@@ -139,7 +141,7 @@ class GradmonMonitor(
         return [mid for mid in self.module.keys() if isinstance(self.module[mid], torch.nn.Module)]  # noqa: SIM118 (a MultiRLModule iterates otherwise)
 
     def _wants(self, module_id: ModuleID) -> bool:
-        return self.gradmon.modules is None or module_id in self.gradmon.modules
+        return self.gradmon.monitors(module_id)
 
     def _monitor_of(self, spec: Any) -> ModuleTelemetry:
         return ModuleTelemetry(
@@ -171,7 +173,8 @@ class GradmonMonitor(
         name = self.gradmon.collective_group or "gradmon-{}-{}".format(
             os.environ.get("MASTER_ADDR", "local"), os.environ.get("MASTER_PORT", "0")
         )
-        return LearnerCollective(name, world_size, rank, self.gradmon.collective_backend, torch.device(self.device))
+        backend, timeout_s = self.gradmon.collective_backend, self.gradmon.collective_timeout_s
+        return LearnerCollective(name, world_size, rank, backend, torch.device(self.device), timeout_s)
 
     # --- per minibatch ---------------------------------------------------------------
     @override(Learner)

@@ -25,6 +25,7 @@ from gradmon_ray.distributed import (
     reduce_modules,
 )
 from gradmon_ray.rllib.metrics_stats import log_step_metrics
+from gradmon_ray.rllib.module_changes import align_clocks, states_by_module
 from gradmon_ray.rllib.module_groups import health_blocks, latch_flag_blocks
 from gradmon_ray.rllib.module_telemetry import ModuleTelemetry
 from gradmon_ray.rllib.step_metrics import GradmonStepMetrics
@@ -69,6 +70,7 @@ class GradmonReporting(GradmonStepMetrics):
         return {}
 
     def _report(self) -> None:
+        self.warn_unseen_modules()
         metrics: dict[Any, dict[str, float]] = {mid: {} for mid in self._monitors}
         extra = dict(self.gradmon_extra_metrics())
         if extra:  # not a module's: which module is "first" is RLlib's set order, and it can be removed
@@ -237,27 +239,17 @@ class GradmonReporting(GradmonStepMetrics):
 
     @override(Learner)
     def set_state(self, state: StateDict) -> None:
+        """RLlib's ``set_state``, then each monitored module's gradmon state; a checkpoint of other
+        modules than this learner monitors loads the modules both have (``module_changes.states_by_module``)."""
         super().set_state(state)
         self._movement.prime()
-        for key, part in _STATE_PARTS.items():
-            if key not in state:
-                continue
-            for mid, piece_state in self._by_module(state[key]).items():
-                monitor = self._monitors.get(mid)
-                piece = monitor.parts()[part] if monitor is not None else None
+        by_key = states_by_module({key: state[key] for key in _STATE_PARTS if key in state}, self._monitors)
+        for key, states in by_key.items():
+            for mid, piece_state in states.items():
+                piece = self._monitors[mid].parts()[_STATE_PARTS[key]]
                 if piece is not None:
                     piece.load_state_dict(piece_state)
-
-    def _by_module(self, value: dict[str, Any]) -> dict[Any, Any]:
-        """``{module_id: state}``; a state written before multi-agent support (one module's state,
-        not keyed by module) belongs to the one monitored module."""
-        if value and set(value) <= set(self._monitors):
-            return value
-        if len(self._monitors) == 1:
-            return {next(iter(self._monitors)): value}
-        raise ValueError(
-            f"checkpointed gradmon state is keyed {sorted(value)}, not by the modules {list(self._monitors)}"
-        )
+        align_clocks(self._monitors, loaded=by_key.get(TELEMETRY_STATE_KEY, {}))
 
 
 _STATE_PARTS = {TELEMETRY_STATE_KEY: "telemetry", NOISE_STATE_KEY: "noise", VGS_STATE_KEY: "vgs"}

@@ -15,6 +15,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from gradmon_ray.config.module_patterns import is_pattern, matches, unmatched
 from gradmon_ray.head_labels import check_name
 from gradmon_ray.optim.upgd import UPGD
 from gradmon_ray.rllib.settings_parsing import (
@@ -67,7 +68,7 @@ class VGSSettings:
 @dataclass(frozen=True)
 class ProbeSettings:
     """Rank 0 hands the GradientProbe actor ``actor_name`` the batch every ``every`` iterations (0: off),
-    of every monitored module, or of those in ``modules`` (None: all)."""
+    of every monitored module, or of those ``modules`` names (ids or glob patterns; None: all)."""
 
     actor_name: str | None = None
     every: int = 0
@@ -83,6 +84,10 @@ class ProbeSettings:
         if every > 0 and not actor_name:
             raise ValueError(f"{at}['actor_name'] is required when {at}['every'] > 0")
         return cls(actor_name=actor_name, every=every, modules=module_ids(data.get("modules"), f"{at}['modules']"))
+
+    def probes(self, module_id: str) -> bool:
+        """Whether a monitored module ``module_id`` is probed (``modules`` names it, or is None)."""
+        return matches(str(module_id), self.modules)
 
 
 @dataclass(frozen=True)
@@ -117,12 +122,14 @@ class GradmonSettings:
     """Head name -> regex over the module's ``named_parameters()`` names (when the module has
     no ``head_parameter_groups()``); the rest is the trunk."""
     modules: tuple[str, ...] | None = None
-    """Multi-agent: the module ids to monitor (None: every module of the MultiRLModule)."""
+    """Multi-agent: the module ids or glob patterns (``league_*``) of the modules to monitor, those
+    added mid-run included (None: every module of the MultiRLModule); see ``monitors``."""
     value_heads: tuple[str, ...] = ()
     """Heads judged by the value bands, never as action heads, besides ``value`` and ``vf`` (e.g. a
     critic head named ``critic``); the module may declare its own too (``rllib.heads.declared_value_heads``)."""
     per_module: Mapping[str, ModuleSettings] = field(default_factory=lambda: frozen({}))
-    """Multi-agent: module id -> its own heads, bands and/or value heads (see ``for_module``)."""
+    """Multi-agent: module id -> its own heads, bands and/or value heads (see ``for_module``); a
+    module added mid-run gets its entry from its first update."""
     telemetry: bool = True
     """Per-head norms, latches and counts (off: only VGS/probe run)."""
     report_every: int = 0
@@ -137,6 +144,10 @@ class GradmonSettings:
     collective_group: str | None = None
     """Name of the learners' collective group (None: derived from the DDP rendezvous)."""
     collective_backend: str = "auto"
+    collective_timeout_s: float = 300.0
+    """2+ learners: how long one collective among them (the presence exchange, the gradient average
+    on the host, the telemetry reduce) waits for the others before training stops with a line naming
+    what it waited for (``distributed.agreement``; torch's own limit in RLlib is 30 minutes)."""
     reduce_telemetry: bool = True
     noise_scale: bool = True
     noise_scale_one_learner: bool = False
@@ -205,6 +216,9 @@ class GradmonSettings:
             bands=parse_bands(data.get("bands"), where("bands")),
             collective_group=typed(data.get("collective_group"), "str", where("collective_group"), none_ok=True),
             collective_backend=typed(data.get("collective_backend", "auto"), "str", where("collective_backend")),
+            collective_timeout_s=float(
+                typed(data.get("collective_timeout_s", 300.0), "number", where("collective_timeout_s"), minimum=1)
+            ),
             reduce_telemetry=typed(data.get("reduce_telemetry", True), "bool", where("reduce_telemetry")),
             noise_scale=typed(data.get("noise_scale", True), "bool", where("noise_scale")),
             noise_scale_one_learner=typed(
@@ -231,29 +245,39 @@ class GradmonSettings:
             value_heads=self.value_heads if own.value_heads is None else own.value_heads,
         )
 
+    def monitors(self, module_id: str) -> bool:
+        """Whether module ``module_id`` is monitored (``modules`` names it by id or pattern, or is None)."""
+        return matches(str(module_id), self.modules)
+
     def check_modules(self, module_ids: Collection[str]) -> None:
-        """Raise a one-line ``ValueError`` if ``modules``, ``per_module`` or ``probe.modules`` names a
-        module id that is not among ``module_ids`` (the MultiRLModule's), ``probe.modules`` one that
-        ``modules`` does not monitor, or a module to monitor has an id that metric names cannot carry
-        (``head_labels.check_name``)."""
-        have = list(module_ids)
-        named_at = (
-            (where("modules"), self.modules or ()),
-            (where("per_module"), tuple(self.per_module)),
-            (f"{where('probe')}['modules']", self.probe.modules or ()),
-        )
-        for at, named in named_at:
-            missing = [mid for mid in named if mid not in have]
-            if missing:
-                # sorted: RLlib builds the MultiRLModule's order from a set, so it varies between runs
-                raise ValueError(
-                    f"{at} names module ids {missing} that the MultiRLModule does not have; it has {sorted(have)}"
-                )
-        unmonitored = [mid for mid in self.probe.modules or () if self.modules is not None and mid not in self.modules]
+        """Raise a one-line ``ValueError`` if ``probe.modules`` names a module id that ``modules``
+        does not monitor (it would never be probed), or a module to monitor among ``module_ids`` (the
+        MultiRLModule's) has an id that metric names cannot carry (``head_labels.check_name``).  Ids
+        the MultiRLModule does not have (yet) are accepted: a league adds its modules later
+        (``unseen_note`` says, once, which never turned up)."""
+        # (a pattern of probe.modules may match modules that modules names: not refused)
+        unmonitored = [mid for mid in self.probe.modules or () if not is_pattern(mid) and not self.monitors(mid)]
         if unmonitored:  # the probe follows the monitored modules only: these would never be probed
             raise ValueError(
                 f"{where('probe')}['modules'] names module ids {unmonitored} that {where('modules')} does not monitor"
             )
-        for mid in have:
-            if self.modules is None or mid in self.modules:
+        for mid in module_ids:
+            if self.monitors(mid):
                 check_name(mid, "the MultiRLModule's module id")
+
+    def unseen_note(self, seen: Collection[str]) -> str | None:
+        """One line naming every id or pattern of ``modules``, ``per_module`` and ``probe.modules``
+        that no module in ``seen`` (every module the learner has had) matches, None if all did."""
+        named_at = (
+            (where("modules"), unmatched(self.modules, seen)),
+            (where("per_module"), unmatched(tuple(self.per_module), seen)),
+            (f"{where('probe')}['modules']", unmatched(self.probe.modules, seen)),
+        )
+        parts = [f"{at} names {names}" for at, names in named_at if names]
+        if not parts:
+            return None
+        # sorted: RLlib builds the MultiRLModule's order from a set, so it varies between runs
+        return (
+            f"gradmon: {'; '.join(parts)}, matching no module this learner has had ({sorted(map(str, seen))}); "
+            "a module added later under such an id is monitored from its first update, a typo never is"
+        )

@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Any
 
 from gradmon_ray.config import RegularizerEntry
+from gradmon_ray.config.module_patterns import check_module_entry
 from gradmon_ray.head_labels import check_name
 from gradmon_ray.telemetry.bands import BandSet, CollapseBand, HealthBands, UpdateRatioBand
 
@@ -149,14 +150,15 @@ def refuse_full_learner_keys(data: Mapping[str, Any]) -> None:
 
 
 def module_ids(data: Any, at: str = where("modules")) -> tuple[str, ...] | None:
-    """``modules`` (or the list at ``at``): a non-empty list of module ids, or None (every module)."""
+    """``modules`` (or the list at ``at``): a non-empty list of module ids or glob patterns of them
+    (``config.module_patterns``: a module may join later), or None (every module)."""
     if data is None:
         return None
     if isinstance(data, (str, bytes)) or not isinstance(data, (list, tuple)):
         raise ValueError(f"{at} must be a list of module ids (str), got {type(data).__name__} {data!r}")
     if not data or not all(isinstance(m, str) for m in data):
         raise ValueError(f"{at} must be a non-empty list of module ids (str) (omit it for every module), got {data!r}")
-    return tuple(check_name(m, f"{at}: module id") for m in data)
+    return tuple(check_module_entry(m, f"{at}: module id") for m in data)
 
 
 def regularizers(data: Any) -> tuple[Mapping[str, Any], ...]:

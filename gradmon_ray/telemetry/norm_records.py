@@ -77,6 +77,11 @@ class NormRecords:
         """Minibatches recorded this step (the index the next one gets)."""
         return len(self._records)
 
+    @property
+    def records(self) -> tuple[PackedNorms, ...]:
+        """This step's records so far, in order (a module change carries them over: ``rllib.module_changes``)."""
+        return tuple(self._records)
+
     def stacked(self) -> StackedNorms | None:
         """Every module's records of the step, stacked once a step (None without a minibatch)."""
         if self._stacked is None and self._records:

@@ -44,7 +44,7 @@ from gradmon_ray.tracking.callback_settings import (
 from gradmon_ray.tracking.diagnosis_tags import diagnoses_in, diagnosis_tags, shared_cosine_tags
 from gradmon_ray.tracking.mlflow_sink import END_PLOTS_S, MlflowSink
 from gradmon_ray.tracking.redact import install_log_redaction, redact_text, redact_uri
-from gradmon_ray.tracking.result_metrics import latch_tags, result_to_metrics, run_value_heads
+from gradmon_ray.tracking.result_metrics import heads_in, latch_tags, order_heads, result_to_metrics, run_value_heads
 from gradmon_ray.tracking.spill import default_spill_path
 from gradmon_ray.tracking.store_check import local_store_problem
 from gradmon_ray.tracking.uri_credentials import uri_for_this_process
@@ -151,7 +151,8 @@ class GradmonMLflowCallback(RLlibCallback, metaclass=_PinnedWhenShipped):
         self._failed = False
         self._in_tune_trial = False
         self._last_step = 0
-        self._heads_named = False
+        self._tagged_heads: tuple[str, ...] = ()  # the gradmon.head_names tag as last written
+        self._modules_seen: set[str | None] = set()
         self._head_order: tuple[str, ...] = ()
         self._value_heads: tuple[str, ...] = ()
 
@@ -173,14 +174,33 @@ class GradmonMLflowCallback(RLlibCallback, metaclass=_PinnedWhenShipped):
         try:
             step = int(result.get("training_iteration") or algorithm.iteration)
             metrics = result_to_metrics(result, self.settings.module_id)
-            tags = latch_tags(metrics, self._heads_named, self._head_order, self._value_heads)
+            tags = self._head_tags(algorithm, metrics)
             tags.update(diagnosis_tags(diagnoses_in(result), metrics, step))
             tags.update(shared_cosine_tags(result))
-            self._heads_named = self._heads_named or mn.TAG_HEAD_NAMES in tags
             self.sink.log_iteration(step, metrics, tags)  # non-blocking
             self._last_step = step
         except Exception as exc:
             logger.warning("gradmon callback: iteration not logged (%s: %s)", type(exc).__name__, redact_text(str(exc)))
+
+    def _head_tags(self, algorithm: Any, metrics: dict[str, float]) -> dict[str, str]:
+        """The latched-heads tags, and the head-names (and value-heads) tags whenever the heads reported
+        so far change: a module added mid-run (``algo.add_module``) joins them with its first reported
+        iteration, its heads in its place in the algorithm's order; a removed one's stay (its history
+        is still in the run).  Written only when they change (read from the learner results each time)."""
+        reported = heads_in(metrics)
+        modules = {mn.split_head_label(h)[0] for h in reported}
+        if not modules <= self._modules_seen:  # a module joined: the algorithm's order and value heads again
+            self._modules_seen |= modules
+            self._head_order = module_head_order(algorithm, self.settings.module_id)
+            self._value_heads = run_value_heads(algorithm, self.settings.module_id)
+        tags = latch_tags(metrics, True, self._head_order, self._value_heads)  # the latched heads only
+        heads = tuple(order_heads([*self._tagged_heads, *reported], self._head_order, self._value_heads))
+        if heads != self._tagged_heads:
+            self._tagged_heads = heads
+            tags[mn.TAG_HEAD_NAMES] = ",".join(heads)
+            if self._value_heads:  # none declared: no tag, and readers take value and vf, as the learner did
+                tags[mn.TAG_VALUE_HEADS] = mn.format_value_heads(mn.value_heads_among(heads, self._value_heads))
+        return tags
 
     # --- the run's end ----------------------------------------------------------------------
     def close(self) -> bool:

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gradmon_ray.tracking.redact import install_log_redaction, uri_secrets
+from gradmon_ray.tracking.redact import install_log_redaction, redact_text, short, uri_secrets
 from gradmon_ray.tracking.sink_spill import CLOSE_GRACE_S, SpillAhead
 from gradmon_ray.tracking.sink_writer import PendingIteration, PlotFn, SinkWriter
 from gradmon_ray.tracking.spill import SpillWriter
@@ -56,7 +56,7 @@ class MlflowSink(SpillAhead, SinkWriter):
         experiment: experiment name, created when missing.
         run_name: MLflow run name (None: MLflow picks one).
         params: run params, written once at start (values are stringified).
-        tags: run tags written at start.
+        tags: run tags written at start (into the run a resumed sink is given, too).
         max_pending: iterations buffered in memory while the server is unreachable; beyond
             this the oldest leave memory: into the spill file (then replayed later), or, without
             one, dropped (``dropped_iterations`` counts the iterations among them).
@@ -65,7 +65,8 @@ class MlflowSink(SpillAhead, SinkWriter):
             this); ``experiment`` and ``params`` are then ignored and ``close`` leaves the
             run's status alone, because the run belongs to someone else.
         end_run: whether ``close`` ends the run (default: only a run this sink created); a
-            resumed Tune trial passes True for its own earlier run.
+            resumed Tune trial passes True for its own earlier run, which is then set back to
+            ``RUNNING`` (with ``tags``) as soon as the writer reaches MLflow.
         plots_every: every this many iterations, and once more when the sink closes, call
             ``plot_fn(client, run_id)`` to draw the run's plots from what MLflow holds and log
             them as artifacts; on this sink's thread, never the caller's. 0: no plots.
@@ -99,8 +100,9 @@ class MlflowSink(SpillAhead, SinkWriter):
         self._store_uri = absolute_tracking_uri(tracking_uri)  # resolved here: the writer may outlive this cwd
         self.experiment = experiment
         self.run_name = run_name
-        self._params = {str(k): str(v)[:MAX_PARAM_VALUE_LEN] for k, v in (params or {}).items()}
-        self._start_tags = {str(k): str(v) for k, v in (tags or {}).items()}
+        # Masked before the cut (redact.short): a password cut in half is no longer recognisable.
+        self._params = {str(k): short(str(v), MAX_PARAM_VALUE_LEN) for k, v in (params or {}).items()}
+        self._start_tags = {str(k): redact_text(str(v)) for k, v in (tags or {}).items()}  # create_run's own
         self._pending: deque[PendingIteration] = deque()
         self._max_pending = max_pending
         self._backoff0 = retry_backoff_s

@@ -152,6 +152,20 @@ def redact_text(text: str, secrets: Iterable[str] = ()) -> str:
     return text
 
 
+def short(text: str, limit: int, secrets: Iterable[str] = (), *, one_line: bool = False) -> str:
+    """``text`` masked, then cut to at most ``limit`` characters (``...`` at the end): the one rule for
+    every message gradmon-ray shortens.  Masking first is the point: a cut inside a URI's password
+    (``http://user:pa``) leaves no ``@`` for :func:`redact_uri` to find, and printed the rest of it.
+
+    Masked as :func:`redact_text` does, with ``secrets`` and every secret :data:`OUTPUT_REDACTOR`
+    was given; ``one_line``: only its first non-empty line (``""`` when it has none).
+    """
+    masked = redact_text(text, {*secrets, *OUTPUT_REDACTOR.secrets})
+    if one_line:
+        masked = next((line.strip() for line in masked.splitlines() if line.strip()), "")
+    return masked if len(masked) <= limit else masked[: max(limit - 3, 0)] + "..."
+
+
 class OutputRedactor:
     """Masks credentials in every log record and warning this process emits, once ``install``-ed.
 

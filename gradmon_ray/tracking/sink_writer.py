@@ -173,6 +173,9 @@ class SinkWriter:
 
         client = MlflowClient(tracking_uri=self._store_uri)
         if not self._creates_run:
+            if self._owns_run:  # a resumed run: RUNNING again while it trains (watch follows RUNNING runs)
+                client.update_run(self.run_id, status="RUNNING")
+                log_in_batches(client, self.run_id, tags=self._start_tags)
             return client
         exp = client.get_experiment_by_name(self.experiment)
         exp_id = exp.experiment_id if exp is not None else client.create_experiment(self.experiment)

@@ -15,7 +15,8 @@ it did not). Every other line is one of:
 iteration is either marked (MLflow has it) or replayed, never both. A mark is written only
 after MLflow acknowledged the write; if the trainer dies between the two, the iteration is
 replayed with its original timestamp, and MLflow's SQL stores ignore a metric point (key,
-step, timestamp, value) they already hold. A torn last line (the writer killed mid-write) is
+step, timestamp, value) they already hold; into any other store the replay leaves out the
+points the run holds already (``spill_replay``). A torn last line (the writer killed mid-write) is
 skipped. Replay into a store that does not have the run (another server, a fresh sqlite
 file) creates it there from the header; the replay records that run in the file
 (``replay_key``, ``replayed_into``) before it logs a metric, so a retried replay reuses it

@@ -10,13 +10,17 @@ finds the run again by the tag; killed later, by the id.  Either way one run, ne
 
 **Each point once.** A retry writes every undelivered point again, with its original timestamp:
 MLflow's SQL stores keep one row per (key, step, timestamp, value) and ignore the same point
-logged again (``tests/tracking/test_spill_replay.py`` checks it against a real ``mlflow server``),
-params logged again with their value are accepted, tags and the end status are set, not added.
-The file is renamed to ``<file>.replayed`` last.
+logged again (``tests/tracking/test_spill_replay.py`` checks it against a real ``mlflow server``).
+Any other store (a file store, ``file:./mlruns``, appends every point it is given; a tracking
+server's own store is unknown from here) is first read back for the file's keys, whenever the run
+was there before this replay (a retry's, or the run the file names): a point it holds already is not
+logged again.  Params logged again with their value are accepted, tags and the end status are set,
+not added.  The file is renamed to ``<file>.replayed`` last.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import uuid
 from dataclasses import dataclass
@@ -33,6 +37,7 @@ from gradmon_ray.tracking.spill import (
     replayed_iterations,
     spill_records,
 )
+from gradmon_ray.tracking.store_check import DATABASE_SCHEMES, tracking_scheme
 
 REPLAY_KEY_TAG = "gradmon.replay_key"
 """Tag of a run a replay created: the ``replay_key`` recorded in the spill file beforehand."""
@@ -97,15 +102,17 @@ def _run_by_key(client: Any, experiment_id: str, key: str) -> str | None:
     return runs[0].info.run_id if runs else None
 
 
-def _replay_run(client: Any, path: Path, header: dict[str, Any], records: list[dict[str, Any]]) -> str:
+def _replay_run(client: Any, path: Path, header: dict[str, Any], records: list[dict[str, Any]]) -> tuple[str, bool]:
     """The run a replay of ``path`` created in this store before (its ``replayed_into`` lines, then
-    its ``replay_key`` tag), else a new one; its id is on disk before this returns."""
+    its ``replay_key`` tag), else a new one (``True``: created now, so empty); its id is on disk
+    before this returns."""
     for recorded in reversed([r["replayed_into"] for r in records if r.get("replayed_into")]):
         if _existing_run(client, recorded):
-            return recorded
+            return recorded, False
     keys = [str(r["replay_key"]) for r in records if r.get("replay_key")]
     exp = client.get_experiment_by_name(header["experiment"])
     run_id = _run_by_key(client, exp.experiment_id, keys[-1]) if keys and exp is not None else None
+    new = run_id is None
     if run_id is None:
         key = keys[-1] if keys else uuid.uuid4().hex
         if not keys:
@@ -114,7 +121,25 @@ def _replay_run(client: Any, path: Path, header: dict[str, Any], records: list[d
         tags = {**(header.get("tags") or {}), REPLAY_KEY_TAG: key}
         run_id = client.create_run(exp_id, run_name=header.get("run_name"), tags=tags).info.run_id
     _append(path, {"replayed_into": run_id})
-    return run_id
+    return run_id, new
+
+
+def _point(key: str, step: int, timestamp: int, value: float) -> tuple[str, int, int, float | str]:
+    return key, step, timestamp, "nan" if math.isnan(value) else value  # NaN != NaN: compared as a word
+
+
+def _not_held(client: Any, uri: str, run_id: str, metrics: list[Any]) -> list[Any]:
+    """``metrics`` less the points run ``run_id`` holds already (same key, step, timestamp and value:
+    what an earlier replay, or the sink before its delivery mark, wrote).  A SQL store ignores such a
+    point itself and is not read; any other store is, one history per key of the file."""
+    if tracking_scheme(uri) in DATABASE_SCHEMES or not metrics:
+        return metrics
+    held = {
+        _point(key, p.step, p.timestamp, p.value)
+        for key in {m.key for m in metrics}
+        for p in client.get_metric_history(run_id, key)
+    }
+    return [m for m in metrics if _point(m.key, m.step, m.timestamp, m.value) not in held]
 
 
 def replay_spill(path: str | Path, tracking_uri: str | None = None, *, mark_done: bool = True) -> ReplayResult:
@@ -133,13 +158,14 @@ def replay_spill(path: str | Path, tracking_uri: str | None = None, *, mark_done
 
     path = Path(path)
     header, iterations, trailer = read_spill(path)
-    client = MlflowClient(tracking_uri=absolute_tracking_uri(_replay_uri(path, header, tracking_uri)))
+    uri = absolute_tracking_uri(_replay_uri(path, header, tracking_uri))
+    client = MlflowClient(tracking_uri=uri)
     known = [r.get("run_id") for r in ([*iterations, trailer] if trailer else iterations) if r and r.get("run_id")]
     named = (trailer or {}).get("run_id") or header.get("run_id") or (known[-1] if known else None)
     run_id = _existing_run(client, named)
-    created = run_id is None
+    created, empty = run_id is None, False
     if run_id is None:
-        run_id = _replay_run(client, path, header, spill_records(path))
+        run_id, empty = _replay_run(client, path, header, spill_records(path))
         log_in_batches(client, run_id, params=header.get("params") or {})  # again on a retry: the same values
     metrics = [
         metric
@@ -148,10 +174,11 @@ def replay_spill(path: str | Path, tracking_uri: str | None = None, *, mark_done
             {k: decode_value(v) for k, v in r["metrics"].items()}, int(r["step"]), int(r["timestamp_ms"])
         )
     ]
+    new_points = metrics if empty else _not_held(client, uri, run_id, metrics)  # a retry's, on any store
     tags: dict[str, str] = {}
     for r in iterations:
         tags.update(r.get("tags") or {})
-    log_in_batches(client, run_id, metrics=metrics, tags=tags)
+    log_in_batches(client, run_id, metrics=new_points, tags=tags)
     for r in iterations:  # each event's artifacts (the merged tags keep only the last event's)
         log_diagnosis_artifacts(client, run_id, r.get("tags") or {})
     status = (trailer or {}).get("status")

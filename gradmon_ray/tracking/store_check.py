@@ -15,18 +15,20 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Iterable
 from importlib.metadata import entry_points
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from gradmon_ray.tracking.redact import redact_text, redact_uri, uri_secrets
+from gradmon_ray.tracking.redact import redact_uri, short, uri_secrets
 
 TRACKING_SCHEMES = ("file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")
 """The URI schemes MLflow 3.17 can track to (its ``_register_tracking_stores``; ``databricks-uc`` and
 ``uc`` are registered there only to refuse them).  A database scheme may name a driver
 (``postgresql+psycopg2``); a plain path is a file store; plugins add their own schemes."""
 
-_DATABASES = ("postgresql", "mysql", "mssql", "sqlite")
+DATABASE_SCHEMES = ("postgresql", "mysql", "mssql", "sqlite")
+"""MLflow's SQL stores: one row per metric point (key, step, timestamp, value), a point logged again ignored."""
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ def tracking_scheme(uri: str) -> str:
     if len(scheme) == 1:  # a Windows drive letter (C:\\runs): a path, as MLflow reads it
         return ""
     engine = scheme.split("+", 1)[0]
-    return engine if engine in _DATABASES else scheme
+    return engine if engine in DATABASE_SCHEMES else scheme
 
 
 def uri_scheme_problem(uri: str) -> str | None:
@@ -190,7 +192,7 @@ def tracking_server_problem(
             params={"max_results": 1},
         )
     except Exception as exc:
-        reason = redact_text(last_cause(exc), uri_secrets(uri))
+        reason = last_cause(exc, uri_secrets(uri))
         if offline_ok:
             logger.warning(
                 "no MLflow tracking server answers at %s (%s); mlflow.offline_ok: training anyway, the metrics "
@@ -213,9 +215,10 @@ def tracking_server_problem(
     return None
 
 
-def last_cause(exc: BaseException) -> str:
-    """The innermost cause's first line (MLflow wraps the connection error; its repr names the host)."""
+def last_cause(exc: BaseException, secrets: Iterable[str] = ()) -> str:
+    """The innermost cause's first line (MLflow wraps the connection error; its repr names the host),
+    masked (``secrets`` too) before it is cut to 200 characters (``redact.short``)."""
     while exc.__cause__ is not None or exc.__context__ is not None:
         exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    return f"{type(exc).__name__}: {first[:200]}"
+    first = short(str(exc), 200, secrets, one_line=True) or type(exc).__name__
+    return f"{type(exc).__name__}: {first}"

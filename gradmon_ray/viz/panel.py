@@ -17,6 +17,7 @@ a compact table: 7-character cells and unique abbreviated head names with a lege
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -75,7 +76,8 @@ def policy_line(snap: RunSnapshot, shown: Sequence[str] = ()) -> Text | None:
         return text.append("none", style="green")
     fired = [(h, snap.head_value(mn.HEAD_COLLAPSE_LATCH_FIRST_ITERATION, h)) for h in collapsed]
     return text.append(
-        ", ".join(f"{h} (iteration {int(it)})" if it is not None else h for h, it in fired), style="bold red"
+        ", ".join(f"{h} (iteration {int(it)})" if it is not None and math.isfinite(it) else h for h, it in fired),
+        style="bold red",
     )
 
 
@@ -91,7 +93,7 @@ def _header(snap: RunSnapshot, modules: Sequence[str | None], width: int | None 
     parts = [
         f"run {snap.run_name} ({_status(snap)})",
         f"iteration {snap.iteration if snap.iteration is not None else '—'}",
-        f"env steps {int(steps) if steps is not None else '—'}",
+        f"env steps {int(steps) if steps is not None and math.isfinite(steps) else '—'}",
         f"return {fmt(m.get(mn.EPISODE_RETURN_MEAN))}",
     ]
     if list(modules) in ([], [None]):  # one module: its numbers here; several: on each module's table

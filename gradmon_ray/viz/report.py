@@ -169,8 +169,8 @@ def _head_table(rows: list[HeadSummary]) -> list[str]:
         nan = f"iteration {r.nan_first}" if r.nan_first is not None else "—"
         inf = f"iteration {r.inf_first}" if r.inf_first is not None else "—"
         lines.append(
-            f"| {short_head(r.head)} | {r.last:.4g} | {r.band} | {r.low:.4g} | {r.high:.4g} | {r.dead_iterations} "
-            f"| {r.exploding_iterations} | {r.spiking_iterations} | {nan} | {inf} |"
+            f"| {short_head(r.head)} | {_num(r.last)} | {r.band} | {_num(r.low)} | {_num(r.high)} "
+            f"| {r.dead_iterations} | {r.exploding_iterations} | {r.spiking_iterations} | {nan} | {inf} |"
         )
     return lines
 
@@ -198,9 +198,25 @@ def _module_lines(history: RunHistory, module: str | None) -> list[str]:
     if cosine:
         last = cosine[max(cosine)]
         lines.append(f"- shared parameters: lowest cosine with another module's gradient {last:+.2f} (last)")
-    skipped = history.module_series(mn.SKIPPED_UPDATES_TOTAL, module)
-    lines.append(f"- skipped updates: {int(skipped[max(skipped)])}" if skipped else "- skipped updates: not logged")
+    lines.append(_skipped_line(history.module_series(mn.SKIPPED_UPDATES_TOTAL, module)))
     return lines
+
+
+def _skipped_line(series: dict[int, float]) -> str:
+    """The module's skipped-update total: its last count (NaN where RLlib had no number: the module
+    got no samples that iteration, e.g. a league module not playing)."""
+    if not series:
+        return "- skipped updates: not logged"
+    counts = [series[s] for s in sorted(series) if math.isfinite(series[s])]
+    if not counts:
+        return "- skipped updates: — (no samples)"
+    note = "" if math.isfinite(series[max(series)]) else " (no samples at the last iteration)"
+    return f"- skipped updates: {int(counts[-1])}{note}"
+
+
+def _num(value: float) -> str:
+    """A table number; "—" where there is none (NaN: a head without a gradient, a module without samples)."""
+    return f"{value:.4g}" if math.isfinite(value) or math.isinf(value) else "—"
 
 
 def _policy_lines(history: RunHistory) -> list[str]:

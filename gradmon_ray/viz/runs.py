@@ -82,7 +82,9 @@ def resolve_run(client: Any, *, run_id: str | None = None, experiment: str | Non
 
 def run_heads(metrics: Mapping[str, float], tags: Mapping[str, str]) -> list[str]:
     """Reported heads in the ``gradmon.head_names`` tag's order, each module's value heads
-    (``metric_names.is_value_head`` with the ``gradmon.value_heads`` tag's) last.
+    (``metric_names.is_value_head`` with the ``gradmon.value_heads`` tag's) last; then the heads the
+    run's metrics hold and the tag does not (a module added mid-run, in a run whose tag was written
+    before it joined), sorted by module.
 
     A run without the tag gets sorted action heads, then the value heads: never the order of the
     metric keys, which MLflow and RLlib do not keep stable.
@@ -91,7 +93,7 @@ def run_heads(metrics: Mapping[str, float], tags: Mapping[str, str]) -> list[str
 
     tagged = [h for h in tags.get(mn.TAG_HEAD_NAMES, "").split(",") if h]
     value_heads = mn.parse_value_heads(tags.get(mn.TAG_VALUE_HEADS))
-    return order_heads(tagged, tagged, value_heads) if tagged else heads_in(metrics, value_heads=value_heads)
+    return order_heads([*tagged, *heads_in(metrics, value_heads=value_heads)], tagged, value_heads)
 
 
 _BAND_OF_CODE = {code: band for band, code in mn.HEALTH_CODES.items()}

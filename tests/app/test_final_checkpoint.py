@@ -44,7 +44,34 @@ def test_a_resumed_run_that_ends_again_replaces_its_own_final_and_no_other(tmp_p
     assert sorted(p.name for p in (tmp_path / "ckpt" / ("r" * 32)).iterdir()) == ["ckpt-00000003-x", "final"]
 
 
-def test_a_run_mlflow_never_created_keeps_its_checkpoint_under_its_name(tmp_path):
-    root = str(tmp_path / "ckpt")
-    final = publish_final_checkpoint(stage_final_checkpoint(root, _Algo(b"offline")), root, None, "my-run")
-    assert final == tmp_path / "ckpt" / "unnamed-my-run" / "final" and _payload(final) == b"offline"
+def test_two_offline_runs_of_one_name_keep_both_checkpoints_and_say_where(tmp_path, monkeypatch, capsys):
+    """``gradmon-ray train --run-name same`` twice, MLflow never taking either run (``offline_ok``; the
+    training itself is a stand-in that stages and publishes a payload as ``run_training`` does): each
+    run's last line names its own end-of-run checkpoint, and each holds its own payload."""
+    import gradmon_ray.app.train.run
+    import gradmon_ray.rllib.preflight
+    from gradmon_ray.app.cli import main
+    from gradmon_ray.app.train.run import TrainingOutcome
+
+    monkeypatch.chdir(tmp_path)
+    payloads = iter([b"first offline run", b"second offline run"])
+
+    def offline_run(cfg, progress=None, checked=False):
+        staged = stage_final_checkpoint(cfg.checkpoint_dir, _Algo(next(payloads)))
+        final = publish_final_checkpoint(staged, cfg.checkpoint_dir, None, cfg.mlflow.run_name)
+        return TrainingOutcome(run_id=None, iterations_done=1, checkpoint_path=str(final), spill_path="s.jsonl")
+
+    monkeypatch.setattr(gradmon_ray.app.train.run, "run_training", offline_run)
+    # the env and model checks (test_up_front_checks' subject) build the model: 1.5 s a run here
+    monkeypatch.setattr(gradmon_ray.rllib.preflight, "preflight", lambda cfg: None)
+    finals = []
+    for _ in range(2):
+        argv = ["train", "--iterations", "1", "--run-name", "same", "--checkpoint-dir", "ckpt"]
+        assert main([*argv, "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}"]) == 0
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        assert "never took the run; replay it with: gradmon-ray replay s.jsonl; checkpoint " in last, last
+        finals.append(Path(last.rsplit("; checkpoint ", 1)[1]))
+    first, second = finals
+    assert first != second and first.parent.parent == second.parent.parent == tmp_path / "ckpt"
+    assert first.parent.name.startswith("unnamed-same-") and second.parent.name.startswith("unnamed-same-")
+    assert (_payload(first), _payload(second)) == (b"first offline run", b"second offline run")

@@ -7,10 +7,11 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import pytest
 
-from gradmon_ray.app.train.interrupts import GracefulInterrupt, TrainingInterrupted
+from gradmon_ray.app.train.interrupts import EndingGuard, GracefulInterrupt, TrainingInterrupted
 
 
 @pytest.fixture(autouse=True)
@@ -128,3 +129,137 @@ def test_training_interrupted_is_a_keyboard_interrupt_carrying_the_outcome():
     with pytest.raises(KeyboardInterrupt) as caught:
         raise TrainingInterrupted(outcome)
     assert caught.value.outcome is outcome
+
+
+# --- a signal while the run ends (issue #46 item 7) -----------------------------------------------
+
+
+def _ray_driver_sigterm_handler():
+    """The SIGTERM handler ``ray.init`` installs in a driver (``sys.exit(15)``), as
+    ``ray._private.worker`` defines it: what a real run's driver has while it ends."""
+
+    def sigterm_handler(signum, frame):
+        raise SystemExit(signum)
+
+    sigterm_handler.__module__ = "ray._private.worker"
+    return sigterm_handler
+
+
+def test_a_signal_while_ending_cuts_the_step_short_skips_the_rest_and_never_raises_outside():
+    ray_handler = _ray_driver_sigterm_handler()
+    signal.signal(signal.SIGTERM, ray_handler)
+    with EndingGuard() as ending:
+
+        def slow_stop() -> str:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # the handler's KeyboardInterrupt ends the sleep
+            return "stopped"
+
+        start = time.monotonic()
+        assert ending.cut_short(slow_stop, "cut") == "cut" and time.monotonic() - start < 10
+        assert ending.signalled == signal.SIGTERM
+        assert ending.cut_short(lambda: "ran", "skipped") == "skipped"  # the rest up to the close
+        _sigint()  # outside a step (the sink's close): recorded, nothing raised
+        assert ending.signalled == signal.SIGINT
+    assert signal.getsignal(signal.SIGTERM) is ray_handler
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with EndingGuard() as ending, pytest.raises(KeyboardInterrupt):  # a step's own KeyboardInterrupt is not ours
+        ending.cut_short(_raise_keyboard_interrupt, None)
+
+
+def _raise_keyboard_interrupt() -> None:
+    raise KeyboardInterrupt
+
+
+class _StoppingAlgo:
+    """Stands in for the RLlib algorithm at the run's end: its ``stop`` is where the signal lands (a
+    slow ``algo.stop()`` waiting on its actors), or ``train`` fails first."""
+
+    def __init__(self, signum: int | None, fail: bool) -> None:
+        self.signum, self.fail, self.stopped, self.logdir = signum, fail, False, None
+
+    def stop(self) -> None:
+        if self.signum is not None:
+            os.kill(os.getpid(), self.signum)
+            time.sleep(30)
+        self.stopped = True
+
+
+@pytest.fixture
+def ended_run(tmp_path, monkeypatch):
+    """``run_training`` with a real sqlite sink; only Ray's parts are stand-ins (no Ray starts: the
+    algorithm is ``_StoppingAlgo``, its iterations one logged value each); returns
+    ``(run it, the store, the algorithm)``.  The driver's SIGTERM handler is Ray's."""
+    import gradmon_ray.app.train.run as run_module
+    from gradmon_ray.config import config_from_dict
+
+    signal.signal(signal.SIGTERM, _ray_driver_sigterm_handler())
+    store = f"sqlite:///{tmp_path / 'm.db'}"
+    cfg = config_from_dict({"iterations": 2, "mlflow": {"tracking_uri": store, "experiment": "end", "plots_every": 0}})
+    algo: list[_StoppingAlgo] = []
+
+    def build(self) -> None:
+        self.algo = algo[0]
+
+    def iterate(self) -> None:
+        if algo[0].fail:
+            raise RuntimeError("a learner died")
+        for iteration in (1, 2):
+            self.sink.log_iteration(iteration, {"loss": iteration / 4})
+            self.outcome.iterations_done = iteration
+
+    monkeypatch.setattr(run_module, "start_ray", lambda cfg, request: False)
+    monkeypatch.setattr(run_module._TrainingRun, "build", build)
+    monkeypatch.setattr(run_module._TrainingRun, "iterate", iterate)
+
+    def run(signum: int | None, fail: bool = False):
+        algo[:] = [_StoppingAlgo(signum, fail)]
+        try:
+            return run_module.run_training(cfg, progress=None, checked=True)
+        except TrainingInterrupted:
+            raise
+        except (SystemExit, KeyboardInterrupt) as exc:  # a failure of this test, not the end of pytest
+            pytest.fail(f"the signal escaped the run's end: {exc!r}")
+
+    return run, store, algo
+
+
+def _only_run(store: str):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(store)
+    (run,) = client.search_runs([client.get_experiment_by_name("end").experiment_id])
+    return run, client
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_a_signal_while_the_run_ends_ends_it_killed_with_every_iteration(ended_run, signum):
+    """Both iterations trained, the signal lands in the algorithm's stop: the stop is cut short, the
+    sink still closes, and MLflow has the run KILLED (not RUNNING, its status lost), with its
+    "killed" tag and both iterations; ``run_training`` raises ``TrainingInterrupted`` (the CLI's 130)."""
+    run, store, algo = ended_run
+    with pytest.raises(TrainingInterrupted) as stopped:
+        run(signum)
+    assert not algo[0].stopped  # cut short
+    mlflow_run, client = _only_run(store)
+    assert (mlflow_run.info.status, mlflow_run.data.tags["gradmon.status"]) == ("KILLED", "killed")
+    assert sorted((p.step, p.value) for p in client.get_metric_history(mlflow_run.info.run_id, "loss")) == [
+        (1, 0.25),
+        (2, 0.5),
+    ]
+    assert stopped.value.outcome.mlflow_complete and stopped.value.outcome.run_id == mlflow_run.info.run_id
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the ending's handlers are gone
+
+
+def test_a_failed_run_signalled_while_it_ends_stays_failed(ended_run):
+    """The failure is what ended it: FAILED, and its error reaches the caller, not the signal."""
+    run, store, algo = ended_run
+    with pytest.raises(RuntimeError, match="a learner died"):
+        run(signal.SIGTERM, fail=True)
+    assert not algo[0].stopped and _only_run(store)[0].info.status == "FAILED"
+
+
+def test_a_run_ending_without_a_signal_finishes(ended_run):
+    run, store, algo = ended_run
+    outcome = run(None)
+    assert algo[0].stopped and outcome.mlflow_complete and _only_run(store)[0].info.status == "FINISHED"

@@ -237,3 +237,23 @@ def test_cli_resume_of_a_run_the_store_does_not_hold_exits_2_with_one_line(store
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"gradmon-ray: config error: --resume: no run '{missing}' at "), err
     assert ray.is_initialized() == ray_before  # this command started no Ray
+
+
+def test_a_resumed_runs_probe_logs_no_iteration_mlflow_has_already(tmp_path):
+    """The interrupted attempt logged probe metrics up to iteration 3; the resumed run trains 3 again
+    (``skip_through``: its ``logged_through``) and 4: the probe of 3 is run but not logged a second
+    time, the probe of 4 is.  The probe is the real ``GradientProbe`` on the designed batch, in this
+    process, writing to a real sqlite store; the oracle is the steps MLflow holds."""
+    from gradmon_ray.probe.actor import GradientProbe
+    from tests.probe.designed_batch import designed_module_and_batch, probe_request
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("probe")).info.run_id
+    client.log_metric(run_id, mn.PROBE_DURATION_S, 0.5, step=3)  # the interrupted attempt's probe of 3
+    module, batch = designed_module_and_batch()
+    probe = GradientProbe(tracking_uri=uri, run_id=run_id, num_buckets=2, device="cpu", skip_through=3)
+    assert [probe.analyse(probe_request(module, batch, iteration=i)).status for i in (3, 4)] == ["ok", "ok"]
+    assert probe.flush(60)
+    steps = sorted(p.step for p in client.get_metric_history(run_id, mn.PROBE_DURATION_S))
+    assert steps == [3, 4]  # 3 once (the first attempt's), 4 from the resumed run

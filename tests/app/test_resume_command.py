@@ -185,3 +185,35 @@ def test_resume_keeps_the_runs_own_name_and_config(store, flag, capsys):
         "gradmon-ray: config error: --resume: takes the run's own config; "
         "only --iterations, --mlflow-uri, --checkpoint-dir and --ray-address may be given\n"
     )
+
+
+def test_a_resumed_run_is_running_again_before_its_first_iteration(store, learners, tmp_path, monkeypatch):
+    """A run left KILLED (Ctrl-C) is resumed: by the time ``run_training`` has waited for its sink's
+    first try at MLflow (``_TrainingRun.announce``, before the first iteration), MLflow has the run
+    RUNNING with our status tag "running" again, so that ``watch --run-id`` follows it; it ends
+    FINISHED.  Only the training is a stand-in (Ray would start): the sink is ``--resume``'s own."""
+    import gradmon_ray.app.train.run
+    import gradmon_ray.rllib.preflight
+    from gradmon_ray.app.train.run import _TrainingRun
+
+    root = tmp_path / "gradmon-checkpoints"
+    run_id = _run(store, root)
+    _checkpoint(learners, root, run_id, 2)
+    client = MlflowClient(store)
+    client.set_tag(run_id, mn.TAG_STATUS, "killed")
+    client.set_terminated(run_id, "KILLED")
+    at_first_iteration = {}
+
+    def training(cfg, progress=None, sink=None, resume=None, checked=False):
+        _TrainingRun(cfg, sink, progress, None, resume, False).announce()
+        run = client.get_run(run_id)
+        at_first_iteration.update(status=run.info.status, tag=run.data.tags[mn.TAG_STATUS])
+        sink.close(status="FINISHED")
+        return TrainingOutcome(run_id=run_id, iterations_done=cfg.iterations, mlflow_complete=True)
+
+    monkeypatch.setattr(gradmon_ray.app.train.run, "run_training", training)
+    # the env and model checks (test_resume_flags checks resume runs them) build the model: 1.5 s here
+    monkeypatch.setattr(gradmon_ray.rllib.preflight, "preflight", lambda cfg: None)
+    assert cli.main(["train", "--resume", run_id, "--mlflow-uri", store]) == 0
+    assert at_first_iteration == {"status": "RUNNING", "tag": "running"}
+    assert client.get_run(run_id).info.status == "FINISHED"

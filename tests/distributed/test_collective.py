@@ -1,34 +1,71 @@
-"""``distributed/collective.py``: the replica checksum against a worked answer in exact Python integers."""
+"""``distributed/collective.py``'s deadline: the learners' telemetry reduce on two real gloo
+processes (``two_ranks.TwoRanks``) sums within ``timeout_s``, and stops the learner whose partner
+never joins it with a line naming the step and the group.
+
+The transport is gloo's own all-reduce on the processes' world, standing in for the Ray
+collective group (a Ray actor's only: ``tests/e2e`` runs that one); the deadline around it is the
+product's.
+"""
 
 from __future__ import annotations
 
-import numpy as np
+import time
+
+import pytest
 import torch
 
-from gradmon_ray.distributed import parameter_checksum
+from gradmon_ray.distributed import LearnerCollective
+from tests.distributed.two_ranks import STATE, TwoRanks
+
+pytestmark = pytest.mark.e2e
 
 
-def _python_checksum(arrays: list[np.ndarray]) -> tuple[float, float]:
-    """sum_i bits_i * w_i mod 2^48 over the float32 bit patterns, w_i = (i * 2654435761 + 1) | 1."""
-    bits = np.concatenate([np.ascontiguousarray(a, dtype=np.float32).reshape(-1) for a in arrays]).view(np.int32)
-    total = sum(int(b) * ((i * 2654435761 + 1) | 1) for i, b in enumerate(bits.tolist())) % (1 << 48)
-    return float(total >> 24), float(total & ((1 << 24) - 1))
+class _WorldGloo(LearnerCollective):
+    """The reduce over the processes' gloo world instead of a Ray collective group."""
+
+    def _allreduce(self, tensor: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor)
 
 
-def test_parameter_checksum_equals_exact_integer_arithmetic_on_the_bit_patterns():
-    rng = np.random.default_rng(3)
-    arrays = [rng.normal(size=(7, 5)).astype(np.float32), (rng.normal(size=11) * 1e-3).astype(np.float32)]
-    arrays[1][0] = -0.0  # a bit pattern that is not 0
-    digits = parameter_checksum([torch.from_numpy(a) for a in arrays])
-    assert digits.dtype == torch.float64
-    assert tuple(digits.tolist()) == _python_checksum(arrays)
+def _collective(rank: int, timeout_s: float) -> None:
+    STATE["collective"] = _WorldGloo("gradmon-test", 2, rank, "gloo", torch.device("cpu"), timeout_s)
 
 
-def test_one_ulp_in_one_element_changes_the_checksum():
-    rng = np.random.default_rng(4)
-    base = (rng.normal(size=64) * 1e-2).astype(np.float32)
-    nudged = base.copy()
-    nudged[17] = np.nextafter(nudged[17], np.float32(1.0))
-    a = parameter_checksum([torch.from_numpy(base)])
-    b = parameter_checksum([torch.from_numpy(nudged)])
-    assert tuple(b.tolist()) == _python_checksum([nudged]) != tuple(a.tolist())
+def _reduce(rank: int, join: bool) -> tuple[str, object, float, int]:
+    """Reduce ``[rank + 1]`` (``join`` False: stay away): the sum or the error, the seconds, the calls."""
+    collective = STATE["collective"]
+    start = time.monotonic()
+    if not join:
+        return ("stayed away", None, 0.0, collective.calls)
+    try:
+        out = collective.allreduce_sum(torch.tensor([rank + 1.0], dtype=torch.float64))
+        return ("ok", out.tolist(), time.monotonic() - start, collective.calls)
+    except Exception as exc:
+        return (type(exc).__name__, str(exc), time.monotonic() - start, collective.calls)
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    pair = TwoRanks()
+    yield pair
+    pair.close()
+
+
+def test_the_telemetry_reduce_sums_within_the_deadline_and_names_the_step_it_waited_for(ranks):
+    ranks.run(_collective, (1.5,), (1.5,))
+    both = ranks.run(_reduce, (True,), (True,))
+    assert [(kind, value, calls) for kind, value, _, calls in both] == [("ok", [3.0], 1)] * 2, "1 + 2"
+    try:
+        (kind, line, took, calls), away = ranks.run(_reduce, (True,), (False,))
+    finally:
+        ranks.close()  # learner 0's reduce is still pending in gloo
+    assert away[0] == "stayed away"
+    assert kind == "CollectiveTimeoutError" and calls == 1, line
+    assert 1.5 <= took < 3.5
+    assert line == (
+        "gradmon: learner 0 of 2 waited 1.5 s (learner_config_dict['gradmon']['collective_timeout_s']) for the "
+        "telemetry reduce of step 2 (group gradmon-test); another learner never joined it (stopped, stuck, or in "
+        "a different collective)"
+    )

@@ -6,7 +6,9 @@ With one process the SUM all-reduce is the identity, so after ``average`` every 
 exactly what this learner contributes: its local gradient (zeros where it has none) divided by
 the number of learners that trained its module.  Where a test needs other learners, it sets the
 ``Presence`` those learners' marks would have produced (``exchange_presence`` itself is tested
-on its own); the real multi-learner exchange runs in tests/e2e/test_sparse_agents_e2e.py.
+on its own).  The last test runs two real processes (``two_ranks.py``) with different local
+gradients and partial presence, every expected value written out; RLlib learners on two
+processes: tests/rllib/test_module_sync.py, on Ray: tests/e2e/test_sparse_agents_e2e.py.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from gradmon_ray.distributed.gradient_average import ModuleGradientAverage, Presence
+from tests.distributed.two_ranks import TwoRanks
 
 
 def _param(n: int, grad: list[float] | None, dtype: torch.dtype = torch.float32) -> torch.nn.Parameter:
@@ -143,3 +146,87 @@ def test_the_cached_presence_marks_survive_the_in_place_sum(world, monkeypatch):
     average.new_update()
     second = average.exchange_presence()
     assert first == second == Presence((2, 2), (2, 2))
+
+
+# --- two real processes ------------------------------------------------------------------------
+# Ranks 0 and 1 of one gloo world (tests/distributed/two_ranks.py) hold DIFFERENT local gradients
+# and only partly the same modules; every expected value below is written out by hand.
+
+LOCAL = {
+    # name: (module, size, rank 0's local gradient, rank 1's; None: no gradient on that rank)
+    "a1": (0, 2, [1.0, -2.0], [3.0, 6.0]),
+    "a2": (0, 1, [4.0], None),
+    "b": (1, 2, [5.0, -1.0], None),
+    "c": (2, 2, None, [0.5, 8.0]),
+    "d": (3, 3, None, None),
+    "e": (4, 2, [1.0, 2.0], [2.0, -6.0]),  # float64
+}
+SECOND_UPDATE = {"b": ([5.0, -1.0], [1.0, 1.0]), "c": (None, [0.5, 8.0])}
+"""Update 2: both ranks train module 1, rank 1 alone module 2; nobody modules 0, 3, 4."""
+
+
+def _average_once(average: ModuleGradientAverage, params: dict[str, torch.nn.Parameter]) -> dict:
+    """One ``average``: what ``before_reduce`` saw, the presence, the filled parameters' names and
+    every gradient after it (lists; None: no gradient)."""
+    name_of = {id(p): n for n, p in params.items()}
+    seen: list[tuple[int, list[str], list[list[float]]]] = []
+    filled = average.average(lambda m, ps, gs: seen.append((m, [name_of[id(p)] for p in ps], [g.tolist() for g in gs])))
+    return {
+        "seen": seen,
+        "presence": average.presence,
+        "filled": [name_of[id(p)] for p in filled],
+        "grads": {n: None if p.grad is None else p.grad.tolist() for n, p in params.items()},
+        "dtypes": {n: str(p.grad.dtype) for n, p in params.items() if id(p) in {id(f) for f in filled}},
+    }
+
+
+def _two_rank_average(rank: int) -> list[dict]:
+    """``ModuleGradientAverage`` over modules [a1, a2], [b], [c], [d], [e] on this rank: update 1
+    (``LOCAL``), then update 2 (``SECOND_UPDATE``)."""
+    params = {}
+    for name, (_, size, *local) in LOCAL.items():
+        params[name] = _param(size, local[rank], torch.float64 if name == "e" else torch.float32)
+    modules = [[params[n] for n, entry in LOCAL.items() if entry[0] == m] for m in range(5)]
+    average = ModuleGradientAverage(modules)
+    first = _average_once(average, params)
+    average.new_update()
+    for name, p in params.items():
+        local = SECOND_UPDATE.get(name, (None, None))[rank]
+        p.grad = None if local is None else torch.tensor(local, dtype=p.dtype)
+    return [first, _average_once(average, params)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    ranks = TwoRanks(preload=[__name__])
+    try:
+        yield ranks
+    finally:
+        ranks.close()
+
+
+@pytest.mark.e2e  # two processes
+def test_two_learners_average_each_module_over_the_learners_that_trained_it(two_ranks):
+    """Both ranks end with the same gradients, each module's the mean over the learners that
+    trained it (by hand: a1 (1, -2) and (3, 6) -> (2, 2); a2 trained on rank 0 only but its
+    module on both -> (4 + 0) / 2; b on rank 0 only -> itself, filled on rank 1; c on rank 1 only
+    -> itself, filled on rank 0; d nobody's -> None; e (float64) -> (1.5, -2)).  ``before_reduce``
+    saw each rank's own local gradients.  Update 2 exchanges the presence again: module 1 now on
+    both -> b = ((5, -1) + (1, 1)) / 2, module 2 on rank 1 only, the others nobody's (None)."""
+    ranks = two_ranks.run(_two_rank_average)
+    first = {"a1": [2.0, 2.0], "a2": [2.0], "b": [5.0, -1.0], "c": [0.5, 8.0], "d": None, "e": [1.5, -2.0]}
+    second = {"a1": None, "a2": None, "b": [3.0, 0.0], "c": [0.5, 8.0], "d": None, "e": None}
+    seen = [
+        [(0, ["a1", "a2"], [[1.0, -2.0], [4.0]]), (1, ["b"], [[5.0, -1.0]]), (4, ["e"], [[1.0, 2.0]])],
+        [(0, ["a1"], [[3.0, 6.0]]), (2, ["c"], [[0.5, 8.0]]), (4, ["e"], [[2.0, -6.0]])],
+    ]
+    filled = [["c"], ["a2", "b"]]
+    for rank, (update1, update2) in enumerate(ranks):
+        assert update1["presence"] == Presence((2, 1, 1, 1, 0, 2), (2, 1, 1, 0, 2)), rank
+        assert update1["grads"] == first, rank
+        assert update1["seen"] == seen[rank], rank
+        assert update1["filled"] == filled[rank], rank
+        assert set(update1["dtypes"].values()) == {"torch.float32"}, rank
+        assert update2["presence"] == Presence((0, 0, 2, 1, 0, 0), (0, 2, 1, 0, 0)), rank
+        assert update2["grads"] == second, rank
+        assert update2["filled"] == ([] if rank else ["c"]), rank

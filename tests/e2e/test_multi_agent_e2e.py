@@ -1,16 +1,24 @@
 """Multi-agent PPO on real Ray: two learner actors x two modules, one collective per step, each
 module averaged across learners by gradmon (replica weights compared module by module), a NaN
-on one rank latched on both, per module.  (APPO's
+on one rank latched on both, per module; a module added mid-run (``algo.add_module``) in the MLflow
+callback's head-names tag and the report.  (APPO's
 two learners on RLlib's default multi-agent modules: test_dropin_e2e.py; a two-agent run's MLflow
 names per module: test_mlflow_ui_e2e.py, which trains one for the browser too.)"""
 
 from __future__ import annotations
 
 import pytest
+from mlflow.tracking import MlflowClient
+from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
+from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray.app.cli import main
 from gradmon_ray.config import config_from_dict
-from gradmon_ray.rllib import build_ppo_config
+from gradmon_ray.rllib import build_ppo_config, with_gradmon
+from gradmon_ray.tracking import GradmonMLflowCallback
+from gradmon_ray.tracking.mlflow_io import mlflow_value
+from tests.peer.pairs import HEADS, cartpole_config
 from tests.rllib.fault_injection import with_faults
 
 pytestmark = pytest.mark.e2e
@@ -86,3 +94,41 @@ def test_two_learners_two_modules_one_collective_per_step(ray_session):
         )
     # the two agents' policies are different modules with different gradients
     assert learners[0]["modules"]["agent_0"]["norms"] != learners[0]["modules"]["agent_1"]["norms"]
+
+
+def test_a_module_added_mid_run_joins_the_head_names_tag_and_the_report(ray_session, tmp_path, capsys):
+    """A newcomer's league step: two policies with ``with_gradmon(PPOTorchLearner)`` and the MLflow
+    callback, one iteration, then ``algo.add_module("p2")`` with agent 1 mapped to it, one more
+    iteration.  The run's ``gradmon.head_names`` tag then names p2's heads after p0's and p1's; MLflow
+    holds p2's norm at step 2 exactly as the algorithm's result does; ``report`` exits 0 with a heads
+    table for each of the three modules.  (A module's iteration without samples, NaN counts in the
+    report: ``tests/viz/test_module_set_changes.py``.)"""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    training = {"num_epochs": 1, "minibatch_size": 128}  # one minibatch an iteration: the tag is the subject
+    config = cartpole_config(
+        "ppo", with_gradmon(PPOTorchLearner), agents=2, gradmon={"heads": HEADS}, training=training
+    )
+    config.callbacks(GradmonMLflowCallback.configured(tracking_uri=uri, experiment="league"))
+    algo = config.build_algo()
+    try:
+        algo.train()
+        algo.add_module(
+            module_id="p2",
+            module_spec=RLModuleSpec.from_module(algo.get_module("p0")),
+            new_agent_to_module_mapping_fn=lambda agent_id, *args, **kwargs: "p0" if agent_id == 0 else "p2",
+        )
+        result = algo.train()
+        callback = next(c for c in algo.callbacks if isinstance(c, GradmonMLflowCallback))
+        run_id = callback.sink.wait_for_run(30)
+    finally:
+        algo.stop()
+    run = MlflowClient(uri).get_run(run_id)
+    tag = run.data.tags[mn.TAG_HEAD_NAMES].split(",")  # p0 and p1 in RLlib's policy-set order, then p2
+    assert sorted(tag[:4]) == ["p0/pi", "p0/vf", "p1/pi", "p1/vf"] and tag[4:] == ["p2/pi", "p2/vf"], tag
+    name = mn.head_metric(mn.HEAD_GRAD_NORM, "p2/pi")
+    history = {m.step: m.value for m in MlflowClient(uri).get_metric_history(run_id, name)}
+    assert history == {2: mlflow_value(result["learners"]["p2"][mn.head_metric(mn.HEAD_GRAD_NORM, "pi")])}
+    out = tmp_path / "report"
+    assert main(["report", run_id, "--tracking-uri", uri, "--out", str(out)]) == 0, capsys.readouterr().err
+    heads_table = (out / "summary.md").read_text().split("## Heads, worst first")[1].split("## Latched heads")[0]
+    assert [m.split("\n", 1)[0] for m in heads_table.split("### module ")[1:]] == ["p0", "p1", "p2"]

@@ -220,18 +220,33 @@ def test_a_run_resumed_from_another_directory_renews_the_checkpoint_it_came_from
     assert point.iterations_done == 3
 
 
-def test_a_resume_that_logs_no_new_iteration_still_tags_the_run_as_resumed(ray_session, tmp_path, cli_resume):
+def test_a_resume_that_logs_no_new_iteration_still_tags_the_run_as_resumed(
+    ray_session, tmp_path, cli_resume, monkeypatch
+):
     """Ctrl-C right after the last iteration was logged (checkpoint at 2 of 3): ``--resume``
     trains iteration 3 again and logs nothing new for it, and the run still gets its resume
-    tags (from 2, 3-3 recomputed, the restored state's digest), as a resume that trains on does."""
+    tags (from 2, 3-3 recomputed, the restored state's digest), as a resume that trains on does.
+    While it trains, the run left KILLED is RUNNING again (what ``watch --run-id`` follows)."""
+    from gradmon_ray.app.train.messages import ProgressPrinter
+
     cfg = resumable_config(tmp_path, iterations=3, checkpoint_every=2)
     with pytest.raises(KeyboardInterrupt):
         run_training(cfg, progress=_interrupt_after(3, 3))
     client = MlflowClient(cfg.mlflow.tracking_uri)
     run_id = _only_run(client).info.run_id
     digest = _on_disk(tmp_path)["state_digest"]
+    assert client.get_run(run_id).info.status == "KILLED"
+    while_training = []
+    printed = ProgressPrinter.__call__
 
+    def recording(self: ProgressPrinter, line: str) -> None:
+        if line.startswith("iter "):
+            while_training.append(client.get_run(run_id).info.status)
+        printed(self, line)
+
+    monkeypatch.setattr(ProgressPrinter, "__call__", recording)
     assert cli_resume(run_id, cfg.mlflow.tracking_uri) == 0
+    assert while_training == ["RUNNING"]  # iteration 3, trained again
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.tags[mn.TAG_RESUMED_FROM] == "2"

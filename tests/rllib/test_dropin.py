@@ -12,6 +12,7 @@ from ray.rllib.algorithms.appo import APPOConfig
 from ray.rllib.algorithms.appo.torch.appo_torch_learner import APPOTorchLearner
 from ray.rllib.algorithms.ppo import PPOConfig
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
+from ray.rllib.examples.envs.classes.multi_agent import MultiAgentCartPole
 
 from gradmon_ray.rllib import GradmonPPOTorchLearner, dropin, with_gradmon
 from gradmon_ray.rllib.dropin import check_gradmon
@@ -114,3 +115,39 @@ def test_the_exit_hook_is_registered_once(monkeypatch):
     check_gradmon(config)
     check_gradmon(config)
     assert registered == [dropin._drop_uncaught_traceback]
+
+
+def test_a_head_regex_matching_nothing_is_refused_on_modules_built_here_without_ray(monkeypatch):
+    """The module is built on the driver from the config (an EnvRunner made here gives the spaces): the
+    learner's own head check, before any Ray (it took a learner actor, 21-23 s, before)."""
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("check_gradmon started Ray"))
+    config = _appo({"heads": {"pi": r"^pi\.", "value": r"^value_head\."}}).environment("CartPole-v1")
+    with pytest.raises(ValueError) as info:
+        check_gradmon(config)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(
+        "module 'default_policy': gradmon head 'value' (regex '^value_head\\\\.') matches no trainable parameter of "
+        "DefaultAPPOTorchRLModule; its parameters: encoder.actor_encoder: ["
+    ), message
+
+
+def test_a_module_id_no_policy_has_is_one_warning_line_not_an_error(caplog):
+    """A league adds modules later: an id the settings name that the config's modules lack is accepted,
+    and said once (a typo shows here, before Ray)."""
+    config = (
+        PPOConfig()
+        .environment(MultiAgentCartPole, env_config={"num_agents": 2})
+        .multi_agent(policies={"p0", "p1"}, policy_mapping_fn=lambda aid, *a, **k: f"p{aid}")
+        .learners(
+            learner_class=with_gradmon(PPOTorchLearner), learner_config_dict={"gradmon": {"modules": ["p0", "p9"]}}
+        )
+    )
+    with caplog.at_level("WARNING", logger="gradmon_ray.rllib.dropin"):
+        assert check_gradmon(config) is config
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "gradmon_ray.rllib.dropin"]
+    assert line.startswith("gradmon: learner_config_dict['gradmon']['modules'] names ['p9'], matching no module"), line
+
+
+def test_an_env_the_driver_cannot_make_leaves_the_modules_to_the_learner():
+    config = _appo({"heads": {"pi": r"^nomatch\."}}).environment("no.such.module:Env")
+    assert check_gradmon(config) is config  # the learner raises it where the env exists

@@ -44,11 +44,14 @@ from ray.rllib.core.distribution.torch.torch_distribution import (
 from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray.config import config_from_dict
 from gradmon_ray.head_labels import POLICY_LATCH
 from gradmon_ray.losses.distribution import FactoredCategorical
-from gradmon_ray.rllib import with_gradmon
+from gradmon_ray.rllib import GradmonPPOTorchLearner, with_gradmon
 from gradmon_ray.rllib.head_health import head_sizes
 from gradmon_ray.rllib.heads import latch_heads
+from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch
+from gradmon_ray.rllib.local_learner import update as local_update
 from gradmon_ray.tracking import GradmonMLflowCallback
 from tests.fixtures.user_envs import MatchTwoEnv
 from tests.peer.pairs import sample_batch
@@ -264,3 +267,74 @@ def test_dropin_head_entropy_and_kl_sum_to_rllibs_own_entropy_and_mean_kl_loss(r
                 assert history[step] == pytest.approx(learner[name], rel=1e-12), (name, step)
         explained = {m.step: m.value for m in client.get_metric_history(run_id, mn.VF_EXPLAINED_VAR)}
         assert explained[step] == pytest.approx(learner["vf_explained_var"], rel=1e-12)
+
+
+class _MinibatchLogits(GradmonPPOTorchLearner):
+    """gradmon's PPO learner that keeps, per module, a copy of every minibatch's current logits, its
+    sampling logits and its loss mask, in the order the loss saw them (the oracle's input)."""
+
+    def build(self) -> None:
+        super().build()
+        self.seen: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+
+    def compute_loss_for_module(self, *, module_id: Any, config: Any, batch: dict, fwd_out: dict) -> Any:
+        logits, sampling = (
+            t.detach().double().cpu().numpy().copy()
+            for t in (fwd_out[Columns.ACTION_DIST_INPUTS], batch[Columns.ACTION_DIST_INPUTS])
+        )
+        self.seen.setdefault(module_id, []).append(
+            (logits, sampling, batch[Columns.LOSS_MASK].cpu().numpy().astype(bool))
+        )
+        return super().compute_loss_for_module(module_id=module_id, config=config, batch=batch, fwd_out=fwd_out)
+
+
+def _entropy_and_kl(record: tuple[np.ndarray, np.ndarray, np.ndarray], sizes: dict[str, int]) -> dict[str, float]:
+    """Per head: masked means of -sum p log p and of KL(sampling || current), in numpy (float64)."""
+    logits, sampling, mask = record
+    out, start = {}, 0
+    for head, n in sizes.items():  # the order FactoredActorCritic concatenates its heads' logits in
+        logq = _log_softmax(logits[:, start : start + n])
+        logp = _log_softmax(sampling[:, start : start + n])
+        start += n
+        out[f"entropy/{head}"] = float((-(np.exp(logq) * logq).sum(-1))[mask].mean())
+        out[f"kl/{head}"] = float((np.exp(logp) * (logp - logq)).sum(-1)[mask].mean())
+    assert start == logits.shape[-1]
+    return out
+
+
+@pytest.mark.parametrize("env", ["gradmon/FactoredOps-v0", "gradmon/FactoredOpsMultiAgent-v0"])
+def test_entropy_and_kl_are_the_steps_last_minibatchs_with_several_minibatches(env):
+    """Two epochs of three or more minibatches (192 rows and the bootstrap rows, 64 a minibatch): each
+    module's entropy and KL are numpy's on the step's LAST minibatch (the product's documented choice,
+    RLlib's own window=1 entropy), not its first: the policy moves over the minibatches (lr 0.01), and
+    the first minibatch's values differ from the last's by far more than the tolerance.  The
+    multi-agent env runs the grouped pass (two modules, one distribution: ``health_blocks``)."""
+    cfg = config_from_dict(
+        {
+            "seed": 5,
+            "env": {"id": env},
+            "ppo": {"train_batch_size": 192, "minibatch_size": 64, "num_epochs": 2, "lr": 0.01},
+            "model": {"trunk_hiddens": [16]},
+        }
+    )
+    learner = build_local_learner(cfg, learner_class=_MinibatchLogits)
+    try:
+        sizes = {
+            h: head[-1].out_features
+            for mid in learner.gradmon_modules
+            for h, head in learner.module[mid].unwrapped().heads.items()
+        }
+        results = local_update(learner, train_batch(learner, sample_episodes(cfg, learner, 192)), cfg)
+        seen = learner.seen
+    finally:
+        learner.shutdown()
+    assert seen and all(len(records) >= 6 for records in seen.values()), {m: len(r) for m, r in seen.items()}
+    for mid, records in seen.items():
+        logged = {k: float(v.peek()) for k, v in results[mid].items() if hasattr(v, "peek")}
+        last, first = _entropy_and_kl(records[-1], sizes), _entropy_and_kl(records[0], sizes)
+        for key, want in last.items():
+            kind, head = key.split("/")
+            template = mn.HEAD_ENTROPY if kind == "entropy" else mn.HEAD_KL
+            assert logged[mn.head_metric(template, head)] == pytest.approx(want, rel=1e-5, abs=1e-7), (mid, key)
+        moved = [k for k in last if abs(last[k] - first[k]) > 1e-3 * max(abs(last[k]), 1e-3)]
+        assert len(moved) == len(last), (mid, "the first minibatch's values must differ from the last's", moved)

@@ -17,17 +17,21 @@ import math
 import numpy as np
 import pytest
 import torch
+from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.columns import Columns
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.distributed import ReplicaDivergenceError
+from gradmon_ray.rllib import with_gradmon
 from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch, update
 from tests.band_oracle import ACTION_EDGES, VALUE_EDGES, band_code
+from tests.peer.pairs import HEADS, cartpole_config, sample_batch, spaces_of
 from tests.vgs.vgs_oracle import assert_vgs_metrics_close, numpy_vgs_metrics
 
 MID = DEFAULT_MODULE_ID
+NO_KL = {"use_kl_loss": False}
 
 
 ACTION_HEADS = ("alpha_curve", "alpha_speed", "alpha_target", "blueprint", "op", "slot", "style", "tempo")
@@ -477,3 +481,54 @@ def test_logged_vgs_metrics_equal_numpy_vgs_on_hook_captured_gradients(granulari
     finally:
         recorder.remove()
     assert expected[mn.VGS_SCALING_FACTOR] < 0.999  # the factor acted in iteration 2
+
+
+def _cartpole_learner(agents: int, **gradmon):
+    config = cartpole_config(
+        "ppo", with_gradmon(PPOTorchLearner), agents=agents, gradmon={"heads": HEADS, **gradmon}, training=NO_KL
+    )
+    return config, config.build_learner(spaces=spaces_of(config))
+
+
+def _trackers(learner) -> dict[str, dict]:
+    return {mid: monitor.tracker.state_dict() for mid, monitor in learner.gradmon_modules.items()}
+
+
+def test_a_checkpoint_of_other_modules_loads_the_modules_both_have(tmp_path, caplog):
+    """A three-module checkpoint (RLlib's own ``save_to_path``) restored into a learner that monitors
+    fewer (``modules`` narrowed on resume; ``remove_module`` since) loads those it has, their state
+    exactly as saved, and names the others in one log line; a one-module checkpoint restored into a
+    three-module learner loads that module and starts the other two fresh, their clock at the
+    restored one (the next step is iteration 2 for every module: the test's own count)."""
+    config, saved = _cartpole_learner(3)
+    narrowed = fresh = None
+    try:
+        batch = sample_batch(config, saved, num_timesteps=128)
+        saved.update(batch=batch, timesteps={}, num_epochs=1, minibatch_size=None)
+        written = _trackers(saved)
+        saved.save_to_path(tmp_path / "three")
+        _, narrowed = _cartpole_learner(3, modules=["p0"])
+        with caplog.at_level("WARNING"):
+            narrowed.restore_from_path(tmp_path / "three")
+        assert _trackers(narrowed) == {"p0": written["p0"]} and narrowed.gradmon_iteration == 1
+        notes = [r.getMessage() for r in caplog.records if "not loaded" in r.getMessage()]
+        assert len(notes) == 1 and "module(s) ['p1', 'p2']" in notes[0] and "\n" not in notes[0], notes
+        saved.remove_module("p2")
+        saved.restore_from_path(tmp_path / "three")
+        assert _trackers(saved) == {mid: written[mid] for mid in ("p0", "p1")}
+
+        _, fresh = _cartpole_learner(3)
+        before = _trackers(fresh)
+        fresh.set_state(narrowed.get_state())  # only p0's gradmon state
+        after = _trackers(fresh)
+        assert after["p0"] == written["p0"]
+        for mid in ("p1", "p2"):
+            assert after[mid] == {**before[mid], "iteration": 1}, mid
+        results = fresh.update(batch=batch, timesteps={}, num_epochs=1, minibatch_size=None)
+        assert {mid: results[mid][mn.TELEMETRY_ITERATION].peek() for mid in ("p0", "p1", "p2")} == dict.fromkeys(
+            ("p0", "p1", "p2"), 2.0
+        )
+    finally:
+        for learner in (saved, narrowed, fresh):
+            if learner is not None:
+                learner.shutdown()

@@ -8,7 +8,6 @@ dataclass fields of ``HealthBands`` / ``UPGD``'s signature for the allowed keys,
 
 from __future__ import annotations
 
-import re
 from dataclasses import fields
 
 import pytest
@@ -210,20 +209,36 @@ def test_for_module_falls_back_field_by_field_to_the_top_level():
     assert GradmonSettings().for_module("default_policy") == ModuleSettings(heads={}, bands=BandSet(), value_heads=())
 
 
-def test_check_modules_names_the_missing_ids_and_lists_the_modules_ids():
+def test_ids_the_module_does_not_have_are_accepted_and_named_once_by_the_unseen_note():
+    """A league adds its modules later: ``modules``, ``per_module`` and ``probe.modules`` may name ids
+    (or patterns) no module has yet; ``check_modules`` accepts them, ``unseen_note`` names those that
+    no module the learner has had matches, in one line (None once every one matched)."""
     have = ["agent_0", "agent_1"]
-    parse({"modules": ["agent_1"], "per_module": {"agent_0": {}}}).check_modules(have)  # all present: no error
-    GradmonSettings().check_modules(have)
-
-    with pytest.raises(ValueError) as raised:
-        parse({"modules": ["agent_1", "agent_2"]}).check_modules(have)
-    assert str(raised.value) == (
-        "learner_config_dict['gradmon']['modules'] names module ids ['agent_2'] that the MultiRLModule "
-        "does not have; it has ['agent_0', 'agent_1']"
+    settings = parse(
+        {
+            "modules": ["agent_1", "agent_2", "league_*"],
+            "per_module": {"agnet_0": {"heads": {}}, "agent_1": {}},
+            "probe": {"every": 1, "actor_name": "p", "modules": ["agent_2"]},
+        },
+        full_learner=True,
     )
-    with pytest.raises(ValueError, match=re.escape("['per_module'] names module ids ['agnet_0']")) as raised:
-        parse({"per_module": {"agnet_0": {"heads": {}}}}).check_modules(have)
-    assert str(raised.value).endswith("it has ['agent_0', 'agent_1']")
+    settings.check_modules(have)  # no error: agent_2, league_* and agnet_0 may come later
+    GradmonSettings().check_modules(have)
+    assert settings.unseen_note(have) == (
+        "gradmon: learner_config_dict['gradmon']['modules'] names ['agent_2', 'league_*']; "
+        "learner_config_dict['gradmon']['per_module'] names ['agnet_0']; "
+        "learner_config_dict['gradmon']['probe']['modules'] names ['agent_2'], matching no module this learner "
+        "has had (['agent_0', 'agent_1']); a module added later under such an id is monitored from its first "
+        "update, a typo never is"
+    )
+    assert settings.unseen_note([*have, "agent_2", "league_7", "agnet_0"]) is None
+    assert [settings.monitors(m) for m in ("agent_0", "agent_1", "agent_2", "league_7", "league")] == [
+        False,
+        True,
+        True,
+        True,
+        False,
+    ]
 
 
 # --- the full learner still parses what build_ppo_config writes ----------------------------

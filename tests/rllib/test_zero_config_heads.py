@@ -319,7 +319,7 @@ def test_per_component_log_probs_of_a_tuple_keep_its_order():
     Gaussian on rows 3 (mean) and 4 (log-std), ``a2`` a categorical on rows 5:7."""
     from gradmon_ray.rllib.heads import per_head_logp
 
-    space, rows = SPACES["tuple"]
+    space, _rows = SPACES["tuple"]
     module = default_module("ppo", space)
     logits = torch.randn(6, 7, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():

@@ -162,3 +162,23 @@ def test_a_relative_sqlite_uri_is_the_store_of_the_directory_the_sink_was_opened
         client = MlflowClient(f"sqlite:///{tmp_path / name / 'mlflow.db'}")
         runs = client.search_runs([client.get_experiment_by_name("exp").experiment_id])
         assert [r.info.run_name for r in runs] == [name]
+
+
+def test_a_sink_resuming_its_own_run_sets_it_running_and_one_attached_to_another_leaves_it(tmp_path):
+    """``end_run=True`` with a ``run_id`` (a resumed run, a retried trial): the run left KILLED is
+    RUNNING again, with the sink's tags, once the writer reached MLflow, and ends with the sink's
+    status.  A sink writing into someone else's run (the probe's: no ``end_run``) changes neither."""
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("e"), tags={"gradmon.status": "killed"}).info.run_id
+    client.set_terminated(run_id, "KILLED")
+    probe = MlflowSink(uri, "e", run_id=run_id, tags={"gradmon.status": "running"})
+    assert probe.wait_for_run(60) == run_id and probe.close(timeout_s=60) is True
+    run = client.get_run(run_id)
+    assert (run.info.status, run.data.tags["gradmon.status"]) == ("KILLED", "killed")
+    resumed = MlflowSink(uri, "e", run_id=run_id, end_run=True, tags={"gradmon.status": "running"})
+    assert resumed.run_id_waiting_once(60) == run_id
+    run = client.get_run(run_id)
+    assert (run.info.status, run.data.tags["gradmon.status"]) == ("RUNNING", "running")
+    assert resumed.close(status="FINISHED", timeout_s=60) is True
+    assert client.get_run(run_id).info.status == "FINISHED"

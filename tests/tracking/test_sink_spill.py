@@ -130,3 +130,98 @@ def test_slow_end_of_run_plots_never_make_a_complete_run_incomplete(tmp_path, ca
     sink2 = MlflowSink(store, "exp", plots_every=100, plot_fn=plots_of_1_5_s)
     sink2.log_iteration(1, _metrics(1))
     assert sink2.close(timeout_s=120.0) is True and drawn2.wait(0)  # the default plots budget waits for them
+
+
+LAG = 0.5
+"""``sink_spill.LAG_S`` for the tests below: short, and 1000 times it (or its thousandth) far out of their range."""
+
+
+@pytest.fixture
+def hung_after_first_write(monkeypatch):
+    """``MlflowClient.log_batch`` answering at once until the run has its first metrics, then hanging
+    (a server that stalled mid-run) until the test sets the returned event."""
+    original = MlflowClient.log_batch
+    answer, metric_writes = threading.Event(), []
+
+    def log_batch(self: MlflowClient, run_id: str, metrics=(), **kwargs):
+        if metrics:
+            metric_writes.append(sorted({m.step for m in metrics}))
+            if len(metric_writes) > 1:
+                answer.wait(60)
+        return original(self, run_id, metrics=metrics, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", log_batch)
+    monkeypatch.setattr(sink_spill, "LAG_S", LAG)
+    return answer, metric_writes
+
+
+def _spilled_steps(spill) -> list[int]:
+    return [r["step"] for r in read_spill(spill)[1]] if spill.exists() else []
+
+
+def test_a_later_write_that_hangs_past_the_lag_limit_spills_within_it_and_loses_nothing(
+    tmp_path, hung_after_first_write
+):
+    """The run exists and took iteration 1; the write of iteration 2 hangs.  Iterations logged every
+    50 ms go to the spill file as soon as iteration 2 has waited ``LAG_S`` (0.5 s), not before: each
+    call is timed, and ``spilled`` must equal ``waited > LAG_S`` for every call whose start and end
+    lie on one side of the limit (a ms/s mix-up spills at once, or after 500 s).  Once MLflow answers,
+    it has every step once with its value, the spilled ones are marked delivered and the file goes."""
+    answer, metric_writes = hung_after_first_write
+    store, spill = f"sqlite:///{tmp_path / 'm.db'}", tmp_path / "spill" / "r.jsonl"
+    sink = MlflowSink(store, "exp", spill_path=spill)
+    assert sink.wait_for_run(120) is not None
+    sink.log_iteration(1, _metrics(1))
+    assert sink.flush(120) and not spill.exists()  # the run exists and has iteration 1: healthy so far
+    t0 = time.time()
+    sink.log_iteration(2, _metrics(2))  # its write hangs
+    calls = []  # (waited when the call began, waited when it returned, spilled steps then)
+    step = 2
+    while time.time() - t0 < LAG + 0.4:
+        time.sleep(0.05)
+        step += 1
+        begun = time.time() - t0
+        sink.log_iteration(step, _metrics(step))
+        calls.append((begun, time.time() - t0, _spilled_steps(spill)))
+    clear = [(b, e, s) for b, e, s in calls if e < LAG - 0.005 or b > LAG + 0.005]  # ms-rounded timestamps
+    assert [bool(s) for _, _, s in clear] == [b > LAG for b, _, _ in clear], calls
+    assert any(b > LAG for b, _, _ in clear) and any(e < LAG for _, e, _ in clear), calls  # both sides seen
+    first = next(i for i, (_, _, s) in enumerate(calls) if s)
+    assert calls[first][2] == list(range(2, first + 4))  # everything pending went with it, in order
+    assert all(s == list(range(2, i + 4)) for i, (_, _, s) in enumerate(calls) if i >= first)  # then each as it came
+    assert sink.spilling_ahead is False  # no write failed: it only lagged
+
+    answer.set()  # MLflow answers again
+    assert sink.close(timeout_s=120) is True
+    history = MlflowClient(store).get_metric_history(sink.run_id, "loss")
+    assert sorted((p.step, p.value) for p in history) == [(s, _metrics(s)["loss"]) for s in range(1, step + 1)]
+    assert metric_writes[0] == [1] and metric_writes[1] == [2]
+    assert not spill.exists() and not spill.parent.exists()  # all delivered: nothing left to replay
+
+
+def test_a_hang_past_the_lag_limit_then_a_kill_leaves_every_untaken_iteration_to_replay(
+    tmp_path, hung_after_first_write
+):
+    """As above, but the process dies while the write still hangs (the file read as a SIGKILL would
+    leave it): a replay into the run's store adds the spilled steps, and MLflow then holds each step
+    of the run once, the one MLflow took before the hang included."""
+    answer, _ = hung_after_first_write
+    store, spill = f"sqlite:///{tmp_path / 'm.db'}", tmp_path / "r.jsonl"
+    sink = MlflowSink(store, "exp", spill_path=spill)
+    assert sink.wait_for_run(120) is not None
+    sink.log_iteration(1, _metrics(1))
+    assert sink.flush(120)
+    t0 = time.time()
+    for step in (2, 3, 4):
+        sink.log_iteration(step, _metrics(step))
+        time.sleep(max(0.0, t0 + LAG + 0.05 - time.time()) if step == 3 else 0.0)
+    assert time.time() - t0 < 10 * LAG and _spilled_steps(spill) == [2, 3, 4]
+    killed = tmp_path / "killed.jsonl"
+    killed.write_bytes(spill.read_bytes())
+    header, records, trailer = read_spill(killed)
+    assert header["run_id"] is None and {r["run_id"] for r in records} == {sink.run_id} and trailer is None
+    answer.set()
+    sink.close(timeout_s=120)  # the live sink delivers them too: the replay must not add them twice
+    replay_spill(killed, store)
+    history = MlflowClient(store).get_metric_history(sink.run_id, "loss")
+    assert sorted((p.step, p.value) for p in history) == [(s, _metrics(s)["loss"]) for s in (1, 2, 3, 4)]

@@ -76,6 +76,15 @@ def cut_after(monkeypatch: pytest.MonkeyPatch, method: str, nth: int) -> list[An
     return results
 
 
+STORES = {
+    "sqlite": lambda tmp: f"sqlite:///{tmp / 'm.db'}",
+    # MLflow's file store appends every point it is given: a point logged again is there twice
+    # (MLflow 3.17 takes a file store only with MLFLOW_ALLOW_FILE_STORE=true: the test sets it)
+    "file": lambda tmp: (tmp / "mlruns").as_uri(),
+}
+
+
+@pytest.mark.parametrize("store", list(STORES))
 @pytest.mark.parametrize(
     ("method", "nth"),
     [
@@ -87,8 +96,11 @@ def cut_after(monkeypatch: pytest.MonkeyPatch, method: str, nth: int) -> list[An
         ("set_terminated", 1),  # everything in, the file not renamed yet
     ],
 )
-def test_a_replay_cut_short_and_retried_ends_with_one_run_and_each_point_once(tmp_path, monkeypatch, method, nth):
-    spill, uri = tmp_path / "s.jsonl", f"sqlite:///{tmp_path / 'm.db'}"
+def test_a_replay_cut_short_and_retried_ends_with_one_run_and_each_point_once(
+    tmp_path, monkeypatch, method, nth, store
+):
+    spill, uri = tmp_path / "s.jsonl", STORES[store](tmp_path)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     write_spill(spill, steps=25, keys=100)  # 2500 points: 3 metric batches of at most 1000
     cut_after(monkeypatch, method, nth)
     with pytest.raises(CutShort):
@@ -151,3 +163,26 @@ def test_the_replay_lines_are_strict_json(tmp_path):
     replay_spill(spill, f"sqlite:///{tmp_path / 'm.db'}", mark_done=False)
     tail = [json.loads(line) for line in spill.read_text().splitlines()[-2:]]
     assert [sorted(r) for r in tail] == [["replay_key"], ["replayed_into"]]
+
+
+def test_points_the_run_holds_already_are_not_logged_again_into_a_file_store(tmp_path, monkeypatch):
+    """The run the file names exists and holds steps 1-2 already (the sink delivered them, and was
+    killed before it marked them in the file, NaN included): a replay into the file store adds only
+    step 3; a point at the same step with another timestamp is another point, and is kept."""
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri, spill = (tmp_path / "mlruns").as_uri(), tmp_path / "s.jsonl"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("replayed")).info.run_id
+    for step in (1, 2):
+        client.log_metric(run_id, "m0", value(step, 0), timestamp=T0 + step, step=step)
+        client.log_metric(run_id, "nan", float("nan"), timestamp=T0 + step, step=step)
+    client.log_metric(run_id, "m0", 9.0, timestamp=T0, step=3)  # step 3 at another time: not the file's point
+    writer = SpillWriter(spill, {"tracking_uri": uri, "experiment": "replayed", "run_id": run_id})
+    items = [(s, T0 + s, {"m0": value(s, 0), "nan": float("nan")}, {}) for s in (1, 2, 3)]
+    writer.write_iterations(items, run_id, [1, 2, 3])
+    result = replay_spill(spill, uri)
+    assert (result.run_id, result.created_run, result.metrics) == (run_id, False, 6)
+    assert sorted((p.step, p.value) for p in client.get_metric_history(run_id, "m0")) == [
+        (1, value(1, 0)), (2, value(2, 0)), (3, value(3, 0)), (3, 9.0)
+    ]  # fmt: skip
+    assert sorted(p.step for p in client.get_metric_history(run_id, "nan")) == [1, 2, 3]

@@ -14,6 +14,7 @@ from typing import Any
 
 from gradmon_ray import metric_names as mn
 from gradmon_ray.telemetry.bands import DEFAULT_BANDS, BandSet, worst_head
+from gradmon_ray.tracking.redact import short
 from gradmon_ray.tracking.result_metrics import heads_in, latched_heads
 
 MAX_RUN_NAME_LEN = 200
@@ -116,7 +117,7 @@ def trial_run_name(sweep_name: str, trial_id: str, sampled: Mapping[str, Any]) -
     name = f"{sweep_name}-{trial_id}"
     if sampled:
         name += " (" + ", ".join(f"{k}={_short(v)}" for k, v in sorted(sampled.items())) + ")"
-    return name if len(name) <= MAX_RUN_NAME_LEN else name[: MAX_RUN_NAME_LEN - 3] + "..."
+    return short(name, MAX_RUN_NAME_LEN)  # masked, then cut: a sampled URI's password never shows
 
 
 def trial_count(search_space: Mapping[str, Any], num_samples: int) -> int:

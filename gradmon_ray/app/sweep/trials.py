@@ -63,7 +63,7 @@ def run_trial(params: dict[str, Any], tracking_uri: str) -> None:
     cfg = config_from_dict(apply_overrides(copy.deepcopy(meta["base"]), overrides))
     if cfg.mlflow.tracking_uri == redact_uri(tracking_uri):  # the masked copy of the sweep's own URI
         cfg.mlflow.tracking_uri = tracking_uri
-    resume, run_id = _resume_point(cfg.mlflow.tracking_uri, tune.get_checkpoint())
+    resume, run_id = _resume_point(cfg, tune.get_checkpoint())
     sink = _trial_sink(cfg, meta, overrides, run_id)
     built: list[Any] = []  # the trial's algorithm, once it reported: its empty ~/ray_results/<dir> goes at the end
     metric = MetricCarry(meta.get("metric", mn.EPISODE_RETURN_MEAN))
@@ -77,9 +77,13 @@ def run_trial(params: dict[str, Any], tracking_uri: str) -> None:
             shutil.rmtree(Path(resume.checkpoint_path).parent, ignore_errors=True)
 
 
-def _resume_point(tracking_uri: str, checkpoint: Any) -> tuple[Any, str | None]:
+def _resume_point(cfg: Any, checkpoint: Any) -> tuple[Any, str | None]:
     """A retried trial's ``ResumePoint`` and MLflow run id, from Tune's checkpoint copied to a local
-    directory (removed when the trial ends); ``(None, None)`` for a first attempt."""
+    directory (removed when the trial ends); ``(None, None)`` for a first attempt.
+
+    As ``train --resume`` does, what the failed attempt spilled (its MLflow lagged or was down) is
+    delivered into the run first (``deliver_first``), and only then is "logged through" read: an
+    iteration trained again is never logged beside its spilled value."""
     from gradmon_ray.app.train.mlflow_run import last_logged_iteration
     from gradmon_ray.app.train.resume import ResumePoint
 
@@ -90,14 +94,42 @@ def _resume_point(tracking_uri: str, checkpoint: Any) -> tuple[Any, str | None]:
         shutil.copytree(directory, local, dirs_exist_ok=True)
     state = json.loads((Path(local) / TRIAL_STATE_FILE).read_text())
     run_id = state["run_id"]
+    still_spilled = deliver_first(cfg, run_id)
     resume = ResumePoint(
         str(Path(local) / "algo"),
         int(state["iterations_done"]),
         state.get("health", {}),
         state_digest=state.get("state_digest"),
-        logged_through=last_logged_iteration(tracking_uri, run_id),
+        logged_through=max(last_logged_iteration(cfg.mlflow.tracking_uri, run_id), still_spilled),
     )
     return resume, run_id
+
+
+def deliver_first(cfg: Any, run_id: str) -> int:
+    """Replay the spill files in ``cfg.mlflow.spill_dir`` that hold iterations of ``run_id`` into it
+    (``resume.deliver_spill``: each exactly once); 0 once they are in MLflow.  MLflow failing now
+    never fails the retry (training goes on as it does through an outage): the files stay for
+    ``gradmon-ray replay``, a warning says so, and the last step they hold is returned, so that the
+    retry does not log those iterations a second time."""
+    from gradmon_ray.app.cli_common import TrackingUri
+    from gradmon_ray.app.train.resume import deliver_spill, run_spill_files
+    from gradmon_ray.config import ConfigError
+    from gradmon_ray.tracking.spill import SpillFormatError, read_spill
+
+    files: list[Path] = []
+    try:
+        files = run_spill_files(run_id, [Path(cfg.mlflow.spill_dir).expanduser().absolute()])
+        deliver_spill(TrackingUri.of(cfg.mlflow.tracking_uri), run_id, files, then="")
+        return 0
+    except ConfigError as exc:
+        logger.warning("gradmon: %s; the retried trial trains on and does not log them again", exc.message)
+    steps = [0]
+    for path in (f for f in files if f.exists()):  # the ones delivered were renamed .replayed
+        try:
+            steps += [int(r["step"]) for r in read_spill(path)[1]]
+        except (OSError, SpillFormatError):
+            continue
+    return max(steps)
 
 
 def _trial_sink(cfg: Any, meta: dict[str, Any], overrides: dict[str, Any], run_id: str | None) -> Any:

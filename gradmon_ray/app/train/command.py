@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gradmon_ray import metric_names as mn
 from gradmon_ray.app.cli_common import (
     EXIT_OK,
     add_set_flag,
@@ -158,6 +159,7 @@ def resume_command(args: argparse.Namespace) -> int:
         cfg.mlflow.experiment,
         run_name=cfg.mlflow.run_name,  # the spill file's header: a replay into another store keeps the name
         params=None,
+        tags={mn.TAG_STATUS: "running"},  # with the run's status, set back to RUNNING (end_run)
         max_pending=cfg.mlflow.queue_size,
         plots_every=cfg.mlflow.plots_every,
         plot_fn=plotter(cfg.mlflow.plots_every),
@@ -185,6 +187,8 @@ def _train(cfg: GradmonConfig, tracking: TrackingUri, **kwargs: Any) -> Any:
 
 
 def train_command(args: argparse.Namespace) -> int:
+    from gradmon_ray.app.train.messages import done_lines
+
     if args.resume:
         return resume_command(args)
     cfg = load_config(args.config, train_overrides(args))  # the one read: passed down from here
@@ -193,20 +197,6 @@ def train_command(args: argparse.Namespace) -> int:
     check_up_front(cfg, args.debug)
     print(f"gradmon-ray: training {cfg.iterations} iterations on {cfg.env.id}; MLflow: {shown}", flush=True)
     outcome = _train(cfg, tracking, checked=True)
-    if outcome.run_id is None:  # MLflow never answered (mlflow.offline_ok): everything is in the spill file
-        where = f"; replay it with: gradmon-ray replay {outcome.spill_path}" if outcome.spill_path else ""
-        print(f"gradmon-ray: done, but MLflow at {shown} never took the run{where}", flush=True)
-        return EXIT_OK
-    print(
-        f"gradmon-ray: done. MLflow run {outcome.run_id} in experiment '{cfg.mlflow.experiment}'"
-        + ("" if outcome.mlflow_complete else " (MLflow did not receive everything; see warnings)")
-        + (f"; checkpoint {outcome.checkpoint_path}" if outcome.checkpoint_path else ""),
-        flush=True,
-    )
-    hint = (
-        f"open {shown} in a browser"
-        if shown.startswith(("http://", "https://"))
-        else f"mlflow ui --backend-store-uri {shown}"
-    )
-    print(f"gradmon-ray: view it with: {hint}", flush=True)
+    for line in done_lines(outcome, cfg.mlflow.experiment, shown):
+        print(line, flush=True)
     return EXIT_OK

@@ -19,8 +19,14 @@ FINAL = "final"
 
 
 def final_checkpoint_dir(checkpoint_dir: str, run_id: str | None, run_name: str | None) -> Path:
-    """``<checkpoint_dir>/<run id>/final`` (``unnamed-<run name>`` when MLflow never created the run)."""
-    return Path(os.path.abspath(checkpoint_dir)) / (run_id or f"unnamed-{run_name or 'run'}") / FINAL
+    """``<checkpoint_dir>/<run id>/final``; when MLflow never created the run,
+    ``unnamed-<run name>-<UTC time>-<6 random hex digits>``: two offline runs of one name (a config's
+    ``mlflow.run_name``) never share it, and the CLI's last line says which it is."""
+    if run_id is None:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in (run_name or "run"))
+        run_id = f"unnamed-{safe}-{stamp}-{os.urandom(3).hex()}"
+    return Path(os.path.abspath(checkpoint_dir)) / run_id / FINAL
 
 
 def stage_final_checkpoint(checkpoint_dir: str, algo: Any) -> Path:

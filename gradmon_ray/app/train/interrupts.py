@@ -10,6 +10,13 @@ the CLI exits 130).  A second signal raises ``KeyboardInterrupt`` where the prog
 checkpoints there is nothing to wait for: SIGTERM raises ``KeyboardInterrupt`` at once, as Ctrl-C
 does, so the run still ends ``KILLED`` instead of staying ``RUNNING`` in MLflow.  Ray's own
 processes block SIGINT (a terminal's Ctrl-C reaches only this process).
+
+**While the run ends** (the probe flushed, the algorithm stopped, the sink closed: ``EndingGuard``), a
+signal never stops the process half-way, which left the run ``RUNNING`` with its status lost: it
+cuts the slow step under way short and skips the others up to the sink's close, and a run that
+would have ended ``FINISHED`` ends ``KILLED``.  The close itself is not cut (its own timeout bounds
+it, and it keeps on disk what MLflow has not taken); a signal during it or after it lets the run
+keep the status it is ending with.
 """
 
 from __future__ import annotations
@@ -18,10 +25,13 @@ import contextlib
 import os
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from gradmon_ray.compat import is_rays_driver_sigterm_handler
+
+T = TypeVar("T")
 
 NOTICE = "\ngradmon-ray: {signal}: stopping after this iteration, once it is checkpointed ({again} to stop now)\n"
 AGAIN = {signal.SIGINT: "Ctrl-C again", signal.SIGTERM: "send SIGTERM again"}
@@ -67,6 +77,50 @@ class GracefulInterrupt:
         if threading.current_thread() is threading.main_thread():
             for sig in DEFAULT_HANDLERS:
                 if (self.graceful or sig == signal.SIGTERM) and _default(sig):
+                    self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+
+class EndingGuard:
+    """While active (``with``, main thread only), SIGINT and SIGTERM (with their default handlers, or
+    Ray's) are recorded in ``signalled`` instead of stopping the process; inside ``cut_short`` the
+    first one also ends the step under way (a ``KeyboardInterrupt`` there, caught)."""
+
+    def __init__(self) -> None:
+        self.signalled: signal.Signals | None = None
+        self._cuttable = False
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.signalled = signal.Signals(signum)
+        if self._cuttable:
+            self._cuttable = False  # one step cut per signal; none once the step is over
+            raise KeyboardInterrupt
+
+    def cut_short(self, step: Callable[[], T], default: T) -> T:
+        """``step()``, or ``default`` when a signal came before it (skipped) or during it (cut short)."""
+        if self.signalled is not None:
+            return default
+        try:
+            try:
+                self._cuttable = True
+                return step()
+            finally:
+                self._cuttable = False
+        except KeyboardInterrupt:
+            if self.signalled is None:  # not ours: a KeyboardInterrupt the step raised itself
+                raise
+            return default
+
+    def __enter__(self) -> EndingGuard:
+        if threading.current_thread() is threading.main_thread():
+            for sig in DEFAULT_HANDLERS:
+                if _default(sig):
                     self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

@@ -39,6 +39,26 @@ def started_line(run: RunStarted, shown: str) -> str:
     return f"{PREFIX}MLflow run {run.run_id}{name} in experiment '{run.experiment}' at {shown}"
 
 
+def done_lines(outcome: Any, experiment: str, shown: str) -> list[str]:
+    """What ``train`` prints once a run has ended (``outcome``: a ``TrainingOutcome``; ``shown``: the
+    store, credentials masked): the run, its end-of-run checkpoint (where the next ``restore_from``
+    finds it) and how to view it; a run MLflow never took is named by its spill file instead."""
+    checkpoint = f"; checkpoint {outcome.checkpoint_path}" if outcome.checkpoint_path else ""
+    if outcome.run_id is None:  # MLflow never answered (mlflow.offline_ok): everything is in the spill file
+        where = f"; replay it with: gradmon-ray replay {outcome.spill_path}" if outcome.spill_path else ""
+        return [f"{PREFIX}done, but MLflow at {shown} never took the run{where}{checkpoint}"]
+    incomplete = "" if outcome.mlflow_complete else " (MLflow did not receive everything; see warnings)"
+    hint = (
+        f"open {shown} in a browser"
+        if shown.startswith(("http://", "https://"))
+        else f"mlflow ui --backend-store-uri {shown}"
+    )
+    return [
+        f"{PREFIX}done. MLflow run {outcome.run_id} in experiment '{experiment}'{incomplete}{checkpoint}",
+        f"{PREFIX}view it with: {hint}",
+    ]
+
+
 def resume_argv(run_id: str, tracking: TrackingUri, checkpoint_root: str | Path) -> list[str]:
     """``gradmon-ray train --resume RUN_ID``, plus ``--mlflow-uri`` when the store is not the one a bare
     ``train`` uses here (``default_tracking_uri``; its password masked) and ``--checkpoint-dir`` when

@@ -136,20 +136,22 @@ def run_spill_files(run_id: str, directories: list[Path]) -> list[Path]:
     return sorted(found, key=lambda p: found[p])  # the newest file's tags and status are the run's last
 
 
-def deliver_spill(tracking: TrackingUri, run_id: str, files: list[Path]) -> None:
+def deliver_spill(tracking: TrackingUri, run_id: str, files: list[Path], then: str = ", then resume") -> None:
     """Replay ``files`` into ``run_id`` at ``tracking``, each exactly once (``replay_spill``);
-    ``ConfigError`` naming the file and the replay command when one cannot be delivered."""
+    ``ConfigError`` naming the file and the replay command (``then``: what to do after it) when one
+    cannot be delivered."""
+    from gradmon_ray.tracking.redact import short, uri_secrets
     from gradmon_ray.tracking.spill_replay import replay_spill
 
     for path in files:
         try:
             result = replay_spill(path, tracking.uri)
         except Exception as exc:
-            why = (str(exc).splitlines() or [type(exc).__name__])[0][:80]
+            why = short(str(exc), 80, uri_secrets(tracking.uri), one_line=True) or type(exc).__name__
             raise ConfigError(
                 "--resume",
                 f"could not deliver run {run_id}'s outage spill first ({why}); deliver it with: "
-                f"gradmon-ray replay {path} --tracking-uri {tracking.shown}, then resume",
+                f"gradmon-ray replay {path} --tracking-uri {tracking.shown}{then}",
             ) from None
         print(
             f"gradmon-ray: delivered {result.iterations} iterations of run {run_id} that {path} kept during an outage",
@@ -204,6 +206,7 @@ def resume_point(
     """
     from mlflow.tracking import MlflowClient
 
+    from gradmon_ray.tracking.redact import short, uri_secrets
     from gradmon_ray.tracking.store_uri import absolute_tracking_uri
 
     tracking = TrackingUri.of(tracking_uri)
@@ -211,9 +214,8 @@ def resume_point(
     try:
         run = client.get_run(run_id)
     except Exception as exc:
-        raise ConfigError(
-            "--resume", f"no run {run_id!r} at {tracking.shown}: {str(exc).splitlines()[0][:200]}"
-        ) from None
+        why = short(str(exc), 200, uri_secrets(tracking.uri), one_line=True) or type(exc).__name__
+        raise ConfigError("--resume", f"no run {run_id!r} at {tracking.shown}: {why}") from None
     version, state = _checkpoint_of(run_id, run.data.tags.get(mn.TAG_CHECKPOINT_DIR), checkpoint_dir)
     cfg = config_from_dict(state["config"])
     # <root>/<run id>/ckpt-*, or <root>/latest from before per-run directories

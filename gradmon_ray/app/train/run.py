@@ -28,7 +28,7 @@ from gradmon_ray.app.train.checkpoints import (
     verify_restored_state,
 )
 from gradmon_ray.app.train.final_checkpoint import publish_final_checkpoint, stage_final_checkpoint
-from gradmon_ray.app.train.interrupts import GracefulInterrupt, TrainingInterrupted
+from gradmon_ray.app.train.interrupts import EndingGuard, GracefulInterrupt, TrainingInterrupted
 from gradmon_ray.app.train.mlflow_run import RunStarted, named, open_run_sink, warn_undelivered
 from gradmon_ray.app.train.resume import ResumePoint
 from gradmon_ray.config import GradmonConfig
@@ -110,12 +110,13 @@ def run_training(
         run.iterate()
         run.save_final()
         run.status = "FINISHED"
-        return run.outcome
     except KeyboardInterrupt:
         run.status = "KILLED"  # MLflow's status for a run stopped by its user (Ctrl-C, SIGTERM), not a failure
-        raise TrainingInterrupted(run.outcome) from None
     finally:
-        run.end()
+        run.end()  # a signal while it ends: KILLED too (interrupts.EndingGuard)
+    if run.status == "KILLED":
+        raise TrainingInterrupted(run.outcome) from None
+    return run.outcome
 
 
 class _TrainingRun:
@@ -163,7 +164,8 @@ class _TrainingRun:
         ppo_config = build_ppo_config(cfg)
         self.outcome.probe_actor = probe_actor_name_of(ppo_config)
         if self.outcome.probe_actor is not None:
-            self.probe = start_probe(cfg, self.outcome.probe_actor, self.sink)
+            logged = resume.logged_through if resume is not None else 0  # recomputed: probed, not logged twice
+            self.probe = start_probe(cfg, self.outcome.probe_actor, self.sink, skip_through=logged)
         # ResourceWait: a request the cluster cannot place is reported, then given up on;
         # quiet_actor_creation: Ray's actor-restart notice, which asks nothing of the user, is dropped.
         with ResourceWait(cfg), quiet_actor_creation():
@@ -183,11 +185,13 @@ class _TrainingRun:
             self.resumed_tags[mn.TAG_RESTORED_FROM] = os.path.abspath(cfg.restore_from)
 
     def announce(self) -> None:
-        """The CLI's ``progress.run_started``: the run id and where it is, before the first iteration."""
-        announce = getattr(self.progress, "run_started", None)
+        """The CLI's ``progress.run_started``: the run id and where it is, before the first iteration; a
+        resumed run waits (at most ``RUN_ID_WAIT_S``) for the sink's first try too: RUNNING again by then."""
+        sink, announce = self.sink, getattr(self.progress, "run_started", None)
+        if announce is None and self.resume is None:
+            return
+        run_id = sink.run_id_waiting_once(RUN_ID_WAIT_S)
         if announce is not None:
-            sink = self.sink
-            run_id = sink.run_id_waiting_once(RUN_ID_WAIT_S)
             announce(RunStarted(run_id, sink.run_name, sink.experiment, sink.tracking_uri))
 
     def iterate(self) -> None:
@@ -247,20 +251,27 @@ class _TrainingRun:
             self.final_staging = stage_final_checkpoint(self.cfg.checkpoint_dir, self.algo)
 
     def end(self) -> None:
-        """Whatever happened: the probe flushed, the algorithm stopped, the sink closed with the status."""
+        """Whatever happened: the probe flushed, the algorithm stopped, the sink closed with the status.
+        A Ctrl-C or SIGTERM meanwhile cuts the steps before the close short and ends the run KILLED."""
+        self.signals.close()  # training's handlers off: the ending's own below
+        with EndingGuard() as ending:
+            self._end(ending)
+
+    def _end(self, ending: EndingGuard) -> None:
         import ray
 
-        outcome, sink = self.outcome, self.sink
-        self.signals.close()  # the cleanup below runs with the signals as they were (a second Ctrl-C stops it)
+        outcome, sink, algo = self.outcome, self.sink, self.algo
         # The last probe usually finishes after the last iteration's metrics were logged:
         # wait for it (the learner's client, before the learner stops) and log the final
         # probe counters at the last step, so the run's probe/* values are what happened.
-        probe_counters = flush_probe(self.algo) if self.algo is not None and outcome.probe_actor is not None else {}
-        if self.algo is not None:
-            self.algo.stop()
-            discard_rllib_logdir(self.algo)  # RLlib's empty ~/ray_results/<run> directory
+        probed = algo is not None and outcome.probe_actor is not None
+        probe_counters = ending.cut_short(lambda: flush_probe(algo), {}) if probed else {}
+        if algo is not None:
+            ending.cut_short(lambda: (algo.stop(), discard_rllib_logdir(algo)), None)  # + RLlib's empty logdir
         if self.probe is not None:
-            stop_probe(self.probe)
+            ending.cut_short(lambda: stop_probe(self.probe), None)
+        if ending.signalled is not None and self.status == "FINISHED":
+            self.status = "KILLED"  # stopped while it ended: not everything a finished run leaves is there
         final = "stopped" if self.status == "FINISHED" and outcome.stop_reason else self.status.lower()
         sink.log_iteration(outcome.iterations_done, probe_counters, {**self.resumed_tags, mn.TAG_STATUS: final})
         outcome.mlflow_complete = sink.close(status=self.status)
@@ -281,4 +292,4 @@ class _TrainingRun:
         if not outcome.mlflow_complete:
             warn_undelivered(sink)
         if self.started_ray:
-            ray.shutdown()
+            ray.shutdown()  # never cut: it ends the actors a cut-short stop left
