@@ -17,6 +17,7 @@ from gradmon_ray.app.cli_common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
+    MAX_OWN_ERROR_CHARS,
     check_read_server,
     error_line,
     fail_fast_mlflow_http,
@@ -25,6 +26,8 @@ from gradmon_ray.app.read_commands import add_tracking_uri_flag, replay_command,
 from gradmon_ray.app.sweep.command import add_tune_arguments, tune_command
 from gradmon_ray.app.train.command import add_train_arguments, train_command
 from gradmon_ray.config import ConfigError
+from gradmon_ray.distributed.agreement import LearnerCollectiveError
+from gradmon_ray.distributed.replica_checksum import ReplicaDivergenceError
 from gradmon_ray.tracking.redact import OUTPUT_REDACTOR
 from gradmon_ray.tracking.spill import SpillFormatError
 from gradmon_ray.viz.runs import RunLookupError
@@ -116,8 +119,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:  # the traceback, masked like everything else
             print(OUTPUT_REDACTOR(traceback.format_exc().rstrip()), file=sys.stderr)
         hint = "" if args.debug else " (rerun with --debug for the traceback)"
-        _error("gradmon-ray: run failed: ", f"{type(exc).__name__}: {exc}{hint}", args.debug)
+        if (own := learners_own_error(exc)) is not None:  # whole, not Ray's traceback text around it
+            print(error_line("gradmon-ray: run failed: ", own, MAX_OWN_ERROR_CHARS, OUTPUT_REDACTOR), file=sys.stderr)
+        else:
+            _error("gradmon-ray: run failed: ", f"{type(exc).__name__}: {exc}{hint}", args.debug)
         return EXIT_FAILED
+
+
+LEARNERS_ONE_LINE_ERRORS = (LearnerCollectiveError, ReplicaDivergenceError)
+"""gradmon's errors from the learners whose message is the whole story, in one line."""
+
+
+def learners_own_error(exc: BaseException) -> str | None:
+    """``Name: message`` of the gradmon error a learner raised (``LEARNERS_ONE_LINE_ERRORS``), found inside
+    Ray's ``RayTaskError`` around it (whose text starts with Ray's traceback); None for any other error."""
+    found, node = None, exc
+    for _ in range(5):  # RayTaskError.cause, then Python's own chain
+        if node is None:
+            break
+        if isinstance(node, LEARNERS_ONE_LINE_ERRORS):
+            found = node
+        node = getattr(node, "cause", None) or node.__cause__
+    if found is None:
+        return None
+    name = next(
+        c.__name__ for c in type(found).__mro__ if issubclass(c, LEARNERS_ONE_LINE_ERRORS) and "(" not in c.__name__
+    )
+    return f"{name}: {found}"
 
 
 URI_ENV = "MLFLOW_TRACKING_URI"

@@ -125,6 +125,12 @@ class DistributedSection(ConfigModel):
     replica_check_every: int = Field(
         10, ge=0, description="Compare parameter checksums across learners every N iterations (0: off)."
     )
+    collective_timeout_s: float = Field(
+        300.0,
+        ge=1.0,
+        description="How long a learner waits for the others in one collective before the run stops naming "
+        "what it waited for (the presence exchange, a CPU minibatch's average, the telemetry reduce, add_module).",
+    )
 
 
 EMBEDDED_TRACKING_URI = "sqlite:///mlflow.db"

@@ -150,6 +150,7 @@ def _learner_settings(cfg: GradmonConfig, probe: dict[str, Any]) -> dict[str, An
         "noise_scale": cfg.distributed.noise_scale,
         "noise_scale_one_learner": cfg.distributed.noise_scale_one_learner,
         "replica_check_every": cfg.distributed.replica_check_every,
+        "collective_timeout_s": cfg.distributed.collective_timeout_s,
         "regularizers": [_plain(r) for r in cfg.regularizers],
         "probe": probe,
     }

@@ -253,7 +253,7 @@ def test_full_learner_parses_what_build_ppo_config_writes():
             "vgs": {"enabled": True, "beta": 0.95, "apply_to": "gradient"},
             "regularizers": [{"name": "logit_l2", "weight": 0.1}],
             "probe": {"gradient_analysis_every": 2},
-            "distributed": {"replica_check_every": 3},
+            "distributed": {"replica_check_every": 3, "collective_timeout_s": 42.5},
         }
     )
     written = build_ppo_config(cfg).learner_config_dict
@@ -268,6 +268,7 @@ def test_full_learner_parses_what_build_ppo_config_writes():
     assert settings.regularizers[0]["name"] == "logit_l2" and settings.regularizers[0]["weight"] == 0.1
     assert settings.probe.every == 2 and settings.probe.actor_name == data["probe"]["actor_name"]
     assert settings.collective_group == data["collective_group"] and settings.replica_check_every == 3
+    assert settings.collective_timeout_s == 42.5  # distributed.collective_timeout_s reaches the learners
     # and the drop-in refuses that very dict, naming the first key it cannot honour
     with pytest.raises(ValueError, match=r"\['fused_optimizer'\] is read only by GradmonPPOTorchLearner"):
         GradmonSettings.from_learner_config(written)
