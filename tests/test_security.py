@@ -130,13 +130,16 @@ NOT_MESSAGES = {
     ("gradmon_ray/tracking/mlflow_io.py", "param_list[i:i + MAX_PARAMS_PER_BATCH]"),
     ("gradmon_ray/tracking/mlflow_io.py", "tag_list[i:i + MAX_TAGS_PER_BATCH]"),
     ("gradmon_ray/tracking/uri_credentials.py", "rest[:cut]"),
+    ("gradmon_ray/config/base.py", "loc[:used]"),  # pydantic's error location, not text
+    ("gradmon_ray/rllib/module_groups.py", "x.shape[:-1]"),
 }
 
 
 def test_messages_are_masked_before_they_are_cut():
     def cuts(path: Path) -> list[str]:
         rel = str(path.relative_to(ROOT))
-        if rel.split("/")[1] not in ("app", "tracking", "probe") or rel == "gradmon_ray/tracking/redact.py":
+        # (viz/ cuts only head and run names to a column's width: the name rule keeps secrets out of them)
+        if rel.split("/")[1] not in ("app", "tracking", "probe", "config", "rllib") or rel.endswith("/redact.py"):
             return []
         found = [
             (node.lineno, ast.unparse(node))

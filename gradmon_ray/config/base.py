@@ -166,8 +166,14 @@ def _join(path: str, part: str) -> str:
 
 
 def _show(value: Any, limit: int = 200) -> str:
+    """``repr(value)``, or, when longer than ``limit``, what it is without any of its text: cutting it
+    here, before the CLI masks credentials, could print part of a password (mask, then cut)."""
     text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    if len(text) <= limit:
+        return text
+    unit = "characters" if isinstance(value, str) else "items"
+    size = f" of {len(value)} {unit}" if hasattr(value, "__len__") else f" ({len(text)} characters)"
+    return f"a {type(value).__name__}{size}, too long to show"
 
 
 def _peel(tp: Any, info: FieldInfo | None = None) -> tuple[Any, list[Any], bool]:

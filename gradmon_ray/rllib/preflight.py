@@ -15,6 +15,7 @@ from pathlib import Path
 
 from gradmon_ray.config import ConfigError, GradmonConfig
 from gradmon_ray.rllib.module import ModelConfigError
+from gradmon_ray.tracking.redact import short
 from gradmon_ray.vgs.scaler import OLD_CHECKPOINT_WARNING
 
 LEARNER_SUBDIR = Path("learner_group") / "learner"
@@ -114,4 +115,4 @@ def _first_line(exc: BaseException) -> str:
     if not lines:
         return type(exc).__name__
     line = lines[1] if lines[0].startswith("Error(s) in loading") and len(lines) > 1 else lines[0]
-    return line[:300]
+    return short(line, 300)  # masked, then cut

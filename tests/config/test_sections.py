@@ -341,3 +341,17 @@ def test_the_update_ratio_band_needs_low_below_high_and_reaches_the_learner_sett
 
     settings = GradmonSettings.from_learner_config(build_ppo_config(cfg).learner_config_dict, full_learner=True)
     assert (settings.bands.update_ratio.low, settings.bands.update_ratio.high) == (1e-5, 0.5)
+
+
+def test_a_long_bad_value_is_described_not_cut_so_no_part_of_a_secret_shows():
+    """A value too long to show is not cut (a cut before the CLI masks could end inside a password):
+    the error names what it is instead."""
+    from gradmon_ray.config import ConfigError, config_from_dict
+
+    secret = "s3cr3t-" + "x" * 60
+    uri = "http://user:" + secret + "@mlflow.example:5000/" + "a" * 200
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"iterations": uri})
+    message = str(info.value)
+    assert message == f"iterations: must be an integer >= 1, got a str of {len(uri)} characters, too long to show"
+    assert "s3cr" not in message and "user" not in message
