@@ -160,9 +160,10 @@ def test_the_literal_credential_check_is_live(line):
 
 
 def test_no_job_submit_command_in_the_docs_carries_a_login_in_its_entrypoint():
-    """Ray stores a job's entrypoint and shows it in its job table and dashboard: every ``ray job
-    submit`` command in the docs keeps credentials out of it (MLflow's variables in the nodes' or
-    the job's runtime environment), and the docs show how."""
+    """Ray stores a job's entrypoint and shows it in its job table and dashboard, and writes a job's
+    runtime environment into runtime_env_agent.log (tests/e2e/test_job_submit_e2e.py): every ``ray
+    job submit`` command in the docs keeps credentials out of both (MLflow's variables in the
+    nodes' environment), and the docs show how."""
     docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     commands = []
     for path in docs:
@@ -174,5 +175,8 @@ def test_no_job_submit_command_in_the_docs_carries_a_login_in_its_entrypoint():
         entrypoint = line.split(" -- ", 1)[1] if " -- " in line else ""
         assert not login_url.search(line), (name, line)
         assert "PASSWORD" not in entrypoint and "USERNAME" not in entrypoint, (name, line)
+        assert "PASSWORD" not in line and "USERNAME" not in line, (name, line)  # nor in its runtime env
     ops = (ROOT / "docs" / "operations.md").read_text()
-    assert '--runtime-env-json "{\\"env_vars\\": {\\"MLFLOW_TRACKING_USERNAME\\"' in ops
+    # The way they show instead: the login from the credentials file into every node's `ray start`.
+    source = r"set -a; \. ~/\.gradmon-ray/mlflow\.env; set \+a"
+    assert re.search(source + r"\n\s*RAY_AUTH_MODE=token MLFLOW_TRACKING_URI=\S+ ray start", ops)

@@ -11,6 +11,7 @@ model, PPO, telemetry, VGS, UPGD, health_stop) is in ``training_sections``.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Annotated, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
@@ -143,6 +144,28 @@ def default_tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or EMBEDDED_TRACKING_URI
 
 
+def in_ray_job_package(cwd: Path) -> bool:
+    """``cwd`` is Ray's unpacked copy of a job's ``--working-dir``
+    (``.../runtime_resources/working_dir_files/_ray_pkg_<hash>/``), which Ray deletes."""
+    return "runtime_resources" in cwd.parts and "working_dir_files" in cwd.parts
+
+
+def durable_spill_dir(spill_dir: str, cwd: Path | None = None) -> str:
+    """``spill_dir`` as a run keeps it: a relative one inside a ``ray job submit`` package is taken
+    relative to the home directory of the node running the job's driver instead (``~/gradmon-spill``
+    by default).  Why home: it outlives the job, ``ray stop``, Ray's session and temp directories and
+    a reboot, it is the same path on every node, and the docs can name it before the job starts.
+    ``cwd``: default the working directory."""
+    path = Path(spill_dir).expanduser()
+    if path.is_absolute():
+        return spill_dir
+    try:
+        cwd = Path.cwd() if cwd is None else cwd
+    except OSError:  # the working directory was deleted: nothing to tell, leave the setting alone
+        return spill_dir
+    return str(Path.home() / path) if in_ray_job_package(cwd) else spill_dir
+
+
 class MlflowSection(ConfigModel):
     """Where metrics go."""
 
@@ -155,7 +178,10 @@ class MlflowSection(ConfigModel):
     queue_size: int = Field(1000, ge=1, description="Iterations buffered before the oldest are dropped.")
     spill_dir: Text = Field(
         "gradmon-spill",
-        description="Where iterations MLflow could not take are kept (replay: gradmon-ray replay FILE).",
+        validate_default=True,  # a ray job's default moves out of Ray's throwaway copy too
+        description="Where iterations MLflow could not take are kept (replay: gradmon-ray replay FILE); "
+        "relative: to the working directory, or, in a ray job submit --working-dir job, to the home directory "
+        "of the node that runs the job's driver (Ray deletes its copy of the working directory).",
     )
     plots_every: int = Field(
         10, ge=0, description="Log the gradient-health plots as artifacts every N iterations and at the end (0: off)."
@@ -167,3 +193,8 @@ class MlflowSection(ConfigModel):
         "answer within 5 s at start is an error (exit 2) before anything runs. An outage after the start is "
         "always buffered.",
     )
+
+    @field_validator("spill_dir")
+    @classmethod
+    def _spill_dir_outside_a_job_package(cls, value: str) -> str:
+        return durable_spill_dir(value)

@@ -45,10 +45,11 @@ SpillItem = tuple[int, int, Mapping[str, float], Mapping[str, str]]
 
 
 def default_spill_path(directory: str | Path, run_name: str | None) -> Path:
-    """``<directory>/<run name>-<UTC time>-<pid>.jsonl``, absolute (Tune changes the working dir)."""
+    """``<directory>/<run name>-<UTC time>-<pid>.jsonl``, absolute (Tune changes the working dir), ``~``
+    expanded (a ``--set mlflow.spill_dir=~/spill`` the shell did not expand)."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in (run_name or "run"))
-    return Path(directory).absolute() / f"{safe}-{stamp}-{os.getpid()}.jsonl"
+    return Path(directory).expanduser().absolute() / f"{safe}-{stamp}-{os.getpid()}.jsonl"
 
 
 def _encode(value: float) -> float | str:

@@ -154,6 +154,7 @@ def resume_command(args: argparse.Namespace) -> int:
         f"gradmon-ray: resuming run {args.resume} after iteration {point.iterations_done} of {cfg.iterations}",
         flush=True,
     )
+    _print_job_spill_line(cfg)
     sink = MlflowSink(
         tracking.uri,
         cfg.mlflow.experiment,
@@ -170,6 +171,15 @@ def resume_command(args: argparse.Namespace) -> int:
     outcome = _train(cfg, tracking, sink=sink, resume=point)
     print(f"gradmon-ray: done. MLflow run {outcome.run_id} (resumed)", flush=True)
     return EXIT_OK
+
+
+def _print_job_spill_line(cfg: GradmonConfig) -> None:
+    """In a ``ray job submit`` job, under the banner: where its spill file goes (``messages.job_spill_line``)."""
+    from gradmon_ray.app.train.messages import job_spill_line
+
+    line = job_spill_line(cfg.mlflow.spill_dir)
+    if line is not None:
+        print(line, flush=True)
 
 
 def _train(cfg: GradmonConfig, tracking: TrackingUri, **kwargs: Any) -> Any:
@@ -196,6 +206,7 @@ def train_command(args: argparse.Namespace) -> int:
     shown = tracking.shown
     check_up_front(cfg, args.debug)
     print(f"gradmon-ray: training {cfg.iterations} iterations on {cfg.env.id}; MLflow: {shown}", flush=True)
+    _print_job_spill_line(cfg)
     outcome = _train(cfg, tracking, checked=True)
     for line in done_lines(outcome, cfg.mlflow.experiment, shown):
         print(line, flush=True)

@@ -4,6 +4,7 @@ and after Ctrl-C the run id and the command that resumes it, as it can be run.""
 from __future__ import annotations
 
 import shlex
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from gradmon_ray.app.cli_common import TrackingUri
 from gradmon_ray.app.train.mlflow_run import RunStarted
 from gradmon_ray.app.train.resume import allowed_root, find_checkpoint
 from gradmon_ray.config import ConfigError, default_tracking_uri
+from gradmon_ray.config.sections import in_ray_job_package
 from gradmon_ray.tracking.redact import MASK, uri_secrets
 
 PREFIX = "gradmon-ray: "
@@ -37,6 +39,17 @@ def started_line(run: RunStarted, shown: str) -> str:
         return f"{PREFIX}MLflow at {shown} has not created the run yet; its iterations wait (spilled) until it does"
     name = f" ({run.run_name})" if run.run_name else ""
     return f"{PREFIX}MLflow run {run.run_id}{name} in experiment '{run.experiment}' at {shown}"
+
+
+def job_spill_line(spill_dir: str, cwd: Path | None = None) -> str | None:
+    """Under ``ray job submit --working-dir`` (``cwd``, default the working directory, is Ray's copy
+    of it, deleted after the job): where the run keeps what MLflow cannot take, and on which node
+    (a cluster's job driver runs on one of its nodes, not on your machine).  None: not such a job."""
+    if not in_ray_job_package(Path.cwd() if cwd is None else cwd):
+        return None
+    place = Path(spill_dir).expanduser().absolute()
+    node = socket.gethostname()
+    return f"{PREFIX}iterations MLflow cannot take are kept in {place} on node {node} (Ray deletes the job's directory)"
 
 
 def done_lines(outcome: Any, experiment: str, shown: str) -> list[str]:
