@@ -150,20 +150,21 @@ def in_ray_job_package(cwd: Path) -> bool:
     return "runtime_resources" in cwd.parts and "working_dir_files" in cwd.parts
 
 
-def durable_spill_dir(spill_dir: str, cwd: Path | None = None) -> str:
-    """``spill_dir`` as a run keeps it: a relative one inside a ``ray job submit`` package is taken
-    relative to the home directory of the node running the job's driver instead (``~/gradmon-spill``
-    by default).  Why home: it outlives the job, ``ray stop``, Ray's session and temp directories and
-    a reboot, it is the same path on every node, and the docs can name it before the job starts.
-    ``cwd``: default the working directory."""
-    path = Path(spill_dir).expanduser()
+def durable_job_path(directory: str, cwd: Path | None = None) -> str:
+    """A directory a run keeps (``mlflow.spill_dir``, the checkpoint root) as it keeps it: a relative
+    one inside a ``ray job submit`` package is taken relative to the home directory of the node running
+    the job's driver instead (``~/gradmon-spill``, ``~/gradmon-checkpoints`` by default).  Why home: it
+    outlives the job, ``ray stop``, Ray's session and temp directories and a reboot, it is the same
+    path on every node, and the docs can name it before the job starts.  ``cwd``: default the working
+    directory."""
+    path = Path(directory).expanduser()
     if path.is_absolute():
-        return spill_dir
+        return directory
     try:
         cwd = Path.cwd() if cwd is None else cwd
     except OSError:  # the working directory was deleted: nothing to tell, leave the setting alone
-        return spill_dir
-    return str(Path.home() / path) if in_ray_job_package(cwd) else spill_dir
+        return directory
+    return str(Path.home() / path) if in_ray_job_package(cwd) else directory
 
 
 class MlflowSection(ConfigModel):
@@ -197,4 +198,4 @@ class MlflowSection(ConfigModel):
     @field_validator("spill_dir")
     @classmethod
     def _spill_dir_outside_a_job_package(cls, value: str) -> str:
-        return durable_spill_dir(value)
+        return durable_job_path(value)

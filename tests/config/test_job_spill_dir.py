@@ -10,7 +10,7 @@ import pytest
 
 from gradmon_ray.app.train.messages import job_spill_line
 from gradmon_ray.config import GradmonConfig, load_config
-from gradmon_ray.config.sections import durable_spill_dir
+from gradmon_ray.config.sections import durable_job_path
 from gradmon_ray.tracking.spill import default_spill_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ def in_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     [("gradmon-spill", "gradmon-spill"), ("spill/runs", "spill/runs"), ("./s", "s")],
 )
 def test_a_relative_spill_dir_in_a_job_is_in_the_nodes_home(home: Path, in_job: Path, setting: str, in_home: str):
-    assert durable_spill_dir(setting) == str(home / in_home)
+    assert durable_job_path(setting) == str(home / in_home)
     assert GradmonConfig.model_validate({"mlflow": {"spill_dir": setting}}).mlflow.spill_dir == str(home / in_home)
 
 
@@ -52,8 +52,8 @@ def test_the_default_and_the_shipped_default_yaml_in_a_job(home: Path, in_job: P
 
 
 def test_an_absolute_spill_dir_in_a_job_stays_where_it_is(home: Path, in_job: Path, tmp_path: Path):
-    assert durable_spill_dir(str(tmp_path / "shared")) == str(tmp_path / "shared")
-    assert durable_spill_dir("~/mine") == "~/mine"  # home already: ~ is expanded where the file is made
+    assert durable_job_path(str(tmp_path / "shared")) == str(tmp_path / "shared")
+    assert durable_job_path("~/mine") == "~/mine"  # home already: ~ is expanded where the file is made
     assert default_spill_path("~/mine", "r").parent == home / "mine"
 
 
@@ -74,3 +74,14 @@ def test_the_jobs_start_line_names_the_place_and_the_node(home: Path, in_job: Pa
         "(Ray deletes the job's directory)"
     )
     assert job_spill_line("gradmon-spill", cwd=home) is None  # not a job: the banner says nothing more
+
+
+def test_a_jobs_checkpoints_go_to_the_nodes_home_and_resume_looks_there(home: Path, in_job: Path):
+    """``./gradmon-checkpoints`` would be in Ray's copy too: a failed job's ``--resume`` had nothing to load."""
+    from gradmon_ray.app.train.checkpoints import checkpoint_root
+    from gradmon_ray.app.train.resume import allowed_root
+
+    assert checkpoint_root(load_config()) == home / "gradmon-checkpoints"
+    assert checkpoint_root(load_config(None, {"checkpoint_dir": "ckpt/runs"})) == home / "ckpt" / "runs"
+    assert allowed_root() == (home / "gradmon-checkpoints").resolve()
+    assert allowed_root(str(in_job.parent / "elsewhere")) == (in_job.parent / "elsewhere").resolve()

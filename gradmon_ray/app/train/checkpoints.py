@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gradmon_ray.config import GradmonConfig
+from gradmon_ray.config.sections import durable_job_path
 from gradmon_ray.tracking.redact import redact_uri
 
 logger = logging.getLogger(__name__)
@@ -45,8 +46,9 @@ class CheckpointStateMismatchError(RuntimeError):
 
 
 def checkpoint_root(cfg: GradmonConfig) -> Path:
-    """Where ``cfg``'s resumable checkpoints go (absolute)."""
-    return Path(os.path.abspath(cfg.checkpoint_dir or DEFAULT_CHECKPOINT_DIR))
+    """Where ``cfg``'s resumable checkpoints go (absolute; in a ``ray job submit`` job, a relative one
+    under the node's home: Ray deletes the job's working directory, ``config.sections.durable_job_path``)."""
+    return Path(os.path.abspath(Path(durable_job_path(cfg.checkpoint_dir or DEFAULT_CHECKPOINT_DIR)).expanduser()))
 
 
 def learner_state_digest(algo: Any) -> str:

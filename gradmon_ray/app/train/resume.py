@@ -37,6 +37,7 @@ from gradmon_ray.app.cli_common import TrackingUri
 from gradmon_ray.app.train.checkpoints import DEFAULT_CHECKPOINT_DIR, versions
 from gradmon_ray.app.train.mlflow_run import last_logged_iteration
 from gradmon_ray.config import ConfigError, GradmonConfig, config_from_dict
+from gradmon_ray.config.sections import durable_job_path
 
 CHECKPOINT_ROOT_ENV = "GRADMON_CHECKPOINT_DIR"
 """Environment variable naming the checkpoint root ``--resume`` may load from."""
@@ -61,7 +62,7 @@ class ResumePoint:
 def allowed_root(checkpoint_dir: str | Path | None = None) -> Path:
     """The directory ``--resume`` may load checkpoints from, resolved (symlinks and ``..``)."""
     chosen = checkpoint_dir or os.environ.get(CHECKPOINT_ROOT_ENV) or DEFAULT_CHECKPOINT_DIR
-    return Path(chosen).expanduser().resolve()
+    return Path(durable_job_path(str(chosen))).expanduser().resolve()  # a job's: under the node's home
 
 
 def _inside(path: Path, root: Path) -> bool:
