@@ -1,8 +1,7 @@
 """The drop-in as a user runs it.
 
-- Every drop-in block of the README and docs/*.md (``tests/doc_blocks.py`` finds them in the markdown),
-  run as a script in one subprocess: it finishes, asks no more CPUs than 2 cores have, does what its
-  docs say, and the script exits.
+- Every drop-in block of the README and docs/*.md runs as a script, with the docs' other blocks:
+  ``tests/e2e/test_doc_commands_e2e.py``.
 - A settings mistake in the README's block: one ``ValueError`` line before Ray starts
   (``check_gradmon``); a head regex matching nothing: one line from the learner, built in the driver
   with the block's ``num_learners=0``; and with a remote learner the script still exits promptly
@@ -15,7 +14,6 @@
 from __future__ import annotations
 
 import ast
-import json
 import math
 import os
 import re
@@ -25,7 +23,6 @@ import time
 from pathlib import Path
 
 import pytest
-from mlflow.tracking import MlflowClient
 from ray.rllib.algorithms.appo import APPOConfig
 from ray.rllib.algorithms.appo.torch.appo_torch_learner import APPOTorchLearner
 from ray.rllib.examples.envs.classes.multi_agent import MultiAgentCartPole
@@ -161,14 +158,7 @@ def test_two_appo_learners_on_rllibs_default_multi_agent_modules(ray_session):
     assert time.monotonic() - start < 300
 
 
-# --- the docs' blocks, run as scripts -----------------------------------------------------------
-TWO_CORES = 2.0
-BLOCK_S = 120.0
-"""Most seconds one block may take on the loaded 2-core box (about 15-40 s when measured)."""
-EXIT_S = 30.0
-"""Most seconds from a script's last statement (or its error) to the end of its process."""
-
-
+# --- the README's block as a script ------------------------------------------------------------
 def _run_script(argv: list[str], cwd: Path, env: dict[str, str], timeout_s: float) -> tuple[int, str, float]:
     """Run ``argv``; its return code, stderr and seconds.  A script that does not end is killed, and fails."""
     start = time.monotonic()
@@ -187,34 +177,6 @@ def _run_script(argv: list[str], cwd: Path, env: dict[str, str], timeout_s: floa
 def _shared_ray_env(address: str) -> dict[str, str]:
     """The suite's shared Ray for a script's own ``ray.init()`` (RLlib's auto-init reads RAY_ADDRESS)."""
     return {**os.environ, "RAY_ADDRESS": address, "PYTHONPATH": str(ROOT)}
-
-
-def test_every_drop_in_block_of_the_docs_runs_as_written_and_the_script_exits(lasting_ray_address, tmp_path):
-    """All drop-in blocks, found in the markdown now, in one script (a fresh namespace each, in the
-    user's directory): each finishes, its config fits 2 cores by RLlib's own resource request (the
-    README's APPO block asked for 3 actor CPUs and waited forever), the MLflow blocks wrote the runs
-    their docs promise into the directory the script ran in, and the process ends after the last one."""
-    blocks = drop_in_blocks()
-    tune_dir = str(tmp_path / "tune")
-    (tmp_path / "blocks.json").write_text(json.dumps([{"key": b.key, "code": b.for_test(tune_dir)} for b in blocks]))
-    argv = [sys.executable, "-m", "tests.e2e.doc_block_runner", "blocks.json", "results.json"]
-    rc, output, _ = _run_script(argv, tmp_path, _shared_ray_env(lasting_ray_address), BLOCK_S * len(blocks))
-    ended = time.time()
-    assert rc == 0, output[-6000:]
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert [r["key"] for r in results] == [b.key for b in blocks]
-    for r in results:
-        assert r["cpus"] <= TWO_CORES, r
-        assert r["seconds"] < BLOCK_S, r
-    (done,) = re.findall(r"doc blocks done at ([\d.]+)", output)
-    assert ended - float(done) < EXIT_S
-
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    for experiment, n_runs, head in (("gradmon-ray", 1, "pi"), ("my-ppo", 2, "action")):  # README's, callback.md's
-        runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
-        assert len(runs) == n_runs and {r.info.status for r in runs} == {"FINISHED"}, experiment
-        for run in runs:
-            assert client.get_metric_history(run.info.run_id, mn.head_metric(mn.HEAD_GRAD_NORM, head)), experiment
 
 
 README_HEADS = '{"heads": {"pi": r"^pi\\.", "vf": r"^vf\\."}}'
