@@ -22,7 +22,13 @@ from gradmon_ray.app.cli_common import (
     error_line,
     fail_fast_mlflow_http,
 )
-from gradmon_ray.app.read_commands import add_tracking_uri_flag, replay_command, report_command, watch_command
+from gradmon_ray.app.read_commands import (
+    add_tracking_uri_flag,
+    check_report_out,
+    replay_command,
+    report_command,
+    watch_command,
+)
 from gradmon_ray.app.sweep.command import add_tune_arguments, tune_command
 from gradmon_ray.app.train.command import add_train_arguments, train_command
 from gradmon_ray.config import ConfigError
@@ -94,6 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return train_command(args)
         if args.command == "tune":
             return tune_command(args)
+        if args.command == "report":  # where it writes, before MLflow is asked anything
+            check_report_out(args)
         if args.command in ("watch", "report"):  # a server that is not there: one line, before MLflow's client
             check_read_server(args.tracking_uri)
         if args.command == "watch":

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
-from gradmon_ray.app.cli_common import EXIT_OK
+from gradmon_ray.app.cli_common import EXIT_OK, writable_dir_problem
 from gradmon_ray.config import ConfigError
 from gradmon_ray.tracking.store_uri import absolute_tracking_uri
 
@@ -39,13 +40,29 @@ def watch_command(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def check_report_out(args: argparse.Namespace, run_id: str | None = None) -> None:
+    """``report``'s output directory (``--out``, else ``gradmon-report-<run id>`` here), checked before
+    MLflow is asked anything: else a run is read, its plots drawn, and the first write fails with a
+    traceback.  ``run_id``: the resolved id, for the default directory (until then: this directory)."""
+    if args.out is None and run_id is None:
+        where = Path.cwd()
+    else:
+        where = Path(os.path.abspath(args.out or f"gradmon-report-{run_id}"))
+    problem = writable_dir_problem(where)
+    if problem:
+        raise ConfigError("--out", f"{problem}; give --out a directory you can write to")
+
+
 def report_command(args: argparse.Namespace) -> int:
     from gradmon_ray.viz.report import write_report
     from gradmon_ray.viz.runs import resolve_run
 
+    check_report_out(args)  # main checked it already; a caller of this function may not have
     client = read_client(args)
     run_id = resolve_run(client, run_id=args.run_id).info.run_id  # a run name only one run has is taken too
     out = args.out or f"gradmon-report-{run_id}"
+    if args.out is None:
+        check_report_out(args, run_id)
     files = write_report(client, run_id, out)
     print(f"gradmon-ray: wrote {len(files)} files to {out}: " + ", ".join(f.name for f in files), flush=True)
     return EXIT_OK

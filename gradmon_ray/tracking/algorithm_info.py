@@ -1,5 +1,6 @@
 """What ``GradmonMLflowCallback`` reads off an RLlib algorithm (duck-typed: tracking imports nothing
-from ``gradmon_ray.rllib``), and the sqlite store it creates on the driver."""
+from ``gradmon_ray.rllib``).  The callback creates no store on the driver: the sink makes it with the
+run (``store_lock``)."""
 
 from __future__ import annotations
 
@@ -9,32 +10,12 @@ from typing import Any
 
 from gradmon_ray import compat
 from gradmon_ray import metric_names as mn
-from gradmon_ray.tracking.redact import redact_text, redact_uri
 from gradmon_ray.tracking.result_metrics import DEFAULT_MODULE_ID
 
 logger = logging.getLogger(__name__)
 
 TAG_TRIAL_DIR = "ray.tune.trial_dir_name"
 """Run tag under Tune: the trial's directory name, which holds its id (the run is named after it too)."""
-
-
-def create_sqlite_store(uri: str) -> None:
-    """Create a ``sqlite:`` store's tables now, once: Tune trials starting together would otherwise all
-    run MLflow's schema migration on the same file and can leave it broken (``_alembic_tmp_* already exists``).
-    Other URIs are left alone (no network on the driver); a failure is only logged."""
-    if not uri.startswith("sqlite:"):
-        return
-    try:
-        from mlflow.tracking import MlflowClient
-
-        MlflowClient(uri).search_experiments(max_results=1)
-    except Exception as exc:
-        logger.warning(
-            "gradmon callback: could not create the MLflow store %s (%s: %s)",
-            redact_uri(uri),
-            type(exc).__name__,
-            redact_text(str(exc)),
-        )
 
 
 def module_head_order(algorithm: Any, module_id: str | None) -> tuple[str, ...]:

@@ -33,7 +33,6 @@ from gradmon_ray import metric_names as mn
 from gradmon_ray.tracking.algorithm_info import (
     TAG_TRIAL_DIR,
     config_params,
-    create_sqlite_store,
     module_head_order,
     tune_trial_dir_name,
 )
@@ -80,21 +79,16 @@ def _reduce_callback_class(cls: type[GradmonMLflowCallback]) -> Any:
     (or whose spill dir is relative) is pinned where it is pickled, i.e. where the config is handed
     to Tune or RLlib: the driver.  Resolved classes pickle by reference, as any class (cloudpickle
     ships the classes ``configured`` makes by value before this hook is asked).
+
+    Pinning creates nothing: this hook also runs for ``GradmonMLflowCallback`` as the base class of
+    a ``configured`` one (an ``http://`` store, say), and when RLlib ships a config whose build then
+    fails; the store is made with the run (the sink serialises a new sqlite store's creation across
+    processes: ``store_lock``).
     """
     pinned = pinned_settings(cls.settings)
     if pinned == cls.settings:
         return cls.__qualname__  # a str: pickle's own lookup by module and name
-    _create_store_once(str(pinned.tracking_uri))
     return _pinned_class, (cls.__module__, cls.__qualname__, pinned.tracking_uri, pinned.spill_dir)
-
-
-@functools.cache
-def _create_store_once(uri: str) -> None:
-    """The driver creates a ``sqlite:`` store's tables, as ``configured`` does: trials would otherwise
-    race to migrate one file, and spend seconds of Tune's 10 s stop budget on it (a store the CLI
-    would refuse is left to the trial, which says why and trains without MLflow)."""
-    if not local_store_problem(uri, must_exist=False):
-        create_sqlite_store(uri)
 
 
 @functools.cache
@@ -132,13 +126,12 @@ class GradmonMLflowCallback(RLlibCallback, metaclass=_PinnedWhenShipped):
 
         Runs on the driver: relative paths are resolved against its working directory, and a store
         the CLI would refuse (its directory missing, an unknown URI scheme) is a one-line
-        ``ValueError`` here, before anything is created.  A ``sqlite:`` store's tables are created now.
+        ``ValueError`` here.  Nothing is created: the store is made with the first run.
         """
         resolved = pinned_settings(dataclasses.replace(cls.settings, **settings))  # unknown names: TypeError
         problem = local_store_problem(str(resolved.tracking_uri), must_exist=False)
         if problem:
             raise ValueError(f"GradmonMLflowCallback.configured: {problem}")
-        create_sqlite_store(str(resolved.tracking_uri))
         return _subclass(cls, resolved, store_checked=True)
 
     def __init__(self) -> None:

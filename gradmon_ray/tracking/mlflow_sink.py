@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from gradmon_ray.tracking.redact import install_log_redaction, redact_text, short, uri_secrets
+from gradmon_ray.tracking.sink_outage import SINK_THREAD_NAME, OutageLog, quiet_mlflow_retries
 from gradmon_ray.tracking.sink_spill import CLOSE_GRACE_S, SpillAhead
 from gradmon_ray.tracking.sink_writer import PendingIteration, PlotFn, SinkWriter
 from gradmon_ray.tracking.spill import SpillWriter
@@ -151,9 +152,11 @@ class MlflowSink(SpillAhead, SinkWriter):
         self._ended = threading.Event()  # closing: everything written and the run ended (plots may follow)
         self._waited_for_run = False  # run_id_waiting_once has waited already
         install_log_redaction()  # before the writer logs: MLflow's errors quote the URL, password and all
+        quiet_mlflow_retries()  # urllib3's and MLflow's notice per failed try: the outage lines say it once
+        self._outage = OutageLog(tracking_uri, logger)
         if uri_secrets(tracking_uri):  # MLflow's set_terminated prints the run's URL, login and all, to stdout
             os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
-        self._thread = threading.Thread(target=self._worker, name="gradmon-mlflow-sink", daemon=True)
+        self._thread = threading.Thread(target=self._worker, name=SINK_THREAD_NAME, daemon=True)
         self._thread.start()
 
     # --- producer side (training thread) -----------------------------------------------

@@ -24,6 +24,7 @@ from collections import deque
 from pathlib import Path
 
 from gradmon_ray.tracking.redact import redact_uri
+from gradmon_ray.tracking.sink_outage import OutageLog
 from gradmon_ray.tracking.sink_writer import PendingIteration
 from gradmon_ray.tracking.spill import SpillWriter
 
@@ -55,6 +56,7 @@ class SpillAhead:
     _dropped_steps: set[int]
     _dropped_records: int
     _final_status: str
+    _outage: OutageLog
     last_error: str | None
 
     @property
@@ -90,8 +92,8 @@ class SpillAhead:
         if not parts:
             where = f", kept in {spill}" if spill else ""
             parts.append(f"every iteration arrived, the run's end (status {self._final_status}) not confirmed{where}")
-        if self.last_error:
-            parts.append(f"last error: {self.last_error}")
+        if self._outage.cause or self.last_error:
+            parts.append(f"last error: {self._outage.cause or self.last_error}")  # a few words, not urllib3's 400
         hint = f"; replay with: gradmon-ray replay {spill}" if spill else ""
         return f"MLflow at {redact_uri(self.tracking_uri)} did not receive everything ({'; '.join(parts)}){hint}"
 
@@ -142,38 +144,39 @@ class SpillAhead:
             self._dropped_steps.update(i.step for i in items if i.metrics)
 
     def _start_spilling_ahead(self) -> None:
-        """After a failed write: spill everything pending now, and every later iteration as it comes."""
+        """After a failed write: spill everything pending now, and every later iteration as it comes
+        (the outage's first line says where: ``sink_outage``)."""
         with self._cond:
             if self._spill_ahead or self._spill is None:
                 return
             self._spill_ahead = True
             self._spill_or_drop([i for i in self._pending if not i.spilled], leaving=False)
-        logger.warning(
-            "gradmon MLflow sink: MLflow write failed; every iteration is also kept in %s until the run ends",
-            self._spill.path,
-        )
 
     def _keep_on_disk_while_closing(self, status: str, wait_s: float) -> None:
         """``close`` is waiting on MLflow: put what it has not taken, and the status the run should
-        end with, in the spill file now, so that being killed while waiting loses neither."""
-        if self._spill is None:
-            return
+        end with, in the spill file now, so that being killed while waiting loses neither; and say,
+        in the one line of the wait, what it waits for (the retries inside it say nothing)."""
         with self._cond:
-            unspilled = [i for i in self._pending if not i.spilled]
-            self._spill_or_drop(unspilled, leaving=False)
-            pending = len(self._pending)
-        try:
-            self._spill.write_trailer(self.run_id, status if self._owns_run else None)
-        except OSError as exc:
-            logger.warning("gradmon MLflow sink: cannot write spill file %s (%s)", self._spill.path, exc)
-            return
-        if self._spill.lines_written:
-            logger.warning(
-                "gradmon MLflow sink: waiting up to %.0f s for MLflow at %s to take %d records and the run's end; "
-                "they are kept in %s meanwhile (if this process is stopped first: gradmon-ray replay %s)",
-                wait_s,
-                redact_uri(self.tracking_uri),
-                pending,
-                self._spill.path,
-                self._spill.path,
-            )
+            if self._spill is not None:
+                self._spill_or_drop([i for i in self._pending if not i.spilled], leaving=False)
+            waiting = len({i.step for i in self._pending if i.metrics})
+        kept = ""
+        if self._spill is not None:
+            try:
+                self._spill.write_trailer(self.run_id, status if self._owns_run else None)
+                if self._spill.lines_written:
+                    kept = (
+                        f"; they are kept in {self._spill.path} meanwhile (if this process is stopped first: "
+                        f"gradmon-ray replay {self._spill.path})"
+                    )
+            except OSError as exc:
+                logger.warning("gradmon MLflow sink: cannot write spill file %s (%s)", self._spill.path, exc)
+        down = f" (unavailable: {self._outage.cause})" if self._outage.active else ""
+        logger.warning(
+            "gradmon MLflow sink: waiting up to %.0f s for MLflow at %s%s to take %sthe run's end%s",
+            wait_s,
+            redact_uri(self.tracking_uri),
+            down,
+            f"{waiting} iterations and " if waiting else "",
+            kept,
+        )

@@ -11,16 +11,24 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from gradmon_ray.tracking.diagnosis_tags import log_diagnosis_artifacts
 from gradmon_ray.tracking.mlflow_io import log_in_batches, to_mlflow_metrics
 from gradmon_ray.tracking.redact import redact_text, uri_secrets
+from gradmon_ray.tracking.sink_outage import OutageLog, outage_cause
 from gradmon_ray.tracking.spill import SpillWriter
+from gradmon_ray.tracking.store_lock import create_store_once
 
 logger = logging.getLogger("gradmon_ray.tracking.mlflow_sink")  # one logger for the whole sink
+
+
+def _iterations(items: Iterable[PendingIteration]) -> int:
+    """Training iterations among ``items`` (an end-of-run record, the status tag at the last step, is none)."""
+    return len({item.step for item in items if item.metrics})
+
 
 PlotFn = Callable[[Any, str], list[str]]
 """``plot_fn(client, run_id) -> artifact paths``: draws the run's plots into MLflow (viz.report.log_plots)."""
@@ -69,8 +77,13 @@ class SinkWriter:
     _plot_fn: PlotFn | None
     _spill: SpillWriter | None
     _delivered_seqs: set[int]
+    _outage: OutageLog
 
     def _start_spilling_ahead(self) -> None:  # the producer half's (MlflowSink)
+        raise NotImplementedError
+
+    @property
+    def spilled_iterations(self) -> int:  # the spill half's (SpillAhead)
         raise NotImplementedError
 
     def _worker(self) -> None:
@@ -83,6 +96,8 @@ class SinkWriter:
                     self._run_ready.set()
                     self._run_attempted.set()
                     backoff = self._backoff0
+                    if not self._pending:  # else the outage ends with the write of what waited
+                        self._outage_over(0)
                 with self._cond:
                     while not self._pending and not self._closing:
                         self._cond.wait()
@@ -101,6 +116,7 @@ class SinkWriter:
                         self._pending.extend(remaining)
                         self.written_iterations += len(batch)
                         self._mark_delivered([item.seq for item in batch if item.spilled])
+                    self._outage_over(_iterations(batch))
                     backoff = self._backoff0
                     if self._plots_every and any(item.step % self._plots_every == 0 for item in batch):
                         self._draw_plots(client)
@@ -109,6 +125,7 @@ class SinkWriter:
                     if self._owns_run:
                         client.set_terminated(self.run_id, status=self._final_status)
                         self._terminated = True
+                    self._outage_over(0)
                     self._ended.set()
                     if self._plots_every:  # after the run's end: slow plots never cost it its status
                         self._draw_plots(client)
@@ -118,12 +135,22 @@ class SinkWriter:
                 # MLflow's messages quote the request URL: never let a password reach a log line.
                 self.last_error = redact_text(f"{type(exc).__name__}: {exc}", uri_secrets(self.tracking_uri))
                 self._run_attempted.set()  # after last_error: a caller woken by it reads why
-                logger.warning("gradmon MLflow sink: write failed (%s); retrying in %.1fs", self.last_error, backoff)
                 self._start_spilling_ahead()
+                with self._cond:
+                    closing, waiting = self._closing, _iterations(self._pending)
+                kept_in = str(self._spill.path) if self._spill is not None else None
+                cause = outage_cause(exc, uri_secrets(self.tracking_uri))
+                self._outage.failed(cause, closing=closing, waiting=waiting, kept_in=kept_in)  # not one line per try
                 # While closing we keep retrying until close()'s timeout gives up on us.
                 if not self._sleep_before_retry(backoff):
                     return
                 backoff = min(backoff * 2, 30.0)
+
+    def _outage_over(self, delivered: int) -> None:
+        """MLflow took a write: the outage's closing line, if there was one (``sink_outage``)."""
+        if self._outage.active:
+            spill = str(self._spill.path) if self._spill is not None else None
+            self._outage.delivered(delivered, only_in_spill=self.spilled_iterations, spill=spill)
 
     def _mark_delivered(self, seqs: list[int]) -> None:
         """Record in the spill file that MLflow took these spilled iterations (caller holds ``_cond``).
@@ -171,6 +198,7 @@ class SinkWriter:
     def _create_run(self) -> Any:
         from mlflow.tracking import MlflowClient
 
+        create_store_once(self._store_uri)  # a new sqlite store: one process at a time (store_lock)
         client = MlflowClient(tracking_uri=self._store_uri)
         if not self._creates_run:
             if self._owns_run:  # a resumed run: RUNNING again while it trains (watch follows RUNNING runs)

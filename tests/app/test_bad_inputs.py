@@ -350,6 +350,50 @@ def test_read_only_commands_never_create_a_store(command, tmp_path, monkeypatch,
     assert list(tmp_path.iterdir()) == []  # no mlflow.db, nothing at all
 
 
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> tuple[str, str]:
+    """``(tracking URI, run id)``: a finished run in a real sqlite store (made once: a new store costs seconds)."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path_factory.mktemp('store') / 'm.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("gradmon-ray")).info.run_id
+    client.set_terminated(run_id)
+    return uri, run_id
+
+
+@pytest.mark.parametrize(
+    ("out", "expected"),
+    [
+        ("/proc/rep", "/proc/rep can never be created: nothing can be created in /proc"),  # not even root
+        ("{tmp}/a-file", "{tmp}/a-file is a file, not a directory"),
+        ("{tmp}/a-file/rep", "{tmp}/a-file/rep can never be created: {tmp}/a-file is a file, not a directory"),
+        ("/proc", "/proc is a directory nothing can be written to"),
+        (None, "/proc is a directory nothing can be written to"),  # the default, gradmon-report-<id>, in cwd /proc
+    ],
+    ids=["missing-under-proc", "a-file", "under-a-file", "unwritable-directory", "default-in-unwritable-cwd"],
+)
+def test_report_out_that_cannot_be_written_is_one_line_before_mlflow_is_read(
+    out, expected, finished_run, tmp_path, monkeypatch, capsys
+):
+    """Issue #47 item 7: ``report --out /proc/rep`` read the run, then exited 1 with ``FileNotFoundError``.
+    A real run in a real store (today's code reads it and fails writing), then a server nobody answers
+    (the check comes before MLflow is asked anything: not its "no server" line)."""
+    from tests.e2e.processes import free_port
+
+    uri, run_id = finished_run
+    (tmp_path / "a-file").write_text("not a directory")
+    if out is None:
+        monkeypatch.chdir("/proc")
+    flag = [] if out is None else ["--out", out.format(tmp=tmp_path)]
+    for tracking_uri in (uri, f"http://127.0.0.1:{free_port()}"):
+        rc = main(["report", run_id, *flag, "--tracking-uri", tracking_uri])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2, err
+        want = f"--out: {expected.format(tmp=tmp_path)}; give --out a directory you can write to"
+        assert err == f"gradmon-ray: config error: {want}"  # one line, no traceback
+
+
 @pytest.mark.parametrize(
     ("argv", "hint"), [([], "'gradmon-ray --help'"), (["train", "--bogus"], "'gradmon-ray train --help'")]
 )
