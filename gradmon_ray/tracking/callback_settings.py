@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gradmon_ray.config import MlflowSection
+from gradmon_ray.config.sections import durable_job_path
 from gradmon_ray.tracking.mlflow_sink import PlotFn
 from gradmon_ray.tracking.store_uri import absolute_tracking_uri
 from gradmon_ray.tracking.uri_credentials import credentials_to_environment
@@ -75,6 +76,7 @@ def pinned_settings(settings: CallbackSettings) -> CallbackSettings:
         import mlflow  # only to read the default (env var or sqlite:///mlflow.db); starts nothing
 
         uri = mlflow.get_tracking_uri()
-    spill = os.path.abspath(settings.spill_dir) if settings.spill_dir else None
+    # In a ray job submit job, a relative spill_dir is under the driver node's home (Ray deletes the job's directory).
+    spill = os.path.abspath(os.path.expanduser(durable_job_path(settings.spill_dir))) if settings.spill_dir else None
     uri = credentials_to_environment(absolute_tracking_uri(uri))
     return dataclasses.replace(settings, tracking_uri=uri, spill_dir=spill)

@@ -85,3 +85,11 @@ def test_a_jobs_checkpoints_go_to_the_nodes_home_and_resume_looks_there(home: Pa
     assert checkpoint_root(load_config(None, {"checkpoint_dir": "ckpt/runs"})) == home / "ckpt" / "runs"
     assert allowed_root() == (home / "gradmon-checkpoints").resolve()
     assert allowed_root(str(in_job.parent / "elsewhere")) == (in_job.parent / "elsewhere").resolve()
+
+
+def test_the_callbacks_spill_dir_in_a_job_is_in_the_nodes_home(home: Path, in_job: Path):
+    """``GradmonMLflowCallback`` pins its settings on the driver: a relative ``spill_dir`` there too."""
+    from gradmon_ray.tracking.callback_settings import CallbackSettings, pinned_settings
+
+    pinned = pinned_settings(CallbackSettings(tracking_uri="sqlite:////tmp/x.db", spill_dir="gradmon-spill"))
+    assert pinned.spill_dir == str(home / "gradmon-spill")
