@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -241,3 +242,51 @@ def world(tmp_path) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+# --- CPU seconds per test module (opt-in) ---------------------------------------------------------
+# The suite is CPU-bound on the 2-core box, and wall time there depends on whatever else runs: the
+# cost of a module is its CPU seconds.  With GRADMON_TEST_CPU_LOG=<file> each module's CPU seconds and
+# wall seconds are appended to <file> as a JSON line, read from the cpuacct cgroup this process runs
+# in when it has one of its own (every descendant counted: the shared Ray, its actors, servers,
+# subprocesses, orphans; tests/README.md "Time" says how), else from this process and its waited-for
+# children only (RUSAGE_SELF + RUSAGE_CHILDREN: no Ray worker is one of those).  Per module with
+# ``-n 0``: two xdist workers in one cgroup count each other's modules.
+_CPU_LOG = os.environ.get("GRADMON_TEST_CPU_LOG")
+_MODULE_START = pytest.StashKey[dict]()
+
+
+def _cpu_seconds() -> tuple[float, str]:
+    """CPU seconds so far, and where they were read ("cgroup" or "rusage")."""
+    import resource
+
+    with contextlib.suppress(OSError, ValueError):
+        for line in open("/proc/self/cgroup"):  # noqa: SIM115 - a few lines, read once
+            _, controllers, path = line.strip().split(":", 2)
+            if "cpuacct" in controllers.split(",") and path != "/":  # the root one is the whole machine's
+                with open(f"/sys/fs/cgroup/cpuacct{path}/cpuacct.usage") as usage:
+                    return int(usage.read()) / 1e9, "cgroup"
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime, "rusage"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _CPU_LOG:
+        yield
+        return
+    import json
+    import time
+
+    module = item.nodeid.split("::", 1)[0]
+    started = item.config.stash.setdefault(_MODULE_START, {})
+    if module not in started:
+        started[module] = (_cpu_seconds()[0], time.monotonic())
+    yield
+    if nextitem is None or nextitem.nodeid.split("::", 1)[0] != module:
+        cpu, wall = started.pop(module)
+        now, source = _cpu_seconds()
+        record = {"module": module, "cpu_s": round(now - cpu, 1), "wall_s": round(time.monotonic() - wall, 1)}
+        record.update(source=source, worker=os.environ.get("PYTEST_XDIST_WORKER", "-"))
+        with open(_CPU_LOG, "a") as log:
+            log.write(json.dumps(record) + "\n")

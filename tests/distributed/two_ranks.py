@@ -28,6 +28,11 @@ from typing import Any
 WORLD_SIZE = 2
 COLLECTIVE_TIMEOUT_S = 30
 """gloo's timeout for one collective: a rank waiting longer for the other raises (a hang ends)."""
+ALWAYS_PRELOADED = ("torch", "ray.rllib.algorithms.ppo", "gradmon_ray.rllib")
+"""What every rank of the suite's learner jobs imports, whichever module starts the forkserver: only
+its first start reads the preload (one forkserver per pytest process), and a module that preloaded
+only torch left each later module's two ranks to import RLlib themselves (about 2 CPU-seconds a rank
+process, each pair of ranks, on the 2-core box)."""
 STATE: dict[str, Any] = {}
 """A rank's objects kept from one job to the next (learners, batches), in its own process."""
 
@@ -63,7 +68,7 @@ class TwoRanks:
     """Two processes (ranks 0 and 1) of one gloo world; ``run`` a job in both, ``close`` them."""
 
     def __init__(self, preload: Sequence[str] = (), timeout: float = 90.0) -> None:
-        self._preload = ["torch", *preload]
+        self._preload = [*ALWAYS_PRELOADED, *preload]
         self._timeout = timeout
         self._processes: list[Any] = []
 

@@ -1,9 +1,8 @@
 """The README's Tuner example as a user's script of its own: ``python -m tests.e2e.readme_tuner_script
-TUNE_DIR [configured URI]``, run from the user's directory.  Tune starts a local Ray of its own (the
-one the README's user gets), so the trial actors inherit exactly this process's environment.
+TUNE_DIR``, run from the user's directory.  Tune starts a local Ray of its own (the one the README's
+user gets), so the trial actors inherit exactly this process's environment.
 
-CI-sized (one iteration, small batches, sampled in the trial), into ``TUNE_DIR``; ``configured URI``
-swaps the plain class for ``GradmonMLflowCallback.configured(tracking_uri=URI)``.  Prints
+CI-sized (one iteration, small batches, sampled in the trial), into ``TUNE_DIR``.  Prints
 ``trials: <status>...`` and exits 0 when every trial terminated without error.
 """
 
@@ -14,7 +13,7 @@ import sys
 from tests.tracking.test_callback import readme_tuner_example
 
 
-def script(tune_dir: str, configured_uri: str | None) -> str:
+def script(tune_dir: str) -> str:
     code = readme_tuner_example()
     edits = {
         'PPOConfig().environment("CartPole-v1")': 'PPOConfig().environment("CartPole-v1")'
@@ -24,19 +23,15 @@ def script(tune_dir: str, configured_uri: str | None) -> str:
         f"storage_path={tune_dir!r}, verbose=0)",
         "\ntune.Tuner(": "\ngrid = tune.Tuner(",
     }
-    if configured_uri is not None:
-        edits["config.callbacks(GradmonMLflowCallback)"] = (
-            f"config.callbacks(GradmonMLflowCallback.configured(tracking_uri={configured_uri!r}))"
-        )
     for old, new in edits.items():
         assert code.count(old) == 1, old
         code = code.replace(old, new)
     return code
 
 
-def main(tune_dir: str, configured_uri: str | None = None) -> None:
+def main(tune_dir: str) -> None:
     namespace: dict = {}
-    exec(compile(script(tune_dir, configured_uri), "README.md", "exec"), namespace)
+    exec(compile(script(tune_dir), "README.md", "exec"), namespace)
     grid = namespace["grid"]
     done = " ".join(str(r.metrics.get("training_iteration")) for r in grid)
     sys.stdout.write(f"\ntrials: {done}\n")  # one write: Ray's forwarded trial output shares this stream

@@ -1,11 +1,12 @@
 """Issue #8 fault 6: an EnvRunner crashes inside ``env.step``; RLlib restarts it, telemetry goes on.
 
-Real PPO on the shared local Ray instance, one run with two crashes.  The env is the built-in one
-behind a wrapper that crashes at set points while the single remote EnvRunner samples: first by
-an exception out of ``step`` (inside iteration 2), then, a few trained iterations after the
-restart, by SIGKILL of the EnvRunner's process (a segfaulting simulator).  Until the restarted
-EnvRunner is back RLlib returns iterations with nothing trained; those must not be logged as
-(NaN) telemetry or judged by the health rules.
+Real PPO on the shared local Ray instance.  The env is the built-in one behind a wrapper that
+raises out of ``step`` inside iteration 2 while the single remote EnvRunner samples.  Until the
+restarted EnvRunner is back RLlib returns iterations with nothing trained; those must not be logged
+as (NaN) telemetry or judged by the health rules.  (An EnvRunner process that dies outright, as a
+segfaulting simulator's or one whose node goes: ``test_multinode_fault_e2e.py``, where RLlib
+restarts it on a replacement node; one crash kind here, the SIGKILL variant cost a restart and
+seven iterations more.)
 """
 
 from __future__ import annotations
@@ -21,16 +22,16 @@ from gradmon_ray.config import config_from_dict
 
 pytestmark = pytest.mark.e2e
 
-ITERATIONS = 18
-"""On a loaded 2-core box each restart has cost up to 7 idle iterations."""
+ITERATIONS = 12
+"""On a loaded 2-core box a restart has cost up to 7 idle iterations; then two trained, and one to spare."""
 BATCH = 256
-RAISE_AT, KILL_AFTER = BATCH + 40, 3 * BATCH + 40
-"""Env steps until the exception (inside iteration 2's sampling), then from it to the SIGKILL."""
+RAISE_AT = BATCH + 40
+"""Env steps until the exception (inside iteration 2's sampling)."""
 
 
 def test_crashed_env_runners_are_restarted_and_telemetry_continues(ray_session, tmp_path):
     crash_file = tmp_path / "crash"
-    crash_file.write_text(f"{RAISE_AT} raise\n{KILL_AFTER} kill\n")
+    crash_file.write_text(f"{RAISE_AT} raise\n")
     cfg = config_from_dict(
         {
             "iterations": ITERATIONS,
@@ -47,7 +48,7 @@ def test_crashed_env_runners_are_restarted_and_telemetry_continues(ray_session, 
     lines: list[str] = []
     outcome = run_training(cfg, progress=lines.append)
 
-    assert not crash_file.exists()  # both faults fired
+    assert not crash_file.exists()  # the fault fired
     assert outcome.iterations_done == ITERATIONS and outcome.stop_reason is None and outcome.mlflow_complete
     client = MlflowClient(cfg.mlflow.tracking_uri)
     run = client.get_run(outcome.run_id)
@@ -61,20 +62,16 @@ def test_crashed_env_runners_are_restarted_and_telemetry_continues(ray_session, 
     idle = [step for step, value in trained.items() if value == 0.0]
     busy = [step for step, value in trained.items() if value == 1.0]
     restarts = history(mn.ENV_RUNNER_RESTARTS)
-    # Each crash cost the iteration it fell in (and a few more while the EnvRunner restarted),
-    # the raise iteration 2; RLlib counted one restart per crash.
+    # The crash cost the iteration it fell in, 2 (and a few more while the EnvRunner restarted);
+    # RLlib counted one restart.
     assert idle and idle[0] == 2, trained
-    first_restart = min(step for step, value in restarts.items() if value >= 1.0)
-    second_restart = min(step for step, value in restarts.items() if value >= 2.0)
-    assert first_restart >= 2 and restarts[ITERATIONS] == 2.0, restarts
-    between = [step for step in busy if first_restart < step < second_restart]
-    assert len(between) >= 2, (trained, restarts)  # trained again between the two crashes
-    # the kill cost an iteration too
-    assert any(first_restart < step <= second_restart for step in idle), (trained, restarts)
-    assert busy[-1] == ITERATIONS and max(busy) > max(idle)  # and after the second
+    restarted = min(step for step, value in restarts.items() if value >= 1.0)
+    assert restarted >= 2 and restarts[ITERATIONS] == 1.0, restarts
+    assert all(value == 0.0 for step, value in restarts.items() if step < 2), restarts
+    assert len([step for step in busy if step > restarted]) >= 2, (trained, restarts)  # trained again after it
+    assert busy[-1] == ITERATIONS and max(busy) > max(idle)
     healthy = history(mn.ENV_RUNNERS_HEALTHY)
-    assert healthy[ITERATIONS] == 1.0 and healthy[2] == 0.0  # back at the end; none during the raise's outage
-    assert any(healthy[s] == 0.0 for s in idle if first_restart < s <= second_restart), healthy  # nor the kill's
+    assert healthy[ITERATIONS] == 1.0 and healthy[2] == 0.0  # back at the end; none during the outage
 
     # Telemetry exactly at the trained iterations, finite, its own clock counting only updates.
     assert sorted(history(mn.TELEMETRY_ITERATION).items()) == [(s, float(i)) for i, s in enumerate(busy, 1)]

@@ -266,9 +266,6 @@ def _pickled_strings(path: Path) -> str:
     return "\n".join(found)
 
 
-GIVEN = ("MLFLOW_TRACKING_URI", "configured", "username_password_variables")
-
-
 @dataclass
 class TunerScript:
     work: Path
@@ -277,47 +274,37 @@ class TunerScript:
 
 
 @pytest.fixture(scope="module")
-def tuner_scripts(server, tmp_path_factory):
-    """The README's Tuner script run once per way of giving the password, the three at once (each
-    its own local Ray: they wait on actor start-ups more than they compute)."""
-    started = {}
-    for given in GIVEN:
-        work = tmp_path_factory.mktemp(f"tuner-{given}")
-        ray_tmp = Path(tempfile.mkdtemp(prefix="gr-", dir="/tmp"))  # Ray's socket paths must fit 107 bytes
-        env = clean_env(RAY_TMPDIR=str(ray_tmp), PYTHONPATH=str(ROOT))
-        for name in CREDENTIAL_VARS:
-            env.pop(name, None)
-        argv = [sys.executable, "-m", "tests.e2e.readme_tuner_script", str(work / "tune")]
-        if given == "MLFLOW_TRACKING_URI":
-            env["MLFLOW_TRACKING_URI"] = server.uri(server.marker)
-        elif given == "configured":
-            argv.append(server.uri(server.marker))
-        else:
-            env.update(MLFLOW_TRACKING_URI=server.uri(), MLFLOW_TRACKING_USERNAME="admin")
-            env["MLFLOW_TRACKING_PASSWORD"] = server.marker
-        popen = subprocess.Popen(argv, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        started[given] = (work, ray_tmp, argv, popen)
-    done = {}
+def tuner_script(server, tmp_path_factory):
+    """The README's Tuner script (``readme_tuner_script``), the password given the README's way:
+    in ``MLFLOW_TRACKING_URI``, with the plain callback class, which is pinned to that URI when
+    Tune pickles the config.  Its own local Ray, as the README's user gets: the trial actors
+    inherit the script's environment, the variable with the password included.
+
+    The other two ways differ only before Ray starts, in what the driver pickles and sets, and
+    are checked there without Ray: ``GradmonMLflowCallback.configured(tracking_uri=...)``'s
+    class pickles without the password (``tracking/test_uri_credentials.py``, cloudpickle and
+    Ray's), which it moves into ``MLFLOW_TRACKING_USERNAME``/``_PASSWORD``: the variables a user
+    may set directly, which the trial actors inherit as they inherit this script's URI (three
+    scripts, each a Ray of its own, cost about 80 CPU-seconds of the suite)."""
+    work = tmp_path_factory.mktemp("tuner")
+    ray_tmp = Path(tempfile.mkdtemp(prefix="gr-", dir="/tmp"))  # Ray's socket paths must fit 107 bytes
+    env = clean_env(RAY_TMPDIR=str(ray_tmp), PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=server.uri(server.marker))
+    for name in CREDENTIAL_VARS:
+        env.pop(name, None)
+    argv = [sys.executable, "-m", "tests.e2e.readme_tuner_script", str(work / "tune")]
     try:
-        for given, (work, ray_tmp, argv, popen) in started.items():
-            out, err = popen.communicate(timeout=420)
-            done[given] = TunerScript(work, ray_tmp, subprocess.CompletedProcess(argv, popen.returncode, out, err))
-        yield done
+        proc = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=420)
+        yield TunerScript(work, ray_tmp, proc)
     finally:
-        for _, ray_tmp, _, popen in started.values():
-            if popen.poll() is None:
-                popen.kill()
-            shutil.rmtree(ray_tmp, ignore_errors=True)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
-@pytest.mark.parametrize("given", GIVEN)
-def test_the_readme_tuner_example_uses_the_password_and_writes_it_nowhere(server, tuner_scripts, given):
+def test_the_readme_tuner_example_uses_the_password_and_writes_it_nowhere(server, tuner_script):
     """The README's own ``Tuner`` with ``GradmonMLflowCallback`` (a script of the user's, its own local
-    Ray), the password given three ways: the trial logs into the server, and the password is in no
-    file under Tune's storage path, the working directory, Ray's session directory (Tune's copies of
-    params.pkl, the logs) or the spill directory, in no string of any pickle there, and not in
-    anything the script printed."""
-    work, ray_tmp, proc = tuner_scripts[given].work, tuner_scripts[given].ray_tmp, tuner_scripts[given].proc
+    Ray): the trial logs into the server, and the password is in no file under Tune's storage
+    path, the working directory, Ray's session directory (Tune's copies of params.pkl, the logs)
+    or the spill directory, in no string of any pickle there, and not in anything the script printed."""
+    work, ray_tmp, proc = tuner_script.work, tuner_script.ray_tmp, tuner_script.proc
     assert proc.returncode == 0 and "\ntrials: 1\n" in proc.stdout, proc.stderr[-3000:]
 
     client = MlflowClient(server.uri(server.marker))  # the trial's run reached the server: it logged in

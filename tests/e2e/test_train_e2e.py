@@ -27,6 +27,10 @@ pytestmark = pytest.mark.e2e
 
 ALL_HEADS = [*HEAD_NAMES, "value"]
 HEAD_ORDER = [*HEAD_NAMES, "value"]  # the built-in env's declared order, op first
+ITERATIONS = 6
+"""Enough to learn: seed 1 returned 5.3 at iteration 6 (7.9 at 10, the count before; a uniform random
+policy returns -0.6, and the bar below is about 1.7), 2026-11-29."""
+LAST_LINE = f"iter {ITERATIONS}/{ITERATIONS} | env steps {1000 * ITERATIONS}"
 """The order the tag, watch and the plots give the heads: the module's (the Dict's sorted keys), then value."""
 
 
@@ -75,7 +79,7 @@ def ray_jobs() -> dict[str, set[str]]:
 
 @pytest.fixture(scope="module")
 def trained(ray_session, lasting_ray_address, ray_jobs, tmp_path_factory):
-    """Ten iterations in this process's second Ray job on one cluster, as from a notebook that
+    """``ITERATIONS`` iterations in this process's second Ray job on one cluster, as from a notebook that
     connects again to train again: the first job registered the built-in env, then disconnected."""
     tmp = tmp_path_factory.mktemp("e2e")
     ray.shutdown()
@@ -89,7 +93,7 @@ def trained(ray_session, lasting_ray_address, ray_jobs, tmp_path_factory):
     _registry_as_ray_leaves_it(earlier)  # run_training must put it right itself
     cfg = config_from_dict(
         {
-            "iterations": 10,
+            "iterations": ITERATIONS,
             "seed": 1,
             "checkpoint_dir": str(tmp / "ckpt"),
             "ppo": {"train_batch_size": 1000, "minibatch_size": 125, "num_epochs": 4, "lr": 1e-3},
@@ -113,7 +117,7 @@ def test_a_second_ray_job_of_one_process_trains_on_the_built_in_env(trained, ray
     the same cluster) finds no env and building the algorithm fails (``IndexError`` in RLlib's
     ``EnvRunnerGroup.get_spaces``; the EnvRunner logs "Namespace gradmon not found"; seen in CI).
     The fixture takes gradmon's fix out before the run, so only ``run_training``'s own calls can
-    put it back.  The run was another job than the earlier one, and each of its ten iterations
+    put it back.  The run was another job than the earlier one, and each of its iterations
     sampled the env: 1000 env steps each, RLlib's lifetime count.  An env the user registered
     after reconnecting (the hook ``register_builtin_env`` put in during the earlier job was still
     there) is in the new job too: RLlib's EnvRunner looks it up
@@ -122,7 +126,7 @@ def test_a_second_ray_job_of_one_process_trains_on_the_built_in_env(trained, ray
     assert len(ray_jobs["run"]) == 1 and not ray_jobs["run"] & ray_jobs["earlier"]
     assert ray.get(_registered_in_this_job.remote(USERS_ENV))  # what RLlib's EnvRunner looks up
     sampled = MlflowClient(cfg.mlflow.tracking_uri).get_metric_history(outcome.run_id, mn.ENV_STEPS_SAMPLED_LIFETIME)
-    assert sorted((m.step, m.value) for m in sampled) == [(i, 1000.0 * i) for i in range(1, 11)]
+    assert sorted((m.step, m.value) for m in sampled) == [(i, 1000.0 * i) for i in range(1, ITERATIONS + 1)]
 
 
 def test_mlflow_holds_every_iteration_and_its_derived_metrics_follow_from_the_norms(trained):
@@ -131,7 +135,7 @@ def test_mlflow_holds_every_iteration_and_its_derived_metrics_follow_from_the_no
     population std / mean of the eight action heads' norms, the trend is the sign of the change
     beyond 0.01, and the health code is the band the norm falls in by the documented edges."""
     cfg, outcome, lines = trained
-    assert outcome.iterations_done == 10 and outcome.mlflow_complete
+    assert outcome.iterations_done == ITERATIONS and outcome.mlflow_complete
     client = MlflowClient(cfg.mlflow.tracking_uri)
     runs = client.search_runs([client.get_experiment_by_name("e2e").experiment_id])
     assert [r.info.run_id for r in runs] == [outcome.run_id]
@@ -142,7 +146,7 @@ def test_mlflow_holds_every_iteration_and_its_derived_metrics_follow_from_the_no
 
     def series(name: str) -> dict[int, float]:
         history = client.get_metric_history(outcome.run_id, name)
-        assert sorted(m.step for m in history) == list(range(1, 11)), name
+        assert sorted(m.step for m in history) == list(range(1, ITERATIONS + 1)), name
         return {m.step: m.value for m in history}
 
     norms = {head: series(mn.head_metric(mn.HEAD_GRAD_NORM, head)) for head in ALL_HEADS}
@@ -152,15 +156,15 @@ def test_mlflow_holds_every_iteration_and_its_derived_metrics_follow_from_the_no
         health = series(mn.head_metric(mn.HEAD_GRAD_HEALTH, head))
         peaks = series(mn.head_metric(mn.HEAD_GRAD_NORM_MAX, head))
         edges = VALUE_EDGES if head == "value" else ACTION_EDGES
-        for t in range(1, 11):
+        for t in range(1, ITERATIONS + 1):
             assert health[t] == band_code(norms[head][t], edges, peaks[t]), (head, t)
             assert peaks[t] >= norms[head][t], (head, t)  # the largest minibatch norm is at least the mean
-        for t in range(2, 11):
+        for t in range(2, ITERATIONS + 1):
             assert prev[t] == norms[head][t - 1], (head, t)
             delta = norms[head][t] - norms[head][t - 1]
             assert trend[t] == (1 if delta > 0.01 else -1 if delta < -0.01 else 0), (head, t)
     cv = series(mn.HEAD_GRAD_NORM_CV)
-    for t in range(1, 11):
+    for t in range(1, ITERATIONS + 1):
         action = np.array([norms[h][t] for h in HEAD_NAMES])
         assert cv[t] == pytest.approx(action.std() / action.mean(), rel=1e-9), t
     # Nothing went wrong in this run: the counts and latches say so, every iteration.
@@ -171,7 +175,7 @@ def test_mlflow_holds_every_iteration_and_its_derived_metrics_follow_from_the_no
     # test_noise_one_learner.py), logged where defined (EMA(|G|^2) > 0), then positive.
     noise = {m.step: m.value for m in client.get_metric_history(outcome.run_id, mn.GLOBAL_NOISE_SCALE)}
     assert noise and all(v > 0 for v in noise.values()), noise
-    assert len(lines) == 10 and lines[-1].startswith("iter 10/10 | env steps 10000 | return ")
+    assert len(lines) == ITERATIONS and lines[-1].startswith(f"{LAST_LINE} | return ")
 
 
 def test_ppo_beats_a_uniform_random_policy(trained):
@@ -193,30 +197,30 @@ def test_checkpoint_restores_telemetry_state(trained):
         # the learner reports in the module's (logits') order; only the display follows the declared order
         assert list(algo.learner_group._learner.head_names) == [*sorted(HEAD_NAMES), "value"]
         state = algo.learner_group._learner.telemetry_state()["default_policy"]
-        assert state["iteration"] == 10 and state["latches"]["nan"] == {h: False for h in sorted(HEAD_NAMES)}
+        assert state["iteration"] == ITERATIONS and state["latches"]["nan"] == {h: False for h in sorted(HEAD_NAMES)}
         result = algo.train()
-        assert result["learners"]["default_policy"][mn.TELEMETRY_ITERATION] == 11
+        assert result["learners"]["default_policy"][mn.TELEMETRY_ITERATION] == ITERATIONS + 1
     finally:
         algo.stop()
 
 
 def test_the_last_progress_line_shows_what_mlflow_holds(trained):
-    """The line ``gradmon-ray train`` prints for iteration 10 says what MLflow holds for it: the
+    """The line ``gradmon-ray train`` prints for the last iteration says what MLflow holds for it: the
     return, and the worst action head (the most severe band: dead/exploding, then weak/elevated, then
     healthy; ties to the norm furthest on a log scale from sqrt(0.1 * 2.0), the healthy band's
     centre) with its norm and band.  (The README's command itself, in a fresh directory:
     tests/e2e/test_console_script_e2e.py, as a process of its own and through the CLI's ``main``.)"""
     cfg, outcome, lines = trained
     client = MlflowClient(cfg.mlflow.tracking_uri)
-    match = re.search(r"^iter 10/10 \| env steps 10000 \| return (\S+) \| worst head (\S+) (\S+) \((\w+)\)", lines[-1])
+    match = re.search(rf"^{re.escape(LAST_LINE)} \| return (\S+) \| worst head (\S+) (\S+) \((\w+)\)", lines[-1])
     assert match, lines[-1]
     ret, worst, shown = float(match[1]), match[2], float(match[3])
 
-    def at_10(name: str) -> float:
-        return {m.step: m.value for m in client.get_metric_history(outcome.run_id, name)}[10]
+    def at_last(name: str) -> float:
+        return {m.step: m.value for m in client.get_metric_history(outcome.run_id, name)}[ITERATIONS]
 
-    assert ret == round(at_10(mn.EPISODE_RETURN_MEAN), 3)
-    norms = {h: at_10(mn.head_metric(mn.HEAD_GRAD_NORM, h)) for h in HEAD_NAMES}
+    assert ret == round(at_last(mn.EPISODE_RETURN_MEAN), 3)
+    norms = {h: at_last(mn.head_metric(mn.HEAD_GRAD_NORM, h)) for h in HEAD_NAMES}
     severity = {0: 2, 4: 2, 1: 1, 3: 1, 2: 0}  # by band code: dead, weak, healthy, elevated, exploding
 
     def rank(head: str) -> tuple[int, float]:
@@ -236,7 +240,7 @@ def test_plots_are_artifacts_of_the_real_run_and_match_its_metrics(trained, tmp_
     local = Path(client.download_artifacts(outcome.run_id, f"{PLOTS_ARTIFACT_DIR}/{HEATMAP_FILE}", str(tmp_path)))
     assert local.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and local.stat().st_size > 10_000
     heads, steps, matrix = norm_matrix(load_history(client, outcome.run_id))
-    assert heads == HEAD_ORDER and steps == list(range(1, 11))
+    assert heads == HEAD_ORDER and steps == list(range(1, ITERATIONS + 1))
     for i, head in enumerate(heads):
         logged = client.get_metric_history(outcome.run_id, mn.head_metric(mn.HEAD_GRAD_NORM, head))
         assert list(matrix[i]) == [m.value for m in sorted(logged, key=lambda m: m.step)]
@@ -247,6 +251,6 @@ def test_watch_once_shows_every_head_of_the_real_run(trained):
     console = Console(record=True, width=220, color_system=None)
     snap = watch(MlflowClient(cfg.mlflow.tracking_uri), run_id=outcome.run_id, once=True, console=console)
     text = console.export_text()
-    assert snap.iteration == 10 and snap.heads == HEAD_ORDER
+    assert snap.iteration == ITERATIONS and snap.heads == HEAD_ORDER
     assert all(head in text for head in ALL_HEADS) and "missing" not in text
-    assert "iteration 10" in text and "env steps 10000" in text
+    assert f"iteration {ITERATIONS}" in text and f"env steps {1000 * ITERATIONS}" in text

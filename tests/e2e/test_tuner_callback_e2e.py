@@ -27,7 +27,7 @@ from gradmon_ray.tracking.mlflow_io import mlflow_value
 from gradmon_ray.tracking.result_metrics import result_to_metrics
 from gradmon_ray.tracking.spill import read_spill
 from tests.e2e.processes import MlflowServer, free_port
-from tests.tracking.test_callback import _same, readme_tuner_example
+from tests.tracking.test_callback import ONE_ENV_RUNNER, _same, readme_tuner_example
 
 pytestmark = pytest.mark.e2e
 
@@ -36,9 +36,17 @@ RUN_CONFIG = 'tune.RunConfig(stop={"training_iteration": 2})'
 
 
 def _run_readme_example(tmp_path: Path, *, iterations: int = 2, env_runners: str = "") -> tuple[Any, str]:
-    """The README block, CI-sized, run in ``tmp_path``; its result grid and the trial's stderr."""
+    """The README block, CI-sized, run in ``tmp_path``; its result grid and the trial's stderr.
+
+    Sampled in the trial's own process unless ``env_runners`` (an ``.env_runners(...)`` call) asks
+    for the block's EnvRunner: an EnvRunner actor is one more process importing torch and RLlib,
+    and these tests are about the tracking server (the block as written runs in the doc-block
+    runner, ``tests/e2e/test_doc_commands_e2e.py``)."""
     code = readme_tuner_example()
     assert code.count(USER_CONFIG) == 1 and code.count(RUN_CONFIG) == 1 and "\ntune.Tuner(" in code
+    assert code.count(ONE_ENV_RUNNER) == 1
+    if not env_runners:
+        code = code.replace(ONE_ENV_RUNNER, "num_env_runners=0")
     small = ".training(train_batch_size=256, minibatch_size=128, num_epochs=1)" + env_runners
     code = code.replace(USER_CONFIG, USER_CONFIG + small)
     run_config = f'tune.RunConfig(stop={{"training_iteration": {iterations}}}, storage_path={str(tmp_path / "tune")!r}'

@@ -62,13 +62,24 @@ def mlflow_run(tmp_path):
     return uri, run.info.run_id
 
 
+SHARED_BUCKETS = 5
+"""The shared probe's buckets: the template's batch has groups enough for them, the designed one (4
+groups, counted in ``expected_buckets``) too few, so one actor serves both kinds of test."""
+
+
 @pytest.fixture(scope="module")
 def slow_probe(ray_session):
     """One probe actor with the slow regularizer, shared by the tests that talk to it only through a
     client of their own (an actor is a process importing torch and RLlib: seconds each)."""
     name = _name()
     probe = start_probe_actor(
-        name, tracking_uri=None, run_id=None, num_buckets=2, regularizers=SLOW, track_grad_norms=True, num_cpus=1
+        name,
+        tracking_uri=None,
+        run_id=None,
+        num_buckets=SHARED_BUCKETS,
+        regularizers=SLOW,
+        track_grad_norms=True,
+        num_cpus=1,
     )
     yield name, probe
     ray.kill(probe)
@@ -365,28 +376,22 @@ def test_duration_is_bracketed_by_the_known_sleep_and_the_callers_wall_clock(des
 
 
 @pytest.mark.e2e  # a real probe actor on a local Ray
-def test_a_batch_with_fewer_groups_than_buckets_counts_one_skip(ray_session, designed):
-    """4 groups (counted in ``expected_buckets``) for 5 buckets: sent 1, skipped 1, nothing else."""
-    from gradmon_ray.probe import ProbeClient, start_probe_actor
-
+def test_a_batch_with_fewer_groups_than_buckets_counts_one_skip(idle_slow_probe, designed):
+    """4 groups (counted in ``expected_buckets``) for the shared probe's 5 buckets: sent 1, skipped 1,
+    nothing else."""
     module, batch = designed
-    assert sum(b["groups"] for b in expected_buckets(batch).values()) == 4
-    name = f"gradmon-probe-oracle-{uuid.uuid4().hex[:8]}"
-    actor = start_probe_actor(name, tracking_uri=None, run_id=None, num_buckets=5, num_cpus=1)
-    try:
-        client = ProbeClient(name, every=1)
-        assert client.reserve()
-        client.submit(probe_request(module, batch, iteration=1))
-        deadline = time.monotonic() + 60
-        while client.busy and time.monotonic() < deadline:
-            client.poll()
-            time.sleep(0.05)
-        assert client.counters == {
-            mn.PROBE_REQUESTS_SENT: 1,
-            mn.PROBE_REQUESTS_DROPPED: 0,
-            mn.PROBE_COMPLETED: 0,
-            mn.PROBE_SKIPPED: 1,
-            mn.PROBE_FAILURES: 0,
-        }
-    finally:
-        ray.kill(actor)
+    assert sum(b["groups"] for b in expected_buckets(batch).values()) == 4 < SHARED_BUCKETS
+    client = ProbeClient(idle_slow_probe, every=1)
+    assert client.reserve()
+    client.submit(probe_request(module, batch, iteration=1))
+    deadline = time.monotonic() + 60
+    while client.busy and time.monotonic() < deadline:
+        client.poll()
+        time.sleep(0.05)
+    assert client.counters == {
+        mn.PROBE_REQUESTS_SENT: 1,
+        mn.PROBE_REQUESTS_DROPPED: 0,
+        mn.PROBE_COMPLETED: 0,
+        mn.PROBE_SKIPPED: 1,
+        mn.PROBE_FAILURES: 0,
+    }

@@ -305,23 +305,28 @@ def _logged_head_norms(results, heads) -> dict[str, float]:
 
 
 def test_a_loss_on_one_heads_logits_moves_only_that_heads_norm(episodes_cfg):
-    """By construction: a loss of head h's logits gives h a non-zero norm and every other head exactly 0."""
+    """By construction: a loss of head h's logits gives h a non-zero norm and every other head exactly 0.
+
+    One learner for every target (a build is about a CPU-second): its loss reads the target of the
+    update under way, and each update's oracle is taken from the weights that update starts from."""
     cfg, episodes = episodes_cfg
     slices = _action_slices(cfg)
     targets = [*slices, "value"]
+    current: list[str] = []
+
+    def loss_fn(module, batch, fwd_out):
+        logits = fwd_out[Columns.ACTION_DIST_INPUTS]
+        values = module.compute_values(batch, embeddings=fwd_out[Columns.EMBEDDINGS])
+        # 0 x everything: every parameter gets an exactly-zero gradient, never None.
+        zero = 0.0 * (logits.sum() + values.sum())
+        if current[-1] == "value":
+            return values.pow(2).mean() + zero
+        return torch.logsumexp(2.0 * logits[:, slices[current[-1]]], dim=-1).mean() + zero
+
+    learner = _learner_with_loss(cfg, loss_fn)
+    batch = train_batch(learner, episodes)
     for target in targets:
-
-        def loss_fn(module, batch, fwd_out, target=target):
-            logits = fwd_out[Columns.ACTION_DIST_INPUTS]
-            values = module.compute_values(batch, embeddings=fwd_out[Columns.EMBEDDINGS])
-            # 0 x everything: every parameter gets an exactly-zero gradient, never None.
-            zero = 0.0 * (logits.sum() + values.sum())
-            if target == "value":
-                return values.pow(2).mean() + zero
-            return torch.logsumexp(2.0 * logits[:, slices[target]], dim=-1).mean() + zero
-
-        learner = _learner_with_loss(cfg, loss_fn)
-        batch = train_batch(learner, episodes)
+        current.append(target)
         before = copy.deepcopy(_rl_module(learner))
         tensors = dict(learner._convert_batch_type(batch).policy_batches[MID])
         expected = _norm_by_attribute(loss_fn(before, tensors, before.forward_train(tensors)), before)
@@ -366,6 +371,19 @@ def test_ppo_minibatch_norms_equal_autograd_of_rllibs_own_loss_by_attribute_name
 # --- skip flag: NaN, +Inf, -Inf, mixed ----------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def skip_learners(episodes_cfg):
+    """One learner per optimizer path and its state as built: each case below starts from that
+    state again (``set_state``: weights, optimizer, telemetry), not from a build of its own."""
+    learners = {}
+    for fused in (True, False):
+        cfg = _oracle_cfg(grad_clip=None)
+        cfg.telemetry.fused_optimizer = fused
+        learner = build_local_learner(cfg)
+        learners[fused] = (learner, copy.deepcopy(learner.get_state()))
+    return learners
+
+
 @pytest.mark.parametrize(
     ("values", "skipped"),
     [
@@ -379,11 +397,12 @@ def test_ppo_minibatch_norms_equal_autograd_of_rllibs_own_loss_by_attribute_name
     ids=["nan", "+inf", "-inf", "mixed", "finite-huge", "finite"],
 )
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
-def test_non_finite_gradients_skip_the_step_and_are_counted_exactly(episodes_cfg, values, skipped, fused):
+def test_non_finite_gradients_skip_the_step_and_are_counted_exactly(
+    episodes_cfg, skip_learners, values, skipped, fused
+):
     _, episodes = episodes_cfg
-    cfg = _oracle_cfg(grad_clip=None)
-    cfg.telemetry.fused_optimizer = fused
-    learner = build_local_learner(cfg)
+    learner, built = skip_learners[fused]
+    learner.set_state(copy.deepcopy(built))
     module = _rl_module(learner)
     target = module.heads["op"][0].weight  # by attribute name
 

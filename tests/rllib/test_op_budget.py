@@ -1,6 +1,7 @@
 """What the drop-in adds to the learner it wraps, in dispatched ops (``telemetry.op_counts``), at
 1, 2 and 8 modules, telemetry on, VGS off, at gradmon's default number of minibatches an update
-(34: 256 rows in minibatches of 32, 4 epochs; the default run config has 1024 in 128s).
+(34: 256 rows in minibatches of 32, 4 epochs; the default run config has 1024 in 128s).  The same
+counts hold the host reads of ``test_host_reads.py`` with VGS off (that module counts VGS on).
 
 A GPU minibatch of a small policy is launch-bound (~27 us of host time an op on an H200), so an
 op a minibatch is about 0.2% of stock RLlib's (497 ops at the default model).  Counted for
@@ -26,6 +27,10 @@ import pytest
 
 from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch
 from tests.rllib.arms import ARMS, FusedAdamPPOTorchLearner, count_update, small_config
+from tests.rllib.test_host_reads import (
+    assert_no_host_read_per_minibatch_beyond_stock,
+    assert_one_host_read_outside_the_minibatches,
+)
 
 DRAIN_OPS = {1: 101, 2: 111, 8: 117}
 """Measured 2026-11-29 (session 12): the drop-in's once-per-update ops beyond stock's, by module
@@ -49,6 +54,13 @@ def counted(request):
     for learner in (stock, *arms.values()):
         learner.shutdown()
     return modules, counts
+
+
+def test_no_host_read_per_minibatch_beyond_stock_rllib_vgs_off(counted):
+    modules, counts = counted
+    by_arm = {"stock-fused": counts["stock"], "drop-in": counts["drop-in"], "gradmon": counts["gradmon"]}
+    assert_no_host_read_per_minibatch_beyond_stock(modules, by_arm)
+    assert_one_host_read_outside_the_minibatches(by_arm)
 
 
 def test_the_drop_in_adds_8_plus_1_op_per_module_to_a_minibatch(counted):
