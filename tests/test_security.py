@@ -16,7 +16,18 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SKIP_DIRS = {".venv", ".ci-venv", ".ci-venv-oldest-ray", ".git", "build", "dist", ".pytest_cache", ".ruff_cache", ".hypothesis", "mlruns"}
+SKIP_DIRS = {
+    ".venv",
+    ".ci-venv",
+    ".ci-venv-oldest-ray",
+    ".git",
+    "build",
+    "dist",
+    ".pytest_cache",
+    ".ruff_cache",
+    ".hypothesis",
+    "mlruns",
+}
 DISABLED = "RAY_AUTH_MODE=" + "disabled"  # spelled in two parts so this file does not match itself
 ALL_INTERFACES = "0.0.0." + "0"
 
