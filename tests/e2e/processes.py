@@ -6,6 +6,7 @@ Every server is started in its own process group (``start_new_session=True``) so
 
 from __future__ import annotations
 
+import configparser
 import contextlib
 import os
 import random
@@ -175,3 +176,16 @@ def clean_env(**extra: str) -> dict[str, str]:
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env.update(extra)
     return env
+
+
+def mlflow_auth_config(path: Path) -> Path:
+    """MLflow's own basic_auth.ini with its credential cache on: a PBKDF2 check per request costs
+    about a second on a loaded 2-core box, and a run makes dozens of requests."""
+    import mlflow.server.auth
+
+    config = configparser.ConfigParser()
+    config.read(Path(mlflow.server.auth.__file__).parent / "basic_auth.ini")
+    config["mlflow"]["auth_cache_ttl_seconds"] = "300"
+    with path.open("w") as f:
+        config.write(f)
+    return path

@@ -20,7 +20,6 @@ file under the node's home but the credentials file, and no process's command li
 
 from __future__ import annotations
 
-import configparser
 import contextlib
 import importlib.util
 import json
@@ -42,7 +41,16 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
-from tests.e2e.processes import BIN, MLFLOW_SERVER_ENV, clean_env, free_port, kill_group, mlflow_server_argv, wait_http
+from tests.e2e.processes import (
+    BIN,
+    MLFLOW_SERVER_ENV,
+    clean_env,
+    free_port,
+    kill_group,
+    mlflow_auth_config,
+    mlflow_server_argv,
+    wait_http,
+)
 
 pytestmark = [
     pytest.mark.e2e,
@@ -101,19 +109,6 @@ class HeadNode:
         )
 
 
-def _auth_config(path: Path) -> Path:
-    """MLflow's own basic_auth.ini with its credential cache on: a PBKDF2 check per request costs
-    about a second on a loaded 2-core box, and a run makes dozens of requests."""
-    import mlflow.server.auth
-
-    config = configparser.ConfigParser()
-    config.read(Path(mlflow.server.auth.__file__).parent / "basic_auth.ini")
-    config["mlflow"]["auth_cache_ttl_seconds"] = "300"
-    with path.open("w") as f:
-        config.write(f)
-    return path
-
-
 def _start_mlflow_server(root: Path, port: int, password: str) -> subprocess.Popen:
     """cluster.yaml's head server on 127.0.0.1: MLflow's basic-auth app, the admin login ``password``
     (from the environment, as cluster.yaml's command passes it), no job workers."""
@@ -121,7 +116,7 @@ def _start_mlflow_server(root: Path, port: int, password: str) -> subprocess.Pop
     store.mkdir()
     argv = mlflow_server_argv(port, "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}")
     argv += ["--artifacts-destination", str(store / "artifacts"), "--app-name", "basic-auth"]
-    env = clean_env(**MLFLOW_SERVER_ENV, MLFLOW_AUTH_CONFIG_PATH=str(_auth_config(root / "auth.ini")))
+    env = clean_env(**MLFLOW_SERVER_ENV, MLFLOW_AUTH_CONFIG_PATH=str(mlflow_auth_config(root / "auth.ini")))
     env.update(MLFLOW_AUTH_ADMIN_USERNAME="admin", MLFLOW_AUTH_ADMIN_PASSWORD=password)
     env["MLFLOW_FLASK_SERVER_SECRET_KEY"] = secrets.token_hex(32)
     log = (root / "mlflow-server.log").open("w")

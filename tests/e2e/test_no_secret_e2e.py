@@ -16,7 +16,6 @@ Without Flask-WTF (``mlflow[auth]``) MLflow's basic-auth app cannot start: then 
 
 from __future__ import annotations
 
-import configparser
 import contextlib
 import importlib.util
 import os
@@ -43,6 +42,7 @@ from tests.e2e.processes import (
     clean_env,
     free_port,
     kill_group,
+    mlflow_auth_config,
     mlflow_server_argv,
     session_commands,
     wait_http,
@@ -80,19 +80,6 @@ def _head_mlflow_command(port: int) -> str:
     return command.replace(head_ip, "HEAD_IP=127.0.0.1").replace("--port 5000", f"--port {port} --workers 1")
 
 
-def _auth_config(path: Path) -> Path:
-    """MLflow's own basic_auth.ini with its credential cache on: a PBKDF2 check per request costs
-    about a second on a loaded 2-core box, and a run makes dozens of requests."""
-    import mlflow.server.auth
-
-    config = configparser.ConfigParser()
-    config.read(Path(mlflow.server.auth.__file__).parent / "basic_auth.ini")
-    config["mlflow"]["auth_cache_ttl_seconds"] = "300"
-    with path.open("w") as f:
-        config.write(f)
-    return path
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow-auth")
@@ -107,7 +94,7 @@ def server(tmp_path_factory):
     for name in CREDENTIAL_VARS:
         env.pop(name, None)
     if HAS_AUTH_APP:
-        env["MLFLOW_AUTH_CONFIG_PATH"] = str(_auth_config(root / "auth.ini"))
+        env["MLFLOW_AUTH_CONFIG_PATH"] = str(mlflow_auth_config(root / "auth.ini"))
         argv = ["bash", "-c", _head_mlflow_command(port)]
         store, artifacts = home / "mlflow" / "mlflow.db", home / "mlflow" / "artifacts"
     else:

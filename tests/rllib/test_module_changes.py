@@ -24,7 +24,6 @@ from typing import Any
 import pytest
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 from ray.rllib.core.columns import Columns
-from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 from ray.rllib.policy.sample_batch import MultiAgentBatch
 
 from gradmon_ray import metric_names as mn
@@ -33,18 +32,9 @@ from gradmon_ray.rllib import with_gradmon
 from gradmon_ray.telemetry.blame import RESULT_KEY
 from tests.peer.pairs import HEADS, build_pair, cartpole_config, sample_batch
 from tests.rllib.stock_oracle import stock_head_norms
+from tests.rllib.test_module_sync import _spec_like
 
 TRAINING = {"grad_clip": None, "use_kl_loss": False}
-
-
-def _spec_like(learner: Any, mid: str) -> RLModuleSpec:
-    template = learner.module[mid].unwrapped()
-    return RLModuleSpec(
-        module_class=type(template),
-        observation_space=template.observation_space,
-        action_space=template.action_space,
-        model_config=template.model_config,
-    )
 
 
 def _only(batch: MultiAgentBatch, *mids: str) -> MultiAgentBatch:

@@ -21,23 +21,11 @@ from ray.rllib.algorithms.ppo import PPOConfig
 
 from gradmon_ray.tracking import GradmonMLflowCallback
 from tests.e2e.processes import free_port
+from tests.tracking.test_callback import _StubAlgorithm
 
 
 def _tree(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
-
-
-class _StubAlgorithm:
-    """Only what ``on_algorithm_init`` touches to open the run (pure logic, no RLlib)."""
-
-    config = None
-
-    def step(self) -> None: ...
-
-    def cleanup(self) -> None: ...
-
-    def get_module(self, module_id: str) -> None:
-        raise KeyError(module_id)
 
 
 @pytest.mark.parametrize("pickler", [cloudpickle, ray_cloudpickle], ids=lambda m: m.__name__)

@@ -74,16 +74,11 @@ class GracefulInterrupt:
             os.write(2, notice.encode())
 
     def __enter__(self) -> GracefulInterrupt:
-        if threading.current_thread() is threading.main_thread():
-            for sig in DEFAULT_HANDLERS:
-                if (self.graceful or sig == signal.SIGTERM) and _default(sig):
-                    self._previous[sig] = signal.signal(sig, self._handle)
+        _install(self._previous, self._handle, [s for s in DEFAULT_HANDLERS if self.graceful or s == signal.SIGTERM])
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous.clear()
+        _restore(self._previous)
 
 
 class EndingGuard:
@@ -118,13 +113,24 @@ class EndingGuard:
             return default
 
     def __enter__(self) -> EndingGuard:
-        if threading.current_thread() is threading.main_thread():
-            for sig in DEFAULT_HANDLERS:
-                if _default(sig):
-                    self._previous[sig] = signal.signal(sig, self._handle)
+        _install(self._previous, self._handle, list(DEFAULT_HANDLERS))
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous.clear()
+        _restore(self._previous)
+
+
+def _install(previous: dict[signal.Signals, Any], handler: Callable[..., None], sigs: list[signal.Signals]) -> None:
+    """``handler`` for each of ``sigs`` that still has its default handler (or Ray's), the old ones kept
+    in ``previous``; only in the main thread (Python's rule for ``signal.signal``)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in sigs:
+            if _default(sig):
+                previous[sig] = signal.signal(sig, handler)
+
+
+def _restore(previous: dict[signal.Signals, Any]) -> None:
+    """Put back the handlers ``_install`` replaced."""
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+    previous.clear()
