@@ -20,6 +20,7 @@ import re
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -214,20 +215,36 @@ def _last_line(output: str) -> str:
     return output.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("mistake", sorted(MISTAKES))
-def test_a_settings_mistake_is_one_value_error_line_before_ray_starts(mistake, tmp_path):
+def test_a_settings_mistake_is_one_value_error_line_before_ray_starts(tmp_path):
     """Run with RAY_ADDRESS naming a port nothing listens on: a script that reached Ray (an EnvRunner,
     a learner actor) would fail to connect instead.  What it gets is the ``ValueError``, in one line,
-    raised by the block's own ``check_gradmon(...)`` line; the process has ended within seconds."""
-    settings, message = MISTAKES[mistake]
+    raised by the block's own ``check_gradmon(...)`` line; the process has ended within seconds.
+    (One mistake as a process of its own: the others, the same path, run in this one.)"""
+    settings, message = MISTAKES["misspelled key"]
     argv = _readme_script(tmp_path, settings)
     rc, output, seconds = _run_script(argv, tmp_path, clean_env(RAY_ADDRESS="127.0.0.1:9"), 120)
     assert rc == 1 and _last_line(output).startswith(f"ValueError: {message}"), output[-3000:]
-    traceback = output[output.index("Traceback (most recent call last):") :]
-    frames = re.findall(r'^  File "(.+?)", line \d+, in (\S+)', traceback, re.M)
+    printed = output[output.index("Traceback (most recent call last):") :]
+    frames = re.findall(r'^  File "(.+?)", line \d+, in (\S+)', printed, re.M)
     assert [f[1] for f in frames] == ["<module>", "check_gradmon"], frames  # the user's line, then ours
     assert "Started a local Ray" not in output and "RayTaskError" not in output
     assert seconds < 60  # interpreter, torch and RLlib imports only (the learner's check took ~50 s)
+
+
+@pytest.mark.parametrize("mistake", sorted(set(MISTAKES) - {"misspelled key"}))
+def test_each_settings_mistake_is_raised_by_the_blocks_check_gradmon_line(mistake, tmp_path):
+    """The README's block with each other mistake, run in this process (its imports are here already):
+    ``check_gradmon(...)`` raises the one ``ValueError`` line, from the block's own line, before the
+    block's ``build_algo()`` (which would reach Ray)."""
+    settings, message = MISTAKES[mistake]
+    _readme_script(tmp_path, settings)
+    code = compile((tmp_path / "script.py").read_text(), "script.py", "exec")
+    with pytest.raises(ValueError) as raised:
+        exec(code, {"__name__": "__main__"})
+    assert str(raised.value).startswith(message) and "\n" not in str(raised.value), str(raised.value)
+    frames = [(f.filename, f.name) for f in traceback.extract_tb(raised.tb)][1:]  # from the block's own frame
+    assert [name for _, name in frames] == ["<module>", "check_gradmon"], frames
+    assert frames[0][0] == "script.py", frames
 
 
 ENV_NOT_YET = """\
