@@ -1,14 +1,13 @@
-"""Real Ray Tune sweeps: `gradmon-ray tune` as a user runs it (progress while it runs, nested MLflow
-runs named after their trials, the health stopper ending the broken trials), and a trial whose
-learner actor is killed: Tune restarts it from its checkpoint, in the same MLflow run.  (A trial
-that loses a learner's node, on a multi-node cluster: test_multinode_fault_e2e.py.)"""
+"""A real Ray Tune sweep: `gradmon-ray tune` as a user runs it (progress while it runs, nested MLflow
+runs named after their trials, the health stopper ending the broken trials).  A trial whose learner
+is lost (Tune restarts it from its checkpoint, byte-equal, in the same MLflow run, each iteration
+once): test_multinode_fault_e2e.py, where a learner's node goes."""
 
 from __future__ import annotations
 
 import json
 import re
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -16,8 +15,6 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.app.sweep.config import SweepConfig
-from gradmon_ray.app.sweep.run import run_sweep
 from gradmon_ray.app.sweep.trials import PARENT_RUN_TAG
 from gradmon_ray.envs import HEAD_NAMES
 from gradmon_ray.telemetry.bands import worst_head
@@ -207,154 +204,3 @@ def test_the_sweep_prints_no_ray_noise_and_puts_the_ctrl_c_handler_back(sweep):
     out = "\n".join(line for _, line in sweep["lines"]) + sweep["stderr"]
     assert "max_restarts > 0" not in out and "core_worker.cc" not in out
     assert sweep["sigint_handler_after"] is sweep["sigint_handler_before"]  # Tune's own is not left installed
-
-
-KILL_ITERATIONS, KILL_EVERY = 8, 3
-
-
-def _learner_pids() -> list[int]:
-    """PIDs of this test's live RLlib learner actors (Ray's ``_WrappedExecutable``).
-
-    Only actors of this process's Ray job (the test's sweep, its trials and their learners): the
-    session's Ray is shared with the other xdist worker, whose learners are never touched.  GCS's
-    actor table is read through ``ray._private.state`` (the public ``ray.util.state`` needs the
-    dashboard, which the test Ray does not run)."""
-    import ray
-    from ray._private import state
-
-    job = ray.get_runtime_context().get_job_id()
-    return [
-        int(actor["Pid"])
-        for actor in state.actors().values()
-        if actor["JobID"] == job
-        and actor["State"] == "ALIVE"
-        and actor["ActorClassName"].rsplit(".", 1)[-1] == "_WrappedExecutable"
-        and actor["Pid"]
-    ]
-
-
-@pytest.fixture(scope="module")
-def killed_learner_sweep(ray_session, tmp_path_factory):
-    """One trial with a remote learner actor that this test SIGKILLs once iteration 4 is in MLflow.
-
-    Checkpoints every 3 iterations, so the kill lands after checkpoint 3 with iteration 4 (at
-    least) already logged: the resumed attempt recomputes it and must not log it again.
-    """
-    import os
-    import signal
-    import time
-
-    tmp = tmp_path_factory.mktemp("kill")
-    uri = f"sqlite:///{tmp / 'mlflow.db'}"
-    base = {
-        "iterations": KILL_ITERATIONS,
-        "seed": 0,
-        "resources": {"num_learners": 1, "num_env_runners": 0},  # the remote learner is the subject
-        "ppo": {"train_batch_size": 256, "minibatch_size": 128, "num_epochs": 2},
-        "model": {"trunk_hiddens": [32, 32]},
-        "vgs": {"enabled": True, "warmup_steps": 1},
-        "mlflow": {"tracking_uri": uri, "experiment": "kill"},
-    }
-    killed: dict[str, object] = {}
-    done = threading.Event()
-
-    def killer() -> None:
-        client = MlflowClient(uri)
-        while not done.is_set():
-            time.sleep(0.5)  # a look is three MLflow queries, ~6 ms of CPU here: at 20 Hz an eighth of a core
-            try:
-                experiment = client.get_experiment_by_name("kill")
-                runs = client.search_runs([experiment.experiment_id]) if experiment else []
-                child = [r for r in runs if PARENT_RUN_TAG in r.data.tags]
-                steps = (
-                    [p.step for p in client.get_metric_history(child[0].info.run_id, mn.LEARNERS_UPDATED)]
-                    if child
-                    else []
-                )
-            except Exception:  # sqlite busy while the trial writes: look again
-                continue
-            if max(steps, default=0) >= 4:
-                pids = _learner_pids()
-                if len(pids) == 1:
-                    os.kill(pids[0], signal.SIGKILL)
-                    killed.update(pid=pids[0], seen_step=max(steps))
-                    return
-
-    thread = threading.Thread(target=killer, daemon=True)
-    thread.start()
-    try:
-        config = SweepConfig(
-            name="kill",
-            search_space={"ppo.lr": 3e-4},
-            checkpoint_every=KILL_EVERY,
-            keep_checkpoints=10,
-            storage_path=str(tmp / "tune"),
-        )
-        outcome = run_sweep(config, base, progress=None)
-    finally:
-        done.set()
-        thread.join(timeout=5)
-    return base, outcome, killed, tmp / "tune"
-
-
-def test_a_killed_learner_actor_resumes_byte_equal_and_mlflow_has_each_iteration_once(killed_learner_sweep):
-    import json
-    import pickle
-
-    from gradmon_ray.app.sweep.trials import TRIAL_STATE_FILE
-    from gradmon_ray.rllib.learner import GRADMON_STATE_KEYS
-    from gradmon_ray.telemetry.state_digest import state_digest
-
-    base, outcome, killed, storage = killed_learner_sweep
-    assert killed, "the learner actor was never killed"
-    (trial,) = outcome.trials
-    assert trial.status == "finished" and trial.iterations == KILL_ITERATIONS  # Tune restarted it
-    client = MlflowClient(base["mlflow"]["tracking_uri"])
-    run = client.get_run(trial.run_id)
-    assert run.info.status == "FINISHED"
-    resumed_from = int(run.data.tags[mn.TAG_RESUMED_FROM])
-    assert resumed_from in (3, 6) and resumed_from < KILL_ITERATIONS
-
-    # The restored state is byte-equal to the checkpoint on disk (read here, independently).
-    checkpoints = {}
-    for meta in storage.glob(f"**/checkpoint_*/{TRIAL_STATE_FILE}"):
-        checkpoints[json.loads(meta.read_text())["iterations_done"]] = meta.parent
-    state_file = checkpoints[resumed_from] / "algo" / "learner_group" / "learner" / "state.pkl"
-    with state_file.open("rb") as f:  # our own test checkpoint: unpickling it is safe here
-        on_disk = pickle.load(f)
-    gradmon_state = {k: v for k, v in on_disk.items() if k in GRADMON_STATE_KEYS}
-    assert {"gradmon_telemetry", "gradmon_vgs", "gradmon_probe"} <= set(gradmon_state)
-    assert run.data.tags[mn.TAG_RESUMED_STATE_DIGEST] == state_digest(gradmon_state)
-    telemetry = gradmon_state["gradmon_telemetry"]["default_policy"]  # keyed by module
-    assert gradmon_state["gradmon_probe"]["iterations_done"] == resumed_from
-
-    def history(name: str) -> dict[int, float]:
-        points = client.get_metric_history(trial.run_id, name)
-        steps = [p.step for p in points]
-        assert len(steps) == len(set(steps)), f"{name}: duplicated steps {sorted(steps)}"
-        return {p.step: p.value for p in points}
-
-    for name in (
-        mn.LEARNERS_UPDATED,
-        mn.head_metric(mn.HEAD_GRAD_NORM, "op"),
-        mn.VGS_STEP_COUNT,
-        mn.TELEMETRY_ITERATION,
-    ):
-        assert sorted(history(name)) == list(range(1, KILL_ITERATIONS + 1)), name  # each once, none missing
-    assert history(mn.TELEMETRY_ITERATION) == {i: float(i) for i in range(1, KILL_ITERATIONS + 1)}
-    norms, prev = (
-        history(mn.head_metric(mn.HEAD_GRAD_NORM, "op")),
-        history(mn.head_metric(mn.HEAD_GRAD_NORM_PREV, "op")),
-    )
-    assert prev[resumed_from + 1] == pytest.approx(norms[resumed_from])  # the previous norm came back too
-    env_steps = history(mn.ENV_STEPS_SAMPLED_LIFETIME)  # RLlib's own counters came back with the checkpoint
-    assert all(env_steps[i + 1] > env_steps[i] for i in range(1, KILL_ITERATIONS))
-    # The checkpointed VGS step count is where the resumed attempt continued from.
-    vgs_steps = history(mn.VGS_STEP_COUNT)
-    assert all(vgs_steps[i + 1] > vgs_steps[i] for i in range(1, KILL_ITERATIONS))
-    assert int(gradmon_state["gradmon_vgs"]["default_policy"]["step_count"]) == vgs_steps[resumed_from]
-    assert telemetry["iteration"] == resumed_from
-    if resumed_from == 3:  # the usual case: iteration 4 (at least) was logged by the killed attempt
-        recomputed = run.data.tags[mn.TAG_RECOMPUTED_ITERATIONS]
-        first, last = (int(x) for x in recomputed.split("-"))
-        assert first == 4 and last >= killed["seen_step"] >= 4
