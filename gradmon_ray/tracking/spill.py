@@ -19,8 +19,8 @@ step, timestamp, value) they already hold; into any other store the replay leave
 points the run holds already (``spill_replay``). A torn last line (the writer killed mid-write) is
 skipped. Replay into a store that does not have the run (another server, a fresh sqlite
 file) creates it there from the header; the replay records that run in the file
-(``replay_key``, ``replayed_into``) before it logs a metric, so a retried replay reuses it
-(``spill_replay``).
+(``replay_key``, ``replayed_into``) before it logs a metric, so a retried replay reuses it, and
+after each metric batch how far it got (``replay_logged``), so a retry starts there (``spill_replay``).
 """
 
 from __future__ import annotations

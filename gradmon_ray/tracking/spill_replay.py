@@ -8,18 +8,26 @@ file before it is created and again after, both fsynced, before any metric is lo
 ``{"replayed_into": run_id}``.  A replay killed between creating the run and recording its id
 finds the run again by the tag; killed later, by the id.  Either way one run, never a second.
 
-**Each point once.** A retry writes every undelivered point again, with its original timestamp:
-MLflow's SQL stores keep one row per (key, step, timestamp, value) and ignore the same point
-logged again (``tests/tracking/test_spill_replay.py`` checks it against a real ``mlflow server``).
-Any other store (a file store, ``file:./mlruns``, appends every point it is given; a tracking
-server's own store is unknown from here) is first read back for the file's keys, whenever the run
-was there before this replay (a retry's, or the run the file names): a point it holds already is not
-logged again.  Params logged again with their value are accepted, tags and the end status are set,
-not added.  The file is renamed to ``<file>.replayed`` last.
+**Each point once.** The file's metric points, in the file's order, are the list a replay works
+through.  After each metric batch MLflow acknowledged, the replay records in the file how far into
+that list the run holds every point (``{"replay_logged": n, "into": run_id, "points": digest}``,
+fsynced; ``digest`` is the whole list's, so a list that changed since is not trusted, nor is a count
+the run's latest points contradict).  A retry into that run starts there.  The rest (a batch the
+store may have done unacknowledged, points the sink delivered before its delivery mark) is checked
+against the run: MLflow's SQL stores keep one row per (key, step, timestamp, value) and ignore the
+same point logged again, so they are not read (``tests/tracking/test_spill_replay.py`` checks it
+against a real ``mlflow server``).  Any other store (a file store, ``file:./mlruns``, appends every
+point it is given; a tracking server's own store is unknown from here) tells its latest point of
+each key in one ``get_run``: a point past it in step and in time is not there (MLflow's stores call
+latest the highest step, then time; its docs, the latest time), and only the keys with a point not
+past it have their history read.  Params logged again with their value are accepted, tags and the
+end status are set, not added.  The file is renamed to ``<file>.replayed`` last.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import uuid
@@ -27,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gradmon_ray import metric_names as mn
 from gradmon_ray.tracking.redact import MASK
 from gradmon_ray.tracking.spill import (
     REPLAYED_SUFFIX,
@@ -41,6 +50,8 @@ from gradmon_ray.tracking.store_check import DATABASE_SCHEMES, tracking_scheme
 
 REPLAY_KEY_TAG = "gradmon.replay_key"
 """Tag of a run a replay created: the ``replay_key`` recorded in the spill file beforehand."""
+LOGGED = "replay_logged"
+"""Key of the line a replay appends after each metric batch MLflow acknowledged (module docstring)."""
 
 
 @dataclass
@@ -128,18 +139,53 @@ def _point(key: str, step: int, timestamp: int, value: float) -> tuple[str, int,
     return key, step, timestamp, "nan" if math.isnan(value) else value  # NaN != NaN: compared as a word
 
 
-def _not_held(client: Any, uri: str, run_id: str, metrics: list[Any]) -> list[Any]:
-    """``metrics`` less the points run ``run_id`` holds already (same key, step, timestamp and value:
-    what an earlier replay, or the sink before its delivery mark, wrote).  A SQL store ignores such a
-    point itself and is not read; any other store is, one history per key of the file."""
-    if tracking_scheme(uri) in DATABASE_SCHEMES or not metrics:
-        return metrics
-    held = {
-        _point(key, p.step, p.timestamp, p.value)
-        for key in {m.key for m in metrics}
-        for p in client.get_metric_history(run_id, key)
-    }
-    return [m for m in metrics if _point(m.key, m.step, m.timestamp, m.value) not in held]
+def _digest(metrics: list[Any]) -> str:
+    """The file's metric list, point by point and in order: what a ``replay_logged`` count is into."""
+    points = [_point(m.key, m.step, m.timestamp, m.value) for m in metrics]
+    return hashlib.sha256(json.dumps(points).encode()).hexdigest()
+
+
+def _latest(client: Any, run_id: str) -> dict[str, tuple[int, int]]:
+    """Key -> (step, timestamp) of the run's latest point of each key (MLflow's latest metrics)."""
+    return {m.key: (m.step, m.timestamp) for m in client.get_run(run_id).data.to_proto().metrics}
+
+
+def _past(metric: Any, latest: dict[str, tuple[int, int]]) -> bool:
+    """Past the run's latest point of its key in step and in time: not in the run, whichever of the
+    two its store calls latest by."""
+    step, timestamp = latest.get(metric.key, (-math.inf, -math.inf))
+    return metric.step > step and metric.timestamp > timestamp
+
+
+def _to_log(
+    client: Any, uri: str, run_id: str, metrics: list[Any], digest: str, records: list[dict[str, Any]]
+) -> tuple[int, list[tuple[int, Any]]]:
+    """How many of ``metrics`` (from the front) an earlier replay recorded as in run ``run_id``, and
+    (index, point) of each later point the run may not hold (module docstring)."""
+    latest = _latest(client, run_id)
+    counts = [int(r[LOGGED]) for r in records if LOGGED in r and (r.get("into"), r.get("points")) == (run_id, digest)]
+    done = max(counts, default=0)
+    if any(_past(m, latest) for m in metrics[:done]):  # the run lacks what was recorded (a store restored since)
+        done = 0
+    rest = list(enumerate(metrics))[done:]
+    if tracking_scheme(uri) in DATABASE_SCHEMES:  # it ignores a point it holds
+        return done, rest
+    unsure = sorted({m.key for _, m in rest if not _past(m, latest)})
+    held = {_point(key, p.step, p.timestamp, p.value) for key in unsure for p in client.get_metric_history(run_id, key)}
+    return done, [(i, m) for i, m in rest if _point(m.key, m.step, m.timestamp, m.value) not in held]
+
+
+def _log_recorded(
+    client: Any, path: Path, run_id: str, total: int, digest: str, pending: list[tuple[int, Any]]
+) -> None:
+    """Log ``pending`` in batches; after each, record how far into the file's ``total`` points the run
+    now holds every one (the points between two pending ones are held already)."""
+    from gradmon_ray.tracking.mlflow_io import MAX_METRICS_PER_BATCH, log_in_batches
+
+    for start in range(0, len(pending), MAX_METRICS_PER_BATCH):
+        log_in_batches(client, run_id, metrics=[m for _, m in pending[start : start + MAX_METRICS_PER_BATCH]])
+        after = start + MAX_METRICS_PER_BATCH
+        _append(path, {LOGGED: pending[after][0] if after < len(pending) else total, "into": run_id, "points": digest})
 
 
 def replay_spill(path: str | Path, tracking_uri: str | None = None, *, mark_done: bool = True) -> ReplayResult:
@@ -152,7 +198,6 @@ def replay_spill(path: str | Path, tracking_uri: str | None = None, *, mark_done
     """
     from mlflow.tracking import MlflowClient
 
-    from gradmon_ray.tracking.diagnosis_tags import log_diagnosis_artifacts
     from gradmon_ray.tracking.mlflow_io import log_in_batches, to_mlflow_metrics
     from gradmon_ray.tracking.store_uri import absolute_tracking_uri
 
@@ -174,13 +219,22 @@ def replay_spill(path: str | Path, tracking_uri: str | None = None, *, mark_done
             {k: decode_value(v) for k, v in r["metrics"].items()}, int(r["step"]), int(r["timestamp_ms"])
         )
     ]
-    new_points = metrics if empty else _not_held(client, uri, run_id, metrics)  # a retry's, on any store
+    digest = _digest(metrics)
+    done, pending = (
+        (0, list(enumerate(metrics))) if empty else _to_log(client, uri, run_id, metrics, digest, spill_records(path))
+    )
+    _log_recorded(client, path, run_id, len(metrics), digest, pending)
+    if not pending and metrics and done < len(metrics):  # every point held already: a retry need not read them
+        _append(path, {LOGGED: len(metrics), "into": run_id, "points": digest})
     tags: dict[str, str] = {}
     for r in iterations:
         tags.update(r.get("tags") or {})
-    log_in_batches(client, run_id, metrics=new_points, tags=tags)
-    for r in iterations:  # each event's artifacts (the merged tags keep only the last event's)
-        log_diagnosis_artifacts(client, run_id, r.get("tags") or {})
+    log_in_batches(client, run_id, tags=tags)
+    if any(mn.TAG_DIAGNOSIS in (r.get("tags") or {}) for r in iterations):  # its import is torch's: only when needed
+        from gradmon_ray.tracking.diagnosis_tags import log_diagnosis_artifacts
+
+        for r in iterations:  # each event's artifacts (the merged tags keep only the last event's)
+            log_diagnosis_artifacts(client, run_id, r.get("tags") or {})
     status = (trailer or {}).get("status")
     if status:
         client.set_terminated(run_id, status=status)

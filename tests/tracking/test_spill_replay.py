@@ -7,6 +7,7 @@ real ``mlflow server``.  Expected values come from the formula the spill file wa
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -84,20 +85,41 @@ STORES = {
 }
 
 
+def count_retry(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts what the client is asked from here on: metric histories read, metric points handed to ``log_batch``."""
+    counts = {"reads": 0, "sent": 0}
+    read, log_batch = MlflowClient.get_metric_history, MlflowClient.log_batch
+
+    def counted_read(self: MlflowClient, *args: Any, **kwargs: Any) -> Any:
+        counts["reads"] += 1
+        return read(self, *args, **kwargs)
+
+    def counted_log_batch(self: MlflowClient, run_id: str, metrics: Any = (), *args: Any, **kwargs: Any) -> Any:
+        counts["sent"] += len(metrics)
+        return log_batch(self, run_id, metrics, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "get_metric_history", counted_read)
+    monkeypatch.setattr(MlflowClient, "log_batch", counted_log_batch)
+    return counts
+
+
 @pytest.mark.parametrize("store", list(STORES))
 @pytest.mark.parametrize(
-    ("method", "nth"),
-    [
-        ("create_experiment", 1),
-        ("create_run", 1),  # before the run's id is in the file: found again by its replay_key tag
-        ("log_batch", 1),  # the params, right after the run was recorded in the file
-        ("log_batch", 3),  # mid-metrics: the second of 3 metric batches
-        ("log_batch", 5),  # the tags, after every metric
-        ("set_terminated", 1),  # everything in, the file not renamed yet
+    ("method", "nth", "file_reads", "sent"),
+    [  # the retry: histories read (file store; a SQL store is never read), points sent per store
+        ("create_experiment", 1, 0, {"file": 2500, "sqlite": 2500}),
+        # before the run's id is in the file: found again by its replay_key tag; it has no metric yet
+        ("create_run", 1, 0, {"file": 2500, "sqlite": 2500}),
+        ("log_batch", 1, 0, {"file": 2500, "sqlite": 2500}),  # the params, right after the run was recorded
+        # mid-metrics: the first of 3 metric batches recorded in the file, the second done unacknowledged:
+        # every key has a point in it (read back on the file store), the third never sent
+        ("log_batch", 3, 100, {"file": 500, "sqlite": 1500}),
+        ("log_batch", 5, 0, {"file": 0, "sqlite": 0}),  # the tags, after every metric batch was recorded
+        ("set_terminated", 1, 0, {"file": 0, "sqlite": 0}),  # everything in, the file not renamed yet
     ],
 )
 def test_a_replay_cut_short_and_retried_ends_with_one_run_and_each_point_once(
-    tmp_path, monkeypatch, method, nth, store
+    tmp_path, monkeypatch, method, nth, file_reads, sent, store
 ):
     spill, uri = tmp_path / "s.jsonl", STORES[store](tmp_path)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
@@ -106,13 +128,40 @@ def test_a_replay_cut_short_and_retried_ends_with_one_run_and_each_point_once(
     with pytest.raises(CutShort):
         replay_spill(spill, uri)
     assert spill.exists()  # not renamed: the replay did not finish
+    counts = count_retry(monkeypatch)
     result = replay_spill(spill, uri)
+    assert counts == {"reads": file_reads if store == "file" else 0, "sent": sent[store]}
     run = assert_replayed_once(uri, "replayed", 25, 100)
     assert (result.run_id, result.created_run, result.iterations, result.metrics) == (run.info.run_id, True, 25, 2500)
     records = spill_records(spill.with_name(spill.name + REPLAYED_SUFFIX))
     (key,) = {r["replay_key"] for r in records if "replay_key" in r}
     assert run.data.tags[REPLAY_KEY_TAG] == key
     assert {r["replayed_into"] for r in records if "replayed_into" in r} == {run.info.run_id}
+
+
+@pytest.mark.parametrize("store", list(STORES))
+def test_a_store_restored_from_before_the_replay_gets_every_point_again(tmp_path, monkeypatch, store):
+    """The file records every point as in the run, and then the store is put back from a copy taken
+    before that replay (the run there, without them): a replay again logs them, each once."""
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri, spill = STORES[store](tmp_path), tmp_path / "s.jsonl"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("replayed")).info.run_id
+    client.log_metric(run_id, "m0", value(1, 0), timestamp=T0 + 1, step=1)  # delivered before the outage
+    writer = SpillWriter(spill, {"tracking_uri": uri, "experiment": "replayed", "run_id": run_id})
+    writer.write_iterations([(s, T0 + s, {"m0": value(s, 0)}, {}) for s in (2, 3)], run_id, [2, 3])
+    held = tmp_path / ("m.db" if store == "sqlite" else "mlruns")
+    backup = tmp_path / "backup"
+    (shutil.copy if store == "sqlite" else shutil.copytree)(held, backup)
+    replay_spill(spill, uri, mark_done=False)
+    assert [r["replay_logged"] for r in spill_records(spill) if "replay_logged" in r] == [2]
+    (shutil.copy if store == "sqlite" else shutil.copytree)(
+        backup, held, **({} if store == "sqlite" else {"dirs_exist_ok": True})
+    )
+    assert sorted(p.step for p in client.get_metric_history(run_id, "m0")) == [1]  # restored: 2 and 3 gone
+    replay_spill(spill, uri)
+    history = sorted((p.step, p.value) for p in client.get_metric_history(run_id, "m0"))
+    assert history == [(s, value(s, 0)) for s in (1, 2, 3)]
 
 
 def test_the_created_run_is_on_disk_before_any_metric_is_logged(tmp_path, monkeypatch):
@@ -161,8 +210,8 @@ def test_the_replay_lines_are_strict_json(tmp_path):
     spill = tmp_path / "s.jsonl"
     write_spill(spill, steps=1, keys=1)
     replay_spill(spill, f"sqlite:///{tmp_path / 'm.db'}", mark_done=False)
-    tail = [json.loads(line) for line in spill.read_text().splitlines()[-2:]]
-    assert [sorted(r) for r in tail] == [["replay_key"], ["replayed_into"]]
+    tail = [json.loads(line) for line in spill.read_text().splitlines()[-3:]]
+    assert [sorted(r) for r in tail] == [["replay_key"], ["replayed_into"], ["into", "points", "replay_logged"]]
 
 
 def test_points_the_run_holds_already_are_not_logged_again_into_a_file_store(tmp_path, monkeypatch):
