@@ -50,6 +50,7 @@ from gradmon_ray.distributed import LearnerCollective, NoiseScaleHook, parameter
 from gradmon_ray.telemetry import GradientNormPlan, IterationAccumulator, NoiseScaleTracker, TelemetryLayout
 from gradmon_ray.telemetry.head_norms import ParamRows
 from gradmon_ray.telemetry.noise_scale import GLOBAL_ENTRY, noise_lane_count, noise_scale_metrics, noise_scales
+from tests.distributed.two_ranks import ALWAYS_PRELOADED
 
 
 def _params():
@@ -337,8 +338,9 @@ def _learner(rank: int, k: int, init_file: str, out_dir: str) -> None:
 
 def _run_learners(k: int, tmp_path: Path) -> list[dict]:
     # Fresh processes (never forked from a pytest process that may hold Ray's threads), forked
-    # from one forkserver that imported torch and DDP's torch._dynamo once for all learners.
-    multiprocessing.set_forkserver_preload([__name__, "torch._dynamo"])
+    # from one forkserver that imported torch and DDP's torch._dynamo once for all learners: the one
+    # of two_ranks.py (this process's only forkserver, whichever module starts it) preloads them.
+    multiprocessing.set_forkserver_preload([*ALWAYS_PRELOADED, __name__])
     args = (k, str(tmp_path / "rendezvous"), str(tmp_path))
     context = mp.start_processes(_learner, args=args, nprocs=k, join=False, start_method="forkserver")
     deadline = time.monotonic() + 120
@@ -356,9 +358,16 @@ def _run_learners(k: int, tmp_path: Path) -> list[dict]:
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(k)]
 
 
-@pytest.mark.e2e  # k learner processes
-@pytest.mark.parametrize("k", [2, 3])
-def test_k_learner_noise_scale_matches_closed_form_oracle(k, tmp_path):
+K = 3
+"""Learners in the world: 3, so that the estimators' k/(k-1) is not k (at k = 2 it is, and a k for
+k/(k-1) would pass).  Two learners' B_simple against a closed form: ``tests/telemetry/test_noise_scale.py``
+(``noise_scales`` at world_size 2); two real learner actors logging it identically on both ranks:
+``tests/e2e/test_multi_learner_collective.py``."""
+
+
+@pytest.mark.e2e  # K learner processes
+def test_k_learner_noise_scale_matches_closed_form_oracle(tmp_path):
+    k = K
     ranks = _run_learners(k, tmp_path)
     oracle = _oracle(_make_gradients(k))
     names = [*HEAD_SHAPES, GLOBAL_ENTRY]

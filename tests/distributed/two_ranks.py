@@ -28,11 +28,12 @@ from typing import Any
 WORLD_SIZE = 2
 COLLECTIVE_TIMEOUT_S = 30
 """gloo's timeout for one collective: a rank waiting longer for the other raises (a hang ends)."""
-ALWAYS_PRELOADED = ("torch", "ray.rllib.algorithms.ppo", "gradmon_ray.rllib")
+ALWAYS_PRELOADED = ("torch", "torch._dynamo", "ray.rllib.algorithms.ppo", "gradmon_ray.rllib")
 """What every rank of the suite's learner jobs imports, whichever module starts the forkserver: only
 its first start reads the preload (one forkserver per pytest process), and a module that preloaded
 only torch left each later module's two ranks to import RLlib themselves (about 2 CPU-seconds a rank
-process, each pair of ranks, on the 2-core box)."""
+process, each pair of ranks, on the 2-core box).  ``torch._dynamo``: what DDP's constructor imports
+(RLlib's DDP wrapping, ``test_noise_hook``'s learners), 1.1 CPU-seconds a process otherwise."""
 STATE: dict[str, Any] = {}
 """A rank's objects kept from one job to the next (learners, batches), in its own process."""
 

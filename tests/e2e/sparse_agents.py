@@ -29,8 +29,8 @@ def policy_of(agent_id: str, *args: Any, **kwargs: Any) -> str:
 def agents_in(episode: int, late_a2: bool = False) -> list[str]:
     """The agents playing episode ``episode`` (0-based, per env instance; RLlib's EnvRunner resets
     once before it samples, so an iteration of 4 episodes plays 1-4, then 5-8, ...); ``late_a2``:
-    ``a2`` plays episodes 9 and 13 only (iterations 3 and 4)."""
-    a2 = episode in (9, 13) if late_a2 else episode % 8 == 1
+    ``a2`` plays episode 9 only (iteration 3)."""
+    a2 = episode == 9 if late_a2 else episode % 8 == 1
     return ["a0"] + (["a1"] if episode % 4 == 0 else []) + (["a2"] if a2 else [])
 
 

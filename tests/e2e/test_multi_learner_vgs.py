@@ -3,7 +3,8 @@ the whole batch, and VGS applies the identical scale on both.
 
 The module's fixture builds one two-learner algorithm (VGS on, UPGD) and records, in order: one
 update of its learner group on a batch a local single learner of the same config updates too, then
-two ``train()`` iterations; the tests read the record (a build starts two actor processes).
+one ``train()`` iteration (8 minibatch updates per learner); the tests read the record (a build
+starts two actor processes).
 """
 
 from __future__ import annotations
@@ -92,8 +93,7 @@ def record(ray_session) -> dict[str, Any]:
         single.update(batch=batch, timesteps={}, num_epochs=1, minibatch_size=None)
         group.update(batch=batch, timesteps={}, num_epochs=1, minibatch_size=None)
         after = [r.get() for r in group.foreach_learner(_remote_view)]  # CallResult.get() re-raises
-        for _ in range(2):
-            result = algo.train()
+        result = algo.train()  # 8 more updates per learner (a second iteration repeated them)
         fingerprints = [r.get() for r in group.foreach_learner(_replica_fingerprint)]
     finally:
         algo.stop()

@@ -109,8 +109,9 @@ def _view_of(learner, module_ids: list[str]) -> dict:
 
 def test_a_module_added_mid_run_is_monitored_and_averaged_from_its_first_update(ray_session):
     """The self-play pattern on two learners: ``add_module("p3")`` after iteration 1 (a trainable
-    copy of ``p1``'s spec; ``a2`` plays as ``p3`` from iteration 3, on one learner's shard), then
-    ``remove_module`` after iteration 4."""
+    copy of ``p1``'s spec; ``a2`` plays as ``p3`` in iteration 3, on one learner's shard), then
+    ``remove_module`` after iteration 3.  Iteration 2 (p3 in the schema, trained by nobody) is already
+    an update after the add, so iteration 3 is p3's average in a second update since it."""
     from ray.rllib.algorithms.ppo import PPOConfig
     from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
@@ -131,7 +132,7 @@ def test_a_module_added_mid_run_is_monitored_and_averaged_from_its_first_update(
         algo.train()
         algo.add_module("p3", RLModuleSpec.from_module(algo.get_module("p1")))
         added = _all_views(algo)
-        results = [algo.train()["learners"] for _ in range(3)]
+        results = [algo.train()["learners"] for _ in range(2)]
         after = _all_views(algo)
         algo.remove_module("p3")
         final = algo.train()["learners"]
@@ -147,7 +148,7 @@ def test_a_module_added_mid_run_is_monitored_and_averaged_from_its_first_update(
     assert after[0]["digests"]["p3"] != added[0]["digests"]["p3"], "p3 trains"
     assert after[0]["state_modules"] == ["p0", "p1", "p3"], "its telemetry state is checkpointed"
     seen = []
-    for k, result in enumerate(results):  # iterations 2-4
+    for k, result in enumerate(results):  # iterations 2-3
         local = [v["local_grads"][1 + k]["p3"] for v in after]
         grads = [g for g in local if g is not None]
         seen.append(len(grads))
@@ -157,7 +158,7 @@ def test_a_module_added_mid_run_is_monitored_and_averaged_from_its_first_update(
             assert result["p3"][mn.TELEMETRY_ITERATION] == 2.0 + k
         else:
             assert mn.GLOBAL_GRAD_NORM not in result.get("p3", {}), "nobody trained p3: nothing reported"
-    assert seen == [0, 1, 1], "the env's schedule: p3 untrained, then on one learner's shard twice"
+    assert seen == [0, 1], "the env's schedule: p3 untrained, then on one learner's shard"
     # RLlib's logger keeps a removed module's keys, as NaN (its own losses too): nothing new is logged
     logged = [(k, v) for k, v in final.get("p3", {}).items() if parse(k) is not None and not math.isnan(v)]
     assert not logged

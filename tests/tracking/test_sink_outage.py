@@ -12,9 +12,13 @@ delivered" is what a fresh ``MlflowClient`` reads.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+import socket
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -44,6 +48,10 @@ def _sink_lines(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.name == SINK_LOGGER]
 
 
+REMINDER = 0.25
+"""``sink_outage.REMINDER_S`` in the reminder test: a few of its tries (backoff 0.01 s, doubling) apart."""
+
+
 def _wait_for(predicate, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -58,13 +66,13 @@ def _metrics(step: int) -> dict[str, float]:
 def test_an_outage_is_one_line_then_a_reminder_per_interval_not_a_line_per_retry(
     dead_uri, tmp_path, caplog, monkeypatch
 ):
-    monkeypatch.setattr(sink_outage, "REMINDER_S", 0.5)  # a minute in production
+    monkeypatch.setattr(sink_outage, "REMINDER_S", REMINDER)  # a minute in production
     spill = tmp_path / "run.jsonl"
     with caplog.at_level("WARNING", logger=SINK_LOGGER):
         sink = MlflowSink(dead_uri, "exp", spill_path=spill, retry_backoff_s=0.01)
         for step in (1, 2, 3):
             sink.log_iteration(step, _metrics(step))
-        _wait_for(lambda: sink.failed_writes >= 8)  # tries at 0, 0.01, 0.03, ... 0.63, 1.27 s
+        _wait_for(lambda: sink.failed_writes >= 7)  # tries at 0, 0.01, 0.03, ... 0.31, 0.63 s: 2 reminders
         lines = _sink_lines(caplog)
         tries = sink.failed_writes  # after the lines: each line's count of tries is at most this
     sink.close(timeout_s=0)
@@ -75,7 +83,7 @@ def test_an_outage_is_one_line_then_a_reminder_per_interval_not_a_line_per_retry
     )
     assert reminders and len(lines) < tries, [r.getMessage() for r in lines]  # not one per try
     for before, line in zip(lines, reminders, strict=False):
-        assert line.created - before.created >= 0.5 - 0.05  # the interval (logging's clock is time.time)
+        assert line.created - before.created >= REMINDER - 0.05  # the interval (logging's clock is time.time)
         match = re.fullmatch(
             rf"gradmon MLflow sink: MLflow at {re.escape(dead_uri)} still unavailable after (\d+) s "
             r"\((\d+) tries, last: connection refused\); 3 iterations waiting",
@@ -169,13 +177,20 @@ def test_mlflows_own_http_retry_warnings_are_lowered_to_debug_not_lost(dead_uri,
     CLI set 0): urllib3 logged a ~420-character warning per retry, to the user's terminal."""
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
+    port = dead_uri.rsplit(":", 1)[1]
     for level, expected in ((logging.WARNING, []), (logging.DEBUG, ["DEBUG", "DEBUG"])):
         caplog.clear()
         with caplog.at_level(level):
             sink = MlflowSink(dead_uri, "exp", retry_backoff_s=30.0)
             _wait_for(lambda: sink.failed_writes >= 1)  # noqa: B023 (waited for within the iteration)
             sink.close(timeout_s=0)
-        retries = [r for r in caplog.records if r.name == "urllib3.connectionpool" and "Retrying (" in r.msg]
+        # This sink's port only: an earlier test's abandoned sink (``close(timeout_s=0)``) may still be
+        # finishing its last request on a loaded box, and its retries are logged here too.
+        retries = [
+            r
+            for r in caplog.records
+            if r.name == "urllib3.connectionpool" and "Retrying (" in r.msg and f"port={port}" in r.getMessage()
+        ]
         assert [r.levelname for r in retries] == expected  # 2 retries of the first request, at DEBUG only
     with caplog.at_level(logging.WARNING):  # the user's own requests, on their own thread: left alone
         logging.getLogger("urllib3.connectionpool").warning("Retrying (%r) after %r: %s", "r", "e", "/api/2.0/mlflow")
@@ -198,35 +213,68 @@ def test_the_cause_is_a_few_words(uri, cause, fast_failing_http):
     assert len(str(raised.value)) > 300  # what was logged per retry before
 
 
-@pytest.mark.e2e  # a real ``mlflow server``, started on the port the sink found dead
+@contextlib.contextmanager
+def _relay(port: int, to_port: int) -> Iterator[None]:
+    """127.0.0.1:``port`` relayed to 127.0.0.1:``to_port`` while the block runs: the server is back on
+    the sink's port the moment the test says, not whenever a starting ``mlflow server`` binds it."""
+    listener = socket.create_server(("127.0.0.1", port))
+
+    def pump(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def accept() -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:  # the listener was shut down
+                return
+            upstream = socket.create_connection(("127.0.0.1", to_port))
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=pump, args=(src, dst), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+
+
+@pytest.mark.e2e  # a real ``mlflow server``, reached on the port the sink found dead
 def test_the_outage_ends_with_one_line_naming_how_long_and_what_was_delivered(tmp_path, caplog, monkeypatch):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # what `gradmon-ray train` sets
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     server = MlflowServer(free_port(), Path(tmp_path))
+    server.start()
+    uri = f"http://127.0.0.1:{(port := free_port())}"  # nothing listens on it until the relay starts
     spill = tmp_path / "run.jsonl"
-    with caplog.at_level("WARNING", logger=SINK_LOGGER):
-        sink = MlflowSink(server.uri, "outage", spill_path=spill, retry_backoff_s=0.5)
-        for step in (1, 2, 3):
-            sink.log_iteration(step, _metrics(step))
-        _wait_for(lambda: sink.failed_writes >= 1)
-        down_at = time.monotonic()
-        server.start()
-        try:
-            server.wait(90)
-            assert sink.flush(60.0)
-            up_for = time.monotonic() - down_at
-            assert sink.close(timeout_s=30.0) is True
+    try:
+        server.wait(90)  # up first: the sink's backoff (doubling from 0.2 s) never waits out a slow start
+        with caplog.at_level("WARNING", logger=SINK_LOGGER):
+            sink = MlflowSink(uri, "outage", spill_path=spill, retry_backoff_s=0.2)
+            for step in (1, 2, 3):
+                sink.log_iteration(step, _metrics(step))
+            _wait_for(lambda: sink.failed_writes >= 2)  # tries at 0 and 0.2 s refused: an outage
+            down_at = time.monotonic()
+            with _relay(port, server.port):
+                assert sink.flush(60.0)
+                up_for = time.monotonic() - down_at
+                assert sink.close(timeout_s=30.0) is True
             client = MlflowClient(server.uri)
             for key in _metrics(1):
                 history = sorted((m.step, m.value) for m in client.get_metric_history(sink.run_id, key))
                 assert history == [(step, _metrics(step)[key]) for step in (1, 2, 3)]
-        finally:
-            server.kill()
+    finally:
+        server.kill(grace_s=0)  # read above: nothing of it is needed any more
     lines = [r.getMessage() for r in _sink_lines(caplog)]
-    assert lines[0].startswith(f"gradmon MLflow sink: MLflow at {server.uri} unavailable (connection refused)")
+    assert lines[0].startswith(f"gradmon MLflow sink: MLflow at {uri} unavailable (connection refused)")
     back = [line for line in lines if " back after " in line]
     assert len(back) == 1 and lines[-1] == back[0], lines
     match = re.fullmatch(
-        rf"gradmon MLflow sink: MLflow at {re.escape(server.uri)} back after (\d+) s; 3 iterations delivered", back[0]
+        rf"gradmon MLflow sink: MLflow at {re.escape(uri)} back after (\d+) s; 3 iterations delivered", back[0]
     )
     assert match and int(match[1]) <= up_for + 1, back

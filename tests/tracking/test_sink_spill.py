@@ -62,7 +62,8 @@ def test_close_puts_the_pending_iteration_and_the_status_on_disk_before_a_kill(h
     sink = MlflowSink(hanging_uri, "exp", run_name="r", spill_path=spill)
     sink.log_iteration(7, _metrics(7), {"gradmon.status": "failed"})
     assert not spill.exists()
-    closing = threading.Thread(target=sink.close, kwargs={"status": "FAILED", "timeout_s": 3.0})
+    # 1 s: past CLOSE_GRACE_S (0.5 s), when the file must hold everything; the rest of it is only waited out
+    closing = threading.Thread(target=sink.close, kwargs={"status": "FAILED", "timeout_s": 1.0})
     with caplog.at_level("WARNING", logger="gradmon_ray.tracking.mlflow_sink"):
         closing.start()
         at_kill = b""  # what a SIGKILL while close still waits would leave (read only while it waits)
@@ -70,7 +71,7 @@ def test_close_puts_the_pending_iteration_and_the_status_on_disk_before_a_kill(h
             at_kill = spill.read_bytes() if spill.exists() else b""
             time.sleep(0.05)
         closing.join(60)
-    assert "waiting up to 3 s for MLflow" in caplog.text and f"gradmon-ray replay {spill}" in caplog.text
+    assert "waiting up to 1 s for MLflow" in caplog.text and f"gradmon-ray replay {spill}" in caplog.text
     killed = tmp_path / "killed.jsonl"
     killed.write_bytes(at_kill)
     _, records, trailer = read_spill(killed)
@@ -100,8 +101,9 @@ def test_slow_end_of_run_plots_never_make_a_complete_run_incomplete(tmp_path, ca
     """The plots come after the run's end, on their own budget: a close whose budget is shorter
     than the plots still returns True with the run FINISHED and every value in it.  No clock
     decides it: the first sink's plots end only when the test lets them (after its close returned);
-    the second's take 1.5 s, which the default budget (60 s) waits for.  MLflow's own budget is
-    generous: a first sqlite store takes seconds to create on a loaded box (1 s failed there)."""
+    the second's take 0.6 s (past ``CLOSE_GRACE_S``), which the default budget (60 s) waits for.
+    MLflow's own budget is generous: a first sqlite store takes seconds to create on a loaded box
+    (1 s failed there)."""
     drawn, release, drawn2 = threading.Event(), threading.Event(), threading.Event()
 
     def slow_plots(client, run_id):
@@ -109,8 +111,8 @@ def test_slow_end_of_run_plots_never_make_a_complete_run_incomplete(tmp_path, ca
         drawn.set()
         return []
 
-    def plots_of_1_5_s(client, run_id):
-        time.sleep(1.5)
+    def plots_of_0_6_s(client, run_id):
+        time.sleep(0.6)
         drawn2.set()
         return []
 
@@ -127,7 +129,7 @@ def test_slow_end_of_run_plots_never_make_a_complete_run_incomplete(tmp_path, ca
     # written is removed once delivered, its directory stays)
     assert not list((tmp_path / "s").rglob("*"))
     release.set()  # the first sink's plots may end now
-    sink2 = MlflowSink(store, "exp", plots_every=100, plot_fn=plots_of_1_5_s)
+    sink2 = MlflowSink(store, "exp", plots_every=100, plot_fn=plots_of_0_6_s)
     sink2.log_iteration(1, _metrics(1))
     assert sink2.close(timeout_s=120.0) is True and drawn2.wait(0)  # the default plots budget waits for them
 

@@ -16,16 +16,32 @@ import textwrap
 import pytest
 from mlflow.tracking import MlflowClient
 
-_OPEN_SINK = textwrap.dedent(
+PROCESSES = 2
+
+# One interpreter imports the sink and MLflow's SQL store and alembic (about 3 CPU-seconds), then
+# forks the processes that race: each opens the new file with an empty store cache of its own, as a
+# Tune trial does, and the migration (about 1 CPU-second each) is what they race on.
+_OPEN_SINKS = textwrap.dedent(
     """
-    import sys
+    import os, sys
+    import alembic.command, mlflow.store.db.utils, mlflow.store.tracking.sqlalchemy_store
     from gradmon_ray.tracking.mlflow_sink import MlflowSink
     print("ready", flush=True)
-    sys.stdin.readline()  # every process opens the store at the same moment
-    sink = MlflowSink(sys.argv[1], "together", retry_backoff_s=0.1)
-    sink.log_iteration(1, {"x": 1.0})
-    ok = sink.close(timeout_s=60)
-    print("RESULT", ok, sink.failed_writes, sink.last_error, flush=True)
+    sys.stdin.readline()
+    go_read, go_write = os.pipe()
+    children = []
+    for _ in range(int(sys.argv[2])):
+        if (pid := os.fork()) == 0:
+            os.close(go_write)
+            os.read(go_read, 1)  # every process opens the store at the same moment
+            sink = MlflowSink(sys.argv[1], "together", retry_backoff_s=0.1)
+            sink.log_iteration(1, {"x": 1.0})
+            ok = sink.close(timeout_s=60)
+            print("RESULT", ok, sink.failed_writes, sink.last_error, flush=True)
+            os._exit(0)  # no interpreter teardown in a fork: the parent's atexit hooks are not ours
+        children.append(pid)
+    os.write(go_write, b"g" * len(children))
+    sys.exit(max(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0 for pid in children))
     """
 )
 
@@ -36,23 +52,24 @@ def test_processes_opening_one_new_sqlite_store_together_all_get_their_run(tmp_p
     file at once ran MLflow's unlocked migration together, and one of them failed (``duplicate column
     name: step``), or both for good (``Online migration expected to match one row``): a lost run."""
     uri = f"sqlite:///{tmp_path / 'shared.db'}"
-    argv = [sys.executable, "-c", _OPEN_SINK, uri]
-    logs = [(tmp_path / f"stderr-{i}.txt").open("w") for i in range(2)]
-    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
-    procs = [subprocess.Popen(argv, stderr=log, **pipes) for log in logs]
-    try:
-        assert [proc.stdout.readline().strip() for proc in procs] == ["ready"] * 2  # MLflow imported
-        for proc in procs:
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-        outs = [proc.communicate(timeout=120)[0] for proc in procs]
-        results = [next((line for line in out.splitlines() if line.startswith("RESULT")), out) for out in outs]
-    finally:
-        for proc, log in zip(procs, logs, strict=True):
+    stderr = tmp_path / "stderr.txt"
+    with stderr.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _OPEN_SINKS, uri, str(PROCESSES)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
+        try:
+            assert proc.stdout.readline().strip() == "ready", stderr.read_text()[-2000:]  # MLflow imported
+            out, _ = proc.communicate("go\n", timeout=120)
+        finally:
             proc.kill()
-            log.close()
-    stderr = [(tmp_path / f"stderr-{i}.txt").read_text()[-2000:] for i in range(2)]
-    assert results == ["RESULT True 0 None"] * 2, (results, stderr)  # no failed write at all, not even a retried one
+    results = [line for line in out.splitlines() if line.startswith("RESULT")]
+    # no failed write at all, not even a retried one
+    assert results == ["RESULT True 0 None"] * PROCESSES, (out, stderr.read_text()[-4000:])
+    assert proc.returncode == 0, stderr.read_text()[-4000:]
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("together").experiment_id])
-    assert len(runs) == 2 and {r.info.status for r in runs} == {"FINISHED"}
+    assert len(runs) == PROCESSES and {r.info.status for r in runs} == {"FINISHED"}
