@@ -1,13 +1,16 @@
 """Issue #37 item 10's smoke: ``bench/mlflow_load.py`` at a size CI affords.
 
-Three trial processes of the bench (each its own ``MlflowSink``, as ``gradmon-ray train`` uses it)
+Two trial processes of the bench (each its own ``MlflowSink``, as ``gradmon-ray train`` uses it)
 log 2 iterations of a one-module run's 105 metrics into one ``mlflow server`` started by the bench
 as cluster.yaml's head runs it (basic-auth app, here with its login cache on; one worker; no job
-execution), on a sqlite store. Then
-every value each process logged must be in the run's history exactly once, read back through
-``MlflowClient`` over the server for every key, and the bench's own store check must agree.
-The bench's numbers are in docs/BENCHMARKS.md; this only checks that its path works.  One backend:
-what gradmon's sink does is the same whatever store the server has (the PostgreSQL store is the
+execution), on a sqlite store. Then every value each process logged must be in the server's store
+exactly once (the bench's own check: one query for every metric row), and the bench's read-back
+through ``MlflowClient`` over the server (three keys of each run) must give each history's steps
+and values (reading all 105 keys of each run back over HTTP too read the same rows again through
+MLflow's server, no path of gradmon's, for about 2 CPU-seconds of the suite).  Two writers show the
+concurrency (a third trial process, importing MLflow, cost 3 CPU-seconds more).  The bench's
+numbers are in docs/BENCHMARKS.md; this only checks that its path works.  One backend: what
+gradmon's sink does is the same whatever store the server has (the PostgreSQL store is the
 bench's own ``--backends postgresql``; running it here too cost about 13 CPU-seconds of the suite).
 """
 
@@ -25,7 +28,7 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "mlflow_load.py"
-TRIALS, ITERATIONS, RATE = 3, 2, 4.0  # 4 iterations per second: a write per iteration, not one batch
+TRIALS, ITERATIONS, RATE = 2, 2, 4.0  # 4 iterations per second: a write per iteration, not one batch
 
 
 def _load_bench() -> ModuleType:
@@ -62,11 +65,9 @@ def test_concurrent_trials_write_every_value_once(pool, tmp_path, monkeypatch):
     for name, value in LOGIN.items():
         monkeypatch.setenv(name, value)
     # MLflow's credential cache on: without it every request costs a password hash check (~0.1 s
-    # of a loaded 2-core box), and the history check below makes 420 requests.
+    # of a loaded 2-core box), and each trial makes a request per iteration.
     with bench.servers(tmp_path, ["sqlite"], "cached", PASSWORD) as (server,):
         measure, results = bench.run_config(pool, server, TRIALS, 1, ITERATIONS, RATE, tmp_path / "spill")
-        # Every key of every run, through the server: the history is what the process logged, each step once.
-        through_client = bench.check_client(server.uri, results, None, bench.Check())
 
     names = bench.metric_names(1)
     assert sorted(r.trial for r in results) == list(range(TRIALS))
@@ -78,8 +79,9 @@ def test_concurrent_trials_write_every_value_once(pool, tmp_path, monkeypatch):
         }
         assert r.close_ok and r.failed_writes == 0 and r.spilled_iterations == r.dropped_iterations == 0
         assert sorted(r.ack_times) == list(range(1, ITERATIONS + 1))
-    assert (through_client.client_checked, through_client.client_bad) == (TRIALS * len(names), 0)
     check = measure.check
+    # The sampled keys' histories through the server: what each process logged, each step once.
+    assert (check.client_checked, check.client_bad) == (TRIALS * len(bench.sample_keys(1)), 0)
     assert check.ok and check.values == TRIALS * ITERATIONS * len(names)
     assert (check.missing, check.duplicated, check.wrong, check.unexpected) == (0, 0, 0, 0)
     assert measure.written > 0 and 0 <= measure.p50_ms <= measure.p99_ms

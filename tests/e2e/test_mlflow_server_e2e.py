@@ -1,6 +1,9 @@
-"""Users' real entry points: `gradmon-ray train` against a real `mlflow server` on 127.0.0.1.
+"""Training against a real `mlflow server` on 127.0.0.1 that is killed and restarted mid-run.
 
-The server runs in its own process group and is torn down even when a test fails.
+The server runs in its own process group and is torn down even when a test fails.  `gradmon-ray
+train` into a real server that stays up, its run and the run line it prints:
+``tests/e2e/test_no_secret_e2e.py::test_train_uses_the_password_and_leaves_it_nowhere`` (the same
+CLI and server, with a login).
 """
 
 from __future__ import annotations
@@ -19,16 +22,15 @@ from gradmon_ray.app.train.run import run_training
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.tracking import MlflowSink
 from gradmon_ray.tracking.spill import read_spill
-from tests.e2e.in_process import run_cli
-from tests.e2e.processes import SMALL_TRAIN_ARGS, MlflowServer, free_port
+from tests.e2e.processes import MlflowServer, free_port
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
-    """One server for the module (each start costs ~10 s of a loaded box); the outage test kills
-    it and starts it again on the same port and store, and leaves it running."""
+    """The module's server (each start costs ~10 s of a loaded box); the outage test kills it and
+    starts it again on the same port and store, and leaves it running."""
     server = MlflowServer(free_port(), tmp_path_factory.mktemp("mlflow-server"))
     server.start()
     try:
@@ -36,19 +38,6 @@ def mlflow_server(tmp_path_factory):
         yield server
     finally:
         server.kill()
-
-
-def test_cli_train_against_a_real_mlflow_server(mlflow_server, ray_session, tmp_path):
-    args = [*SMALL_TRAIN_ARGS, "--mlflow-uri", mlflow_server.uri, "--experiment", "server"]
-    args += ["--checkpoint-dir", str(tmp_path / "ckpt")]  # checkpoints are on by default: not into the repository
-    proc = run_cli(["train", *args], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    client = MlflowClient(mlflow_server.uri)
-    (run,) = client.search_runs([client.get_experiment_by_name("server").experiment_id])
-    assert run.info.status == "FINISHED"
-    history = client.get_metric_history(run.info.run_id, mn.head_metric(mn.HEAD_GRAD_NORM, "op"))
-    assert [m.step for m in history] == [1, 2]
-    assert f"gradmon-ray: MLflow run {run.info.run_id} " in proc.stdout  # the run the server holds
 
 
 def _warm_up(uri: str) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import shutil
 import sqlite3
@@ -33,7 +34,9 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from gradmon_ray import metric_names as mn
+from gradmon_ray.app.cli import main as cli_main
 from gradmon_ray.tracking.algorithm_info import TAG_TRIAL_DIR
+from gradmon_ray.tracking.mlflow_io import mlflow_value
 from gradmon_ray.tracking.store_check import tracking_server_problem
 from tests.e2e.in_process import CliResult, run_cli
 from tests.e2e.processes import (
@@ -47,6 +50,7 @@ from tests.e2e.processes import (
     session_commands,
     wait_http,
 )
+from tests.tracking.test_callback import _same
 
 pytestmark = pytest.mark.e2e
 
@@ -165,8 +169,10 @@ def _assert_no_marker_left(server: Server, proc: CliResult, run_dir: Path) -> No
 def test_train_uses_the_password_and_leaves_it_nowhere(server, ray_session, no_credential_env, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    argv = ["train", *SMALL_TRAIN_ARGS, "--mlflow-uri", server.uri(server.marker)]
-    argv += ["--experiment", "no-secret", "--set", "checkpoint_every=1", "--set", "mlflow.plots_every=1"]
+    # One checkpoint (iteration 2) and one round of plots (the default plots_every 10: at the run's end):
+    # what the search below needs (each further one is seconds of the box, and no new kind of file).
+    argv = ["train", *SMALL_TRAIN_ARGS, "--mlflow-uri", server.uri(server.marker), "--experiment", "no-secret"]
+    argv += ["--set", "checkpoint_every=2"]
     proc = run_cli(argv, run_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     shown = f"http://admin:***@127.0.0.1:{server.port}"
@@ -176,6 +182,7 @@ def test_train_uses_the_password_and_leaves_it_nowhere(server, ray_session, no_c
     client = MlflowClient(server.uri(server.marker))
     (run,) = client.search_runs([client.get_experiment_by_name("no-secret").experiment_id])
     assert run.info.status == "FINISHED"
+    assert f"gradmon-ray: MLflow run {run.info.run_id} " in proc.stdout  # the run the server holds
     history = client.get_metric_history(run.info.run_id, mn.head_metric(mn.HEAD_GRAD_NORM, "op"))
     assert sorted(m.step for m in history) == [1, 2]
     # ... the URI's param is there, masked (not just left out) ...
@@ -219,9 +226,14 @@ def test_tune_uses_the_password_and_leaves_it_nowhere(server, ray_session, no_cr
     _assert_no_marker_left(server, proc, run_dir)
 
 
-def test_offline_ok_spills_without_the_password(ray_session, no_credential_env, tmp_path):
+def test_offline_ok_spills_without_the_password(ray_session, no_credential_env, tmp_path, monkeypatch):
     """``mlflow.offline_ok`` against a server that is not there: training runs, everything goes to
     the spill file, whose header names the server without its password; no 'MLflow run None'."""
+    from gradmon_ray.tracking import mlflow_sink
+
+    # The sink's last chance at close for a server that never took the run (5 s of a real clock, its
+    # own test: tracking/test_mlflow_sink.py) is no part of this test: shortened, everything spills sooner.
+    monkeypatch.setattr(mlflow_sink, "NEVER_CREATED_CLOSE_S", 0.5)
     marker = f"Zq{uuid.uuid4().hex}"
     run_dir = tmp_path / "offline"
     run_dir.mkdir()
@@ -278,7 +290,7 @@ def tuner_script(server, tmp_path_factory):
     env = clean_env(RAY_TMPDIR=str(ray_tmp), PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=server.uri(server.marker))
     for name in CREDENTIAL_VARS:
         env.pop(name, None)
-    argv = [sys.executable, "-m", "tests.e2e.readme_tuner_script", str(work / "tune")]
+    argv = [sys.executable, "-m", "tests.e2e.readme_tuner_script", str(work / "tune"), str(work / "result.json")]
     try:
         proc = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=420)
         yield TunerScript(work, ray_tmp, proc)
@@ -292,14 +304,14 @@ def test_the_readme_tuner_example_uses_the_password_and_writes_it_nowhere(server
     path, the working directory, Ray's session directory (Tune's copies of params.pkl, the logs)
     or the spill directory, in no string of any pickle there, and not in anything the script printed."""
     work, ray_tmp, proc = tuner_script.work, tuner_script.ray_tmp, tuner_script.proc
-    assert proc.returncode == 0 and "\ntrials: 1\n" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and "\ntrials: 2\n" in proc.stdout, proc.stderr[-3000:]
 
     client = MlflowClient(server.uri(server.marker))  # the trial's run reached the server: it logged in
     trials = {p.name for p in (work / "tune").glob("*/*") if p.is_dir()}
     experiment = client.get_experiment_by_name("gradmon-ray").experiment_id
     (run,) = [r for r in client.search_runs([experiment]) if r.data.tags.get(TAG_TRIAL_DIR) in trials]
     assert run.info.status == "FINISHED"
-    assert [p.step for p in client.get_metric_history(run.info.run_id, mn.LEARNERS_UPDATED)] == [1]
+    assert [p.step for p in client.get_metric_history(run.info.run_id, mn.LEARNERS_UPDATED)] == [1, 2]
 
     pickles = sorted(p for root in (work, ray_tmp) for p in root.rglob("*.pkl"))
     assert any(p.name == "params.pkl" for p in pickles) and any(p.name == "tuner.pkl" for p in pickles)
@@ -307,6 +319,49 @@ def test_the_readme_tuner_example_uses_the_password_and_writes_it_nowhere(server
     assert [str(p) for p in pickles if server.marker in _pickled_strings(p)] == []
     assert _files_holding(server.marker, work) == [] and _files_holding(server.marker, ray_tmp) == []
     assert server.marker not in proc.stdout + proc.stderr
+
+
+def test_the_readme_tuner_example_logs_tunes_values_and_watch_shows_its_run(
+    server, tuner_script, no_credential_env, monkeypatch, capfd
+):
+    """The same script's run, as its user sees it: named after the trial's directory; at step 2
+    (the last), every metric of the trial's last result as Tune kept it has that value; the
+    README's heads (``pi``, ``vf``) have norms at both steps; the trial printed the run and its
+    store once (in its output, which Tune shows on the driver); and ``gradmon-ray watch --once``
+    in the user's directory, with the user's ``MLFLOW_TRACKING_URI`` and no flags, shows it,
+    without the password."""
+    work, ray_tmp = tuner_script.work, tuner_script.ray_tmp
+    assert tuner_script.proc.returncode == 0, tuner_script.proc.stderr[-3000:]
+    (trial,) = json.loads((work / "result.json").read_text())
+    client = MlflowClient(server.uri(server.marker))
+    experiment = client.get_experiment_by_name("gradmon-ray").experiment_id
+    (run,) = [r for r in client.search_runs([experiment]) if r.data.tags.get(TAG_TRIAL_DIR) == trial["dir"]]
+    assert run.info.run_name == trial["dir"]
+    # A run's latest value of each metric is its value at the highest step: one request, not one per key.
+    expected = {key: mlflow_value(value) for key, value in trial["metrics"].items()}
+    assert run.data.metrics.keys() >= expected.keys()
+    assert [key for key, value in expected.items() if not _same(run.data.metrics[key], value)] == []
+    for head in ("pi", "vf"):
+        norms = client.get_metric_history(run.info.run_id, mn.head_metric(mn.HEAD_GRAD_NORM, head))
+        assert sorted(p.step for p in norms) == [1, 2]
+
+    # log_to_file: Tune keeps the trial's output in its working directory under Ray's session directory
+    (stdout,) = ray_tmp.rglob(f"working_dirs/{trial['dir']}/stdout")
+    printed = [line for line in stdout.read_text().splitlines() if line.startswith("gradmon: MLflow run")]
+    shown = f"http://127.0.0.1:{server.port}"
+    assert printed == [
+        f"gradmon: MLflow run {run.info.run_id} (experiment 'gradmon-ray') in {shown}; "
+        f"follow it: gradmon-ray watch --tracking-uri '{shown}' --run-id {run.info.run_id}"
+    ]
+
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri(server.marker))
+    capfd.readouterr()
+    assert cli_main(["watch", "--once"]) == 0
+    out, err = capfd.readouterr()
+    assert f"run {run.info.run_name} (finished)" in out and "iteration 2" in out, out
+    assert "pi" in out and "grad norm" in out
+    assert server.marker not in out + err
 
 
 def test_the_sink_ends_a_run_on_the_server_without_printing_its_login(server, no_credential_env, monkeypatch, capfd):

@@ -1,6 +1,11 @@
 """``GradmonMLflowCallback`` on real RLlib into a real MLflow sqlite store: a plain ``algo.train()``
-loop, the docs' example as written (a user's own ``Tuner``: one run per trial) and the README's,
-and a dead tracking server; and, without Ray, where the store is resolved and what is refused.
+loop, an iteration that never updated, a step that raises, the docs' example as written (a user's
+own ``Tuner``: one run per trial), and a dead tracking server; and, without Ray, where the store is
+resolved and what is refused.  The README's Tuner example (the plain class) runs once, as a user's
+script with its own Ray, in ``tests/e2e/test_no_secret_e2e.py`` (its values, the line the trial
+prints, ``watch``; the password), and as written in ``tests/e2e/test_doc_commands_e2e.py`` (its run
+in the directory it ran from); the plain class's store is the driver's directory wherever it is
+unpickled (``test_the_plain_class_is_pinned_to_the_drivers_cwd_when_shipped``).
 
 The oracle for every logged value is the result dict ``algo.train()`` (or Tune) handed back,
 passed through ``result_to_metrics`` and ``mlflow_value`` (+-Inf as +-float max, NaN as NaN):
@@ -26,7 +31,6 @@ from mlflow.tracking import MlflowClient
 from ray import cloudpickle as ray_cloudpickle
 
 from gradmon_ray import metric_names as mn
-from gradmon_ray.app.cli import main as cli_main
 from gradmon_ray.app.head_order import reported_head_order
 from gradmon_ray.config import config_from_dict
 from gradmon_ray.rllib.config import build_ppo_config
@@ -44,11 +48,10 @@ from tests.fixtures.user_envs import MatchTwoEnv
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "callback.md"
-README = ROOT / "README.md"
 HEAD_NAMES = ["zeta", "alpha"]  # not sorted: the tag must follow the action space, as the CLI's does
 GRADMON_PREFIXES = ("grad/", "latch/", "update/", "vgs/", "probe/")
 ONE_ENV_RUNNER = "num_env_runners=1"
-"""What the docs' and the README's Tuner examples ask for; these tests sample in the trial instead."""
+"""What the docs' Tuner example asks for; the test samples in the trial instead."""
 
 
 def ppo_config():
@@ -217,8 +220,9 @@ def test_the_plain_class_checks_its_store_when_the_algorithm_starts_and_trains_w
 @pytest.mark.e2e
 def test_plain_train_loop_streams_every_gradmon_metric_and_ends_the_run_on_stop(ray_session, tmp_path, capsys):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    # plots_every 3 > 2 iterations: one round of plots, at the run's end (each round is seconds of matplotlib)
     callback = GradmonMLflowCallback.configured(
-        tracking_uri=uri, experiment="cb", plots_every=2, plot_fn=log_plots, spill_dir=str(tmp_path / "spill")
+        tracking_uri=uri, experiment="cb", plots_every=3, plot_fn=log_plots, spill_dir=str(tmp_path / "spill")
     )
     algo = ppo_config().callbacks(callback).build_algo()
     try:
@@ -298,12 +302,41 @@ def test_dead_tracking_server_neither_slows_nor_breaks_training(ray_session, tmp
     # Nothing is lost: the spill file holds both iterations, and replaying it gives MLflow the same values.
     spill = callback.sink.spill_path
     assert spill is not None
-    _, records, _ = read_spill(spill)
+    _, records, trailer = read_spill(spill)
     assert {int(r["step"]) for r in records if r.get("metrics")} == {1, 2}
+    assert trailer is not None and trailer["status"] == "FINISHED" and trailer["run_id"] is None  # never created
     store = f"sqlite:///{tmp_path / 'replayed.db'}"
     replayed = replay_spill(spill, tracking_uri=store)
     expected = {step: result_to_metrics(result) for step, result in enumerate(results, 1)}
     assert_mlflow_holds(MlflowClient(store), replayed.run_id, expected)
+    assert MlflowClient(store).get_run(replayed.run_id).info.status == "FINISHED"
+
+
+@pytest.mark.e2e
+def test_an_iteration_that_never_updated_still_ends_its_run(ray_session, tmp_path, caplog):
+    """An EnvRunner that returns no samples in time (what a loaded box did to the README's Tuner
+    example): the iteration reports no update, and its run must end FINISHED with that iteration's
+    values, everything delivered, never stay RUNNING.  In the driver's own loop: the result and the
+    callback's close are RLlib's and the sink's, the same in a Tune trial."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spill = tmp_path / "spill"
+    callback = GradmonMLflowCallback.configured(tracking_uri=uri, experiment="idle", spill_dir=str(spill))
+    # A remote EnvRunner: RLlib applies sample_timeout_s to remote ones only (a local one always samples).
+    config = ppo_config().env_runners(num_env_runners=1, sample_timeout_s=1e-6)
+    algo = config.callbacks(callback).build_algo()
+    try:
+        result = copy.deepcopy(algo.train())
+    finally:
+        with caplog.at_level("WARNING"):
+            algo.stop()
+    metrics = result_to_metrics(result)
+    assert metrics[mn.LEARNERS_UPDATED] == 0  # the premise: no update happened
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("idle").experiment_id])
+    assert run.info.status == "FINISHED" and run.info.end_time is not None
+    assert run.data.tags[mn.TAG_STATUS] == "finished"
+    assert_mlflow_holds(client, run.info.run_id, {1: metrics})
+    assert "did not receive everything" not in caplog.text
 
 
 def docs_example() -> str:
@@ -321,7 +354,8 @@ def cpus_per_trial(config: Any) -> dict[str, float]:
 def test_the_docs_example_runs_as_written_one_run_per_trial(ray_session, tmp_path, monkeypatch):
     """docs/callback.md's example, a user's own ``Tuner`` over their own PPOConfig (a grid of two
     learning rates), stopped after 2 iterations: one MLflow run per trial, named after the trial's
-    directory, and the trial's last result as Tune kept it is what MLflow holds at step 2."""
+    directory, in the store of the driver's directory (none in the trials'), and the trial's last
+    result as Tune kept it is what MLflow holds at step 2."""
     from ray.rllib.algorithms.ppo import PPOConfig
 
     monkeypatch.chdir(tmp_path)  # the example's relative sqlite:///mlflow.db
@@ -345,6 +379,8 @@ def test_the_docs_example_runs_as_written_one_run_per_trial(ray_session, tmp_pat
     assert not grid.errors
     trials = {Path(r.path).name: r for r in grid}  # the trials' directory names
     assert len(trials) == 2 and all(r.metrics["trial_id"] in name for name, r in trials.items())
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".db"] == ["mlflow.db"]  # the driver's directory
+    assert not list((tmp_path / "tune").rglob("*.db"))  # nothing in the trials' directories
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("my-ppo").experiment_id])
     assert sorted(r.data.tags[TAG_TRIAL_DIR] for r in runs) == sorted(trials)  # one run per trial, no other
@@ -363,67 +399,6 @@ def test_the_docs_example_runs_as_written_one_run_per_trial(ray_session, tmp_pat
             assert [
                 p.step for p in client.get_metric_history(run.info.run_id, mn.head_metric(mn.HEAD_GRAD_NORM, head))
             ] == [1, 2]
-
-
-def readme_tuner_example() -> str:
-    match = re.search(r"<!-- readme:tuner -->\s*```python\n(.+?)\n```", README.read_text(encoding="utf-8"), re.S)
-    assert match, "README.md has no <!-- readme:tuner --> python block"
-    return match.group(1)
-
-
-@pytest.mark.e2e
-def test_the_readme_tuner_example_runs_as_written_and_watch_shows_its_run(ray_session, tmp_path, monkeypatch, capsys):
-    """The README block, run from a fresh directory: its run is in ``<that dir>/mlflow.db`` under the
-    CLI's experiment, the trial printed it, and ``gradmon-ray watch --once`` there shows it."""
-    monkeypatch.chdir(tmp_path)  # the user's directory; Ray itself was started elsewhere
-    code = readme_tuner_example()
-    # CI-sized batches, sampled in the trial's own process (the block as written, its EnvRunner and
-    # its 2 CPUs, runs in tests/e2e/test_doc_commands_e2e.py) and a Tune directory inside tmp_path;
-    # log_to_file keeps the trial's output
-    user_config = 'PPOConfig().environment("CartPole-v1")'
-    run_config = 'tune.RunConfig(stop={"training_iteration": 2})'
-    assert code.count(user_config) == 1 and code.count(run_config) == 1 and "\ntune.Tuner(" in code
-    assert code.count(ONE_ENV_RUNNER) == 1
-    code = code.replace(ONE_ENV_RUNNER, "num_env_runners=0")
-    code = code.replace(user_config, user_config + ".training(train_batch_size=256, minibatch_size=128, num_epochs=1)")
-    code = code.replace(
-        run_config, run_config[:-1] + f", storage_path={str(tmp_path / 'tune')!r}, verbose=0, log_to_file=True)"
-    )
-    code = code.replace("\ntune.Tuner(", "\ngrid = tune.Tuner(")
-    namespace: dict[str, Any] = {}
-    exec(compile(code, str(README), "exec"), namespace)
-    grid = namespace["grid"]
-    assert not grid.errors and len(grid) == 1
-
-    store = f"sqlite:///{tmp_path}/mlflow.db"  # the driver's directory, built by hand
-    client = MlflowClient(store)
-    (run,) = client.search_runs([client.get_experiment_by_name("gradmon-ray").experiment_id])
-    trial = grid[0]
-    assert run.info.status == "FINISHED" and run.data.tags[TAG_TRIAL_DIR] == Path(trial.path).name
-    for key, value in result_to_metrics(trial.metrics).items():  # Tune's last result is MLflow's step 2
-        points = {p.step: p.value for p in client.get_metric_history(run.info.run_id, key)}
-        assert _same(points[2], mlflow_value(value)), key
-    for head in ("pi", "vf"):
-        norms = client.get_metric_history(run.info.run_id, mn.head_metric(mn.HEAD_GRAD_NORM, head))
-        assert sorted(p.step for p in norms) == [1, 2]
-    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".db"] == ["mlflow.db"]
-    assert not list((tmp_path / "tune").rglob("mlflow.db"))  # nothing in the trial's directories
-
-    # the trial printed the run and its store once (with log_to_file, Tune keeps the trial's stdout in
-    # its working directory under Ray's session directory, which only Ray's private API names)
-    session = Path(ray_session._private.worker._global_node.get_session_dir_path())
-    (stdout,) = session.glob(f"artifacts/*/*/working_dirs/{Path(trial.path).name}/stdout")
-    printed = [line for line in stdout.read_text().splitlines() if line.startswith("gradmon: MLflow run")]
-    assert printed == [
-        f"gradmon: MLflow run {run.info.run_id} (experiment 'gradmon-ray') in {store}; "
-        f"follow it: gradmon-ray watch --tracking-uri '{store}' --run-id {run.info.run_id}"
-    ]
-
-    capsys.readouterr()
-    assert cli_main(["watch", "--once"]) == 0  # in the driver's directory, no flags
-    shown = capsys.readouterr().out
-    assert f"run {run.info.run_name} (finished)" in shown and "iteration 2" in shown, shown
-    assert "pi" in shown and "grad norm" in shown
 
 
 class ExplodingEnv(MatchTwoEnv):
