@@ -2,8 +2,9 @@
 
 Every case must exit 2 with ONE line on stderr that names the problem, print no traceback,
 and leave no MLflow store behind (no half-made run): the checks run before Ray or MLflow
-start.  The restore cases use a real checkpoint written by real RLlib training on a local Ray:
-only they (marked ``e2e``) ask for it, so the rest of the table runs in the fast lane.
+start.  The restore cases that read a checkpoint use a real one written by real RLlib training
+on a local Ray: only they (marked ``e2e``) ask for it, so the rest of the table runs in the fast
+lane (an empty directory given as ``restore_from`` included: refused before anything is loaded).
 """
 
 from __future__ import annotations
@@ -64,7 +65,11 @@ def checkpoints(ray_session, tmp_path_factory):
     state["gradmon_vgs"].update(grad_mean_ema=0.0, grad_var_ema=1e-4, grad_norm_ema=0.5, grad_max_ema=0.1)
     with state_file.open("wb") as f:
         pickle.dump(state, f)
-    return {"good": good, "old_vgs": old, "empty": Path(tmp_path_factory.mktemp("not_a_checkpoint"))}
+    return {"good": good, "old_vgs": old}
+
+
+EMPTY_DIR = "@empty"
+"""``restore_from`` of a row: an empty directory, made for the row (no Ray: the fast lane)."""
 
 
 # (case id, config overrides, extra CLI args, expected stderr fragment)
@@ -141,7 +146,7 @@ CASES = [
     ("cli-set-without-value", {}, ["--set", "ppo.lr"], "--set: expected KEY=VALUE"),
     ("cli-set-bad-yaml", {}, ["--set", "ppo.lr=[1,"], "ppo.lr: value '[1,' is not valid YAML"),
     ("restore-missing-dir", {"restore_from": "/nonexistent/ckpt"}, [], "restore_from: no such checkpoint directory"),
-    ("restore-not-a-checkpoint", {"restore_from": "@empty"}, [], "is not an RLlib algorithm checkpoint"),
+    ("restore-not-a-checkpoint", {"restore_from": EMPTY_DIR}, [], "is not an RLlib algorithm checkpoint"),
     (
         "restore-different-model",
         {"restore_from": "@good", "model": {"trunk_hiddens": [32]}},
@@ -288,7 +293,8 @@ CASES = [
 
 
 def _needs_a_checkpoint(overrides: dict) -> bool:
-    return str(overrides.get("restore_from", "")).startswith("@")
+    restore = str(overrides.get("restore_from", ""))
+    return restore.startswith("@") and restore != EMPTY_DIR
 
 
 def _case(c):
@@ -303,7 +309,10 @@ def _case(c):
 @pytest.mark.parametrize(("overrides", "extra", "expected"), [_case(c) for c in CASES])
 def test_bad_input_exits_2_with_one_line_and_no_mlflow_run(overrides, extra, expected, request, tmp_path, capsys):
     data = _merge(SMALL, overrides)
-    if _needs_a_checkpoint(data):
+    if data.get("restore_from") == EMPTY_DIR:
+        (tmp_path / "not_a_checkpoint").mkdir()
+        data["restore_from"] = str(tmp_path / "not_a_checkpoint")
+    elif _needs_a_checkpoint(data):
         checkpoints = request.getfixturevalue("checkpoints")  # starts Ray: only these rows ask
         data["restore_from"] = str(checkpoints[data["restore_from"][1:]])
     config = tmp_path / "run.yaml"

@@ -187,25 +187,26 @@ def test_resume_refuses_a_checkpoint_whose_learner_state_is_not_the_one_it_was_w
     assert mn.TAG_RESUMED_FROM not in client.get_run(outcome.run_id).data.tags
 
 
-@pytest.mark.parametrize("checkpoint_dir", [None, "ck"], ids=["default-dir", "relative-dir"])
 def test_a_run_resumed_from_another_directory_renews_the_checkpoint_it_came_from(
-    ray_session, tmp_path, monkeypatch, cli_resume, checkpoint_dir
+    ray_session, tmp_path, monkeypatch, cli_resume
 ):
-    """``checkpoint_dir`` unset or relative, Ctrl-C after iteration 1, then ``--resume`` from
-    another working directory: refused (exit 2) until that root is allowed
-    (``$GRADMON_CHECKPOINT_DIR``); then the resumed run renews the checkpoint where the run's
-    ``gradmon.checkpoint_dir`` tag points (so a second ``--resume`` continues from iteration 3,
-    not 1 again), and leaves no checkpoint in the new directory."""
+    """``checkpoint_dir`` unset, Ctrl-C after iteration 1, then ``--resume`` from another working
+    directory: refused (exit 2) until that root is allowed (``$GRADMON_CHECKPOINT_DIR``); then the
+    resumed run renews the checkpoint where the run's ``gradmon.checkpoint_dir`` tag points (so a
+    second ``--resume`` continues from iteration 3, not 1 again), and leaves no checkpoint in the
+    new directory.  (A relative ``checkpoint_dir`` takes the same path as the unset one, whose
+    default is relative: ``checkpoint_root``'s ``abspath``; relative roots in a job:
+    tests/config/test_job_spill_dir.py.  A run of it here cost a training run and two resumes.)"""
     first, elsewhere = tmp_path / "first", tmp_path / "elsewhere"
     first.mkdir()
     elsewhere.mkdir()
     monkeypatch.chdir(first)
-    cfg = resumable_config(tmp_path, iterations=3, checkpoint_every=1, checkpoint_dir=checkpoint_dir)
+    cfg = resumable_config(tmp_path, iterations=3, checkpoint_every=1, checkpoint_dir=None)
     with pytest.raises(KeyboardInterrupt):
         run_training(cfg, progress=_interrupt_after(1, 3))
     client = MlflowClient(cfg.mlflow.tracking_uri)
     run = _only_run(client)
-    root = first / (checkpoint_dir or "gradmon-checkpoints")  # what the user's relative path meant there
+    root = first / "gradmon-checkpoints"  # what the default relative path meant there
     assert run.data.tags[mn.TAG_CHECKPOINT_DIR] == str(root)
 
     monkeypatch.chdir(elsewhere)

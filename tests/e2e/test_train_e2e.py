@@ -187,6 +187,10 @@ def test_ppo_beats_a_uniform_random_policy(trained):
 
 
 def test_checkpoint_restores_telemetry_state(trained):
+    """RLlib's own ``Algorithm.from_checkpoint`` of the run's end-of-run checkpoint restores the
+    learner's telemetry state.  (That a restored clock goes on counting in the next ``train()``:
+    ``tests/app/test_bad_inputs.py::test_restore_from_continues_the_checkpointed_run``, the same
+    learner state restored into a smaller build; an iteration here cost 1000 env steps and 32 updates.)"""
     from ray.rllib.algorithms.algorithm import Algorithm
 
     cfg, outcome, _ = trained
@@ -198,8 +202,6 @@ def test_checkpoint_restores_telemetry_state(trained):
         assert list(algo.learner_group._learner.head_names) == [*sorted(HEAD_NAMES), "value"]
         state = algo.learner_group._learner.telemetry_state()["default_policy"]
         assert state["iteration"] == ITERATIONS and state["latches"]["nan"] == {h: False for h in sorted(HEAD_NAMES)}
-        result = algo.train()
-        assert result["learners"]["default_policy"][mn.TELEMETRY_ITERATION] == ITERATIONS + 1
     finally:
         algo.stop()
 
