@@ -24,6 +24,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # One intra-op thread per worker (torch reads it when imported, after this): two workers with
     # torch's default of a thread per core would put four busy threads on a 2-core box.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # torch.compile in this process, not in a pool of compile workers it would start for each
+    # process that compiles (their start-up cost more CPU than the few kernels the tests compile).
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 _SHARED_RAY_DIR = pytest.StashKey[str]()
 
@@ -55,6 +58,17 @@ def _init_local_ray() -> None:
 
     if not ray.is_initialized():
         ray.init(address=shared_ray.address(os.environ[shared_ray.DIRECTORY_ENV]), log_to_driver=False)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _connector_frames_only() -> Iterator[None]:
+    """RLlib's connector pieces find their constructor arguments without reading source files
+    (``tests/connector_frames.py``: half the CPU of an in-process learner build or EnvRunner).
+    Imported here, not at the top: Ray reads ``RAY_AUTH_MODE`` (set above) when first imported."""
+    from tests.connector_frames import connector_frames_only
+
+    with connector_frames_only():
+        yield
 
 
 @pytest.fixture(scope="session")

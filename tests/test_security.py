@@ -141,6 +141,8 @@ NOT_MESSAGES = {
     ("gradmon_ray/tracking/mlflow_io.py", "param_list[i:i + MAX_PARAMS_PER_BATCH]"),
     ("gradmon_ray/tracking/mlflow_io.py", "tag_list[i:i + MAX_TAGS_PER_BATCH]"),
     ("gradmon_ray/tracking/uri_credentials.py", "rest[:cut]"),
+    ("gradmon_ray/tracking/spill_replay.py", "metrics[:done]"),  # the points a replay recorded as logged
+    ("gradmon_ray/tracking/spill_replay.py", "pending[start:start + MAX_METRICS_PER_BATCH]"),  # a batch
     ("gradmon_ray/config/base.py", "loc[:used]"),  # pydantic's error location, not text
     ("gradmon_ray/rllib/module_groups.py", "x.shape[:-1]"),
 }

@@ -18,7 +18,9 @@ from gradmon_ray.config import config_from_dict
 from gradmon_ray.rllib.learner import TELEMETRY_STATE_KEY, VGS_STATE_KEY
 from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch, update
 
-N = 3
+N = 2
+"""Updates before and after the checkpoint: VGS's warm-up (2 minibatches) is over within the first,
+and the second half's second update reads what the first wrote after the restore (prev norms, trends)."""
 
 
 def _cfg(optimizer: str):

@@ -26,12 +26,14 @@ from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 
 from gradmon_ray.config import GradmonConfig
 from gradmon_ray.rllib import with_gradmon
-from gradmon_ray.rllib.local_learner import build_local_learner, sample_episodes, train_batch, update
+from gradmon_ray.rllib.local_learner import sample_episodes, train_batch, update
 from gradmon_ray.telemetry.op_counts import OpCounter, counting_calls
 from tests.rllib.arms import ARMS, FusedAdamPPOTorchLearner, count_update, drop_in, small_config
 
 MODULES = [1, 2, 8]
-MINIBATCHES = 4
+MINIBATCHES = 2
+"""32-row minibatches an update (RLlib adds one for the episodes' bootstrap rows): every count
+below is per minibatch or per update, so two show it as well as more."""
 
 
 def _ids(param: tuple[int, bool]) -> str:
@@ -46,7 +48,7 @@ def _config(modules: int, vgs: bool = False) -> GradmonConfig:
 def counted(request):
     """Per arm, the op counts of one update of ``MINIBATCHES`` minibatches on one shared batch, VGS on.
     (VGS off: ``test_op_budget.py`` counts those same arms at 1, 2 and 8 modules and checks its
-    counts with the two functions below.)"""
+    counts with the two functions below; its drop-in's norm pass is the one whose kernels it counts.)"""
     modules, vgs = request.param
     cfg = _config(modules, vgs)
     learners = {name: build(cfg) for name, build in ARMS.items()}
@@ -103,29 +105,6 @@ def assert_one_host_read_outside_the_minibatches(counts: dict[str, Any]) -> None
     assert stock.total() > 0, stock
     for arm in ("drop-in", "gradmon"):
         assert outside[arm] - stock == {"Tensor.cpu": 1} and stock - outside[arm] == {}, (arm, outside)
-
-
-def test_the_norm_pass_launches_the_same_kernels_for_1_2_and_8_modules():
-    """All monitored modules' gradients go through ONE norm pass per minibatch: its kernel count
-    (ops that launch one on a GPU; views excluded) is the same for 1, 2 and 8 modules of the same
-    model, and its view ops grow only with the gradient tensors (one flattening view each, plus
-    at most 12 per module, e.g. the count blocks and each module's slices).  VGS off: VGS keeps a
-    state of its own per module."""
-    kernels, views = {}, {}
-    for modules in MODULES:
-        cfg = _config(modules)
-        # The one-learner noise scale adds one multi-tensor add per module to the first epoch's
-        # minibatches (``telemetry.noise_one_learner``): not part of the norm pass.
-        cfg.distributed.noise_scale_one_learner = False
-        learner = build_local_learner(cfg)
-        batch = train_batch(learner, sample_episodes(cfg, learner, cfg.ppo.train_batch_size))
-        _, norm_pass, _ = count_update(learner, batch, cfg)
-        tensors = sum(len(m.params) for m in learner.gradmon_modules.values())
-        kernels[modules] = norm_pass.kernels / norm_pass.calls
-        views[modules] = (norm_pass.ops - norm_pass.kernels) / norm_pass.calls
-        assert views[modules] <= tensors + 12 * modules, (modules, views[modules], tensors)
-        learner.shutdown()
-    assert kernels[1] == kernels[2] == kernels[8], kernels
 
 
 def test_two_learners_add_one_host_read_per_update_for_the_gradient_average(world):
