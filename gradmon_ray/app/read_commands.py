@@ -57,11 +57,10 @@ def report_command(args: argparse.Namespace) -> int:
     from gradmon_ray.viz.report import write_report
     from gradmon_ray.viz.runs import resolve_run
 
-    check_report_out(args)  # main checked it already; a caller of this function may not have
     client = read_client(args)
     run_id = resolve_run(client, run_id=args.run_id).info.run_id  # a run name only one run has is taken too
     out = args.out or f"gradmon-report-{run_id}"
-    if args.out is None:
+    if args.out is None:  # main checked --out, or this directory: now the default directory in it
         check_report_out(args, run_id)
     files = write_report(client, run_id, out)
     print(f"gradmon-ray: wrote {len(files)} files to {out}: " + ", ".join(f.name for f in files), flush=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from gradmon_ray.tracking.redact import redact_uri
 from gradmon_ray.tracking.sink_outage import OutageLog
-from gradmon_ray.tracking.sink_writer import PendingIteration
+from gradmon_ray.tracking.sink_writer import PendingIteration, iterations_among
 from gradmon_ray.tracking.spill import SpillWriter
 
 logger = logging.getLogger("gradmon_ray.tracking.mlflow_sink")  # one logger for the whole sink
@@ -159,7 +159,7 @@ class SpillAhead:
         with self._cond:
             if self._spill is not None:
                 self._spill_or_drop([i for i in self._pending if not i.spilled], leaving=False)
-            waiting = len({i.step for i in self._pending if i.metrics})
+            waiting = iterations_among(self._pending)
         kept = ""
         if self._spill is not None:
             try:

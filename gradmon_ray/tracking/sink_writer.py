@@ -25,7 +25,7 @@ from gradmon_ray.tracking.store_lock import create_store_once
 logger = logging.getLogger("gradmon_ray.tracking.mlflow_sink")  # one logger for the whole sink
 
 
-def _iterations(items: Iterable[PendingIteration]) -> int:
+def iterations_among(items: Iterable[PendingIteration]) -> int:
     """Training iterations among ``items`` (an end-of-run record, the status tag at the last step, is none)."""
     return len({item.step for item in items if item.metrics})
 
@@ -116,7 +116,7 @@ class SinkWriter:
                         self._pending.extend(remaining)
                         self.written_iterations += len(batch)
                         self._mark_delivered([item.seq for item in batch if item.spilled])
-                    self._outage_over(_iterations(batch))
+                    self._outage_over(iterations_among(batch))
                     backoff = self._backoff0
                     if self._plots_every and any(item.step % self._plots_every == 0 for item in batch):
                         self._draw_plots(client)
@@ -137,7 +137,7 @@ class SinkWriter:
                 self._run_attempted.set()  # after last_error: a caller woken by it reads why
                 self._start_spilling_ahead()
                 with self._cond:
-                    closing, waiting = self._closing, _iterations(self._pending)
+                    closing, waiting = self._closing, iterations_among(self._pending)
                 kept_in = str(self._spill.path) if self._spill is not None else None
                 cause = outage_cause(exc, uri_secrets(self.tracking_uri))
                 self._outage.failed(cause, closing=closing, waiting=waiting, kept_in=kept_in)  # not one line per try
